@@ -1,0 +1,122 @@
+"""KV cache bookkeeping for batched speculative decoding with per-row lengths.
+
+Every row shares one slot axis in the HF cache. Each row keeps its own position counter and a
+validity mask over the slots: a slot that a row did not keep (a rejected draft, left padding)
+becomes a hole that row never attends to again. A verification round therefore appends
+1 + max(accepted) slots for the whole batch, and no row waits for or redoes another row's work.
+Positions are explicit (position_ids), so holes never shift a row's positions.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+
+class KVState:
+    def __init__(self, model, batch_size: int, device: torch.device):
+        self.model = model
+        self.cache = DynamicCache(config=model.config)
+        self.valid = torch.zeros(batch_size, 0, dtype=torch.bool, device=device)  # [B, S]
+        self.pos = torch.zeros(batch_size, dtype=torch.long, device=device)  # next position id per row
+        self._pending: torch.Tensor | None = None  # validity of the last forward's segment
+        self._float_mask = model.config._attn_implementation == "eager"
+
+    @property
+    def length(self) -> int:
+        return self.valid.shape[1]
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        input_valid: torch.Tensor | None = None,
+        tree_attn: torch.Tensor | None = None,
+        depth: torch.Tensor | None = None,
+        hidden: bool = False,
+        **model_kwargs,
+    ):
+        """Run the model on a segment appended after the cache.
+
+        input_valid [B, T]: False marks holes (padding) inside the segment.
+        tree_attn [B, T, T]: which segment tokens each token sees (a tree's ancestor matrix);
+        default is causal. depth [B, T]: position offset of each token (default: count of valid
+        tokens before it, so holes do not advance positions).
+        """
+        bsz, t = input_ids.shape
+        if input_valid is None:
+            input_valid = torch.ones_like(input_ids, dtype=torch.bool)
+        if depth is None:
+            depth = (input_valid.long().cumsum(-1) - 1).clamp_(min=0)
+        if tree_attn is None:
+            tree_attn = torch.ones(t, t, dtype=torch.bool, device=input_ids.device).tril_()[None].expand(bsz, t, t)
+        seg = tree_attn & input_valid[:, None, :]
+        # each token sees itself, so a padded query never has an empty softmax row
+        seg = seg | torch.eye(t, dtype=torch.bool, device=input_ids.device)[None]
+        full = torch.cat([self.valid[:, None, :].expand(bsz, t, self.length), seg], dim=-1)[:, None]
+        if self._float_mask:
+            dtype = self.model.dtype
+            full = torch.zeros(full.shape, dtype=dtype, device=full.device).masked_fill_(~full, torch.finfo(dtype).min)
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=full,
+            position_ids=self.pos[:, None] + depth,
+            past_key_values=self.cache,
+            use_cache=True,
+            output_hidden_states=hidden,
+            **model_kwargs,
+        )
+        self._pending = input_valid
+        return out
+
+    def commit_prefix(self, keep: int, keep_valid: torch.Tensor) -> None:
+        """Keep the first ``keep`` slots of the last segment; keep_valid [B, keep] marks holes."""
+        t = self._pending.shape[1]
+        if keep < t:
+            self.cache.crop(-(t - keep))
+        self._append(keep_valid[:, :keep])
+
+    def commit_gather(self, index: torch.Tensor, keep_valid: torch.Tensor) -> None:
+        """Keep, per row, the segment slots listed in index [B, M] (a tree's accepted path)."""
+        t = self._pending.shape[1]
+        m = index.shape[1]
+        start = self.length
+        for layer in self.cache.layers:
+            for name in ("keys", "values"):
+                buf = getattr(layer, name)
+                seg = buf[:, :, start:]
+                idx = index[:, None, :, None].expand(-1, buf.shape[1], -1, buf.shape[-1])
+                buf[:, :, start : start + m] = seg.gather(2, idx)
+        if m < t:
+            self.cache.crop(-(t - m))
+        self._append(keep_valid)
+
+    def rollback(self, n_tail: int, keep: list[int]) -> None:
+        """Of the last n_tail committed slots (speculative drafts), row r keeps its first keep[r]."""
+        m = max(keep) if keep else 0
+        if n_tail > m:
+            self.cache.crop(-(n_tail - m))
+        base = self.length - n_tail
+        kept = torch.tensor(keep, device=self.pos.device)
+        tail = self.valid[:, base : base + m] & (torch.arange(m, device=self.pos.device)[None] < kept[:, None])
+        self.valid = torch.cat([self.valid[:, :base], tail], dim=1)
+        self.pos = self.pos - n_tail + kept
+
+    def _append(self, keep_valid: torch.Tensor) -> None:
+        self.valid = torch.cat([self.valid, keep_valid], dim=1)
+        self.pos = self.pos + keep_valid.long().sum(-1)
+        self._pending = None
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Drop finished rows (rows: indices of the rows that continue)."""
+        self.cache.batch_select_indices(rows)
+        self.valid = self.valid[rows]
+        self.pos = self.pos[rows]
+        # slots that no remaining row uses on the left are dead weight: cut them
+        used = self.valid.any(0)
+        if self.length and not bool(used[0]):
+            first = int(used.long().argmax().item()) if bool(used.any()) else self.length
+            if first > 0:
+                for layer in self.cache.layers:
+                    layer.keys = layer.keys[:, :, first:]
+                    layer.values = layer.values[:, :, first:]
+                self.valid = self.valid[:, first:]

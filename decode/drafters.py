@@ -1,0 +1,355 @@
+"""Drafters: everything that proposes tokens for the one decode loop to verify.
+
+A drafter implements four steps, all batched over the active rows:
+  begin(batch, seg)      after the target's prefill (seg holds its inputs, logits, hidden states)
+  propose(batch)         -> Proposal (a chain or a token tree per row) or None for a plain step
+  observe(batch, seg)    after each verification (seg also holds what each row kept)
+  select_rows(rows)      rows that finished leave the batch
+The registry maps a kind (as written in an artifact's config.json, or a model-free name) to a
+factory; the CLI never branches on names.
+"""
+
+from __future__ import annotations
+
+import copy
+import heapq
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from specdec.decode.cache import KVState
+from specdec.decode.verify import Sampling, logits_to_probs
+
+
+@dataclass
+class Proposal:
+    tokens: torch.Tensor  # [B, N]
+    parents: torch.Tensor | None = None  # [B, N] parent node index, -1 = child of the root; None = chain
+    lengths: torch.Tensor | None = None  # chain only: valid drafts per row (default N)
+    draft_probs: torch.Tensor | None = None  # chain only: [B, N, V] tempered draft distribution
+    tree_attn: torch.Tensor | None = None  # [B or 1, N+1, N+1] ancestor matrix incl. the root (derived if None)
+    depth: torch.Tensor | None = None  # [B or 1, N+1] depth of the root (0) and of each node
+    max_depth: int = 0
+
+    @property
+    def is_tree(self) -> bool:
+        return self.parents is not None
+
+
+@dataclass
+class Segment:
+    """What one target forward saw and produced, handed to drafters."""
+
+    input_ids: torch.Tensor  # [B, T]
+    input_valid: torch.Tensor  # [B, T]
+    logits: torch.Tensor  # [B, T, V]
+    hidden: torch.Tensor | None  # [B, T, H] last hidden states, when a drafter asked for them
+    keep_index: torch.Tensor | None = None  # [B, M] segment slots each row kept (root + accepted path)
+    keep_valid: torch.Tensor | None = None  # [B, M]
+    accepted: list[int] | None = None  # per row, accepted draft nodes this round
+
+
+class Drafter:
+    needs_hidden = False
+    default_k = 4
+
+    def begin(self, batch, seg: Segment) -> None:
+        pass
+
+    def propose(self, batch) -> Proposal | None:
+        return None
+
+    def observe(self, batch, seg: Segment) -> None:
+        pass
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        pass
+
+
+class NoDrafter(Drafter):
+    """Plain autoregressive decoding: the loop with nothing to verify (method ``ar``)."""
+
+    default_k = 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Trees
+
+
+def tree_attention_from_parents(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ancestor matrix [B, N+1, N+1] (root at 0, a node sees itself and its ancestors) and depth."""
+    bsz, n = parents.shape
+    slot = (parents + 1).clamp(min=0)
+    adj = torch.zeros(bsz, n + 1, n + 1, dtype=torch.float32, device=parents.device)
+    rows = torch.arange(bsz, device=parents.device)[:, None].expand(bsz, n)
+    nodes = torch.arange(1, n + 1, device=parents.device)[None].expand(bsz, n)
+    adj[rows, nodes, slot] = 1.0
+    anc = adj + torch.eye(n + 1, device=parents.device)
+    # transitive closure by repeated squaring: depth <= n, so log2(n) + 1 rounds suffice
+    for _ in range(max(1, int(n).bit_length())):
+        anc = (anc @ anc).clamp_(max=1.0)
+    anc = anc > 0
+    depth = anc.sum(-1) - 1
+    return anc, depth
+
+
+@dataclass
+class TreeTemplate:
+    """A static tree: node i extends node parents[i] with that node's ranks[i]-th candidate."""
+
+    parents: list[int]
+    ranks: list[int]
+
+    @staticmethod
+    def best_first(n_nodes: int, top_k: int, max_depth: int, decay: float = 0.55) -> "TreeTemplate":
+        # Expected-acceptance heuristic: a rank-r child is accepted with prior ~ decay * (r+1)^-1.5,
+        # a path's score is the product along it; keep the n best paths (prefix-closed by construction).
+        def prior(r: int) -> float:
+            return decay / (r + 1) ** 1.5
+
+        heap = [(-prior(r), (r,)) for r in range(top_k)]
+        heapq.heapify(heap)
+        paths: list[tuple[int, ...]] = []
+        while heap and len(paths) < n_nodes:
+            neg, path = heapq.heappop(heap)
+            paths.append(path)
+            if len(path) < max_depth:
+                for r in range(top_k):
+                    heapq.heappush(heap, (neg * prior(r), path + (r,)))
+        paths.sort(key=lambda p: (len(p), p))
+        index = {p: i for i, p in enumerate(paths)}
+        return TreeTemplate(parents=[index.get(p[:-1], -1) for p in paths], ranks=[p[-1] for p in paths])
+
+    def tensors(self, device) -> dict:
+        parents = torch.tensor(self.parents, dtype=torch.long, device=device)[None]
+        anc, depth = tree_attention_from_parents(parents)
+        return {"parents": parents, "ranks": torch.tensor(self.ranks, device=device), "tree_attn": anc, "depth": depth}
+
+
+def expand_template(tpl: dict, candidates: Callable[[torch.Tensor, int], torch.Tensor], root: torch.Tensor) -> torch.Tensor:
+    """Fill a static tree: node tokens [B, N] from ``candidates(parent_tokens [B, n], depth)`` -> [B, n, k]."""
+    parents = tpl["parents"][0]
+    ranks = tpl["ranks"]
+    depth = tpl["depth"][0, 1:]
+    n = parents.shape[0]
+    tokens = torch.empty(root.shape[0], n, dtype=torch.long, device=root.device)
+    with_root = torch.cat([root[:, None], tokens], dim=1)
+    for d in range(1, int(depth.max().item()) + 1 if n else 1):
+        nodes = (depth == d).nonzero().squeeze(-1)
+        par_tok = with_root[:, parents[nodes] + 1]  # [B, n_d]
+        cand = candidates(par_tok, d - 1)  # [B, n_d, k]
+        picked = cand.gather(-1, ranks[nodes][None, :, None].expand(cand.shape[0], -1, 1)).squeeze(-1)
+        with_root[:, nodes + 1] = picked
+    return with_root[:, 1:]
+
+
+def dedupe_siblings(tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
+    """Turn a node into padding (parent -2) when an earlier sibling (or its ancestor branch) repeats it."""
+    same_parent = parents[:, :, None] == parents[:, None, :]
+    same_tok = tokens[:, :, None] == tokens[:, None, :]
+    earlier = torch.ones(tokens.shape[1], tokens.shape[1], dtype=torch.bool, device=tokens.device).tril(-1)
+    dup = (same_parent & same_tok & earlier).any(-1)
+    parents = parents.clone()
+    # a duplicate's whole subtree goes: iterate in topological order
+    for i in range(tokens.shape[1]):
+        par = parents[:, i]
+        dead_parent = (par >= 0) & (parents.gather(1, par.clamp(min=0)[:, None]).squeeze(1) == -2)
+        parents[:, i] = torch.where(dup[:, i] | dead_parent, torch.full_like(par, -2), par)
+    return parents
+
+
+# ---------------------------------------------------------------------------------------------
+# Model-free drafters
+
+
+class NgramDrafter(Drafter):
+    """Prompt lookup (HF prompt_lookup_num_tokens): match the last n tokens (n = max..min) against
+    the row's earlier text and propose what followed the most recent match."""
+
+    default_k = 8
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+
+    def _lookup(self, seq: list[int], k: int) -> list[int]:
+        for n in range(self.max_ngram, self.min_ngram - 1, -1):
+            if len(seq) <= n:
+                continue
+            suffix = seq[-n:]
+            first = suffix[0]
+            for i in range(len(seq) - n - 1, -1, -1):
+                if seq[i] == first and seq[i : i + n] == suffix:
+                    return seq[i + n : i + n + k]
+        return []
+
+    def propose(self, batch) -> Proposal | None:
+        k = batch.num_draft
+        drafts = [self._lookup(seq, k) for seq in batch.seqs]
+        width = max(map(len, drafts))
+        if width == 0:
+            return None
+        tokens = torch.zeros(len(drafts), width, dtype=torch.long)
+        for r, d in enumerate(drafts):
+            tokens[r, : len(d)] = torch.tensor(d, dtype=torch.long)
+        lengths = torch.tensor([len(d) for d in drafts])
+        return Proposal(tokens=tokens.to(batch.device), lengths=lengths.to(batch.device))
+
+
+class RecycleDrafter(Drafter):
+    """Token Recycling: an adjacency matrix of the target's own top-k next tokens, refreshed from
+    every target forward, expanded into a static tree by BFS from the last token."""
+
+    default_k = 24  # tree nodes
+    needs_prefill_logits = True
+
+    def __init__(self, top_k: int = 8, max_depth: int = 6):
+        self.top_k, self.max_depth = top_k, max_depth
+        self.adj: torch.Tensor | None = None
+        self._tpl: dict | None = None
+        self._tpl_size = -1
+
+    def _update(self, seg: Segment) -> None:
+        if self.adj is None:
+            self.adj = torch.zeros(seg.logits.shape[-1], self.top_k, dtype=torch.long, device=seg.logits.device)
+        valid = seg.input_valid
+        self.adj[seg.input_ids[valid]] = seg.logits[valid].topk(self.top_k, dim=-1).indices
+
+    def begin(self, batch, seg: Segment) -> None:
+        self._update(seg)
+
+    def observe(self, batch, seg: Segment) -> None:
+        self._update(seg)
+
+    def propose(self, batch) -> Proposal | None:
+        n = batch.num_draft
+        if n <= 0:
+            return None
+        if self._tpl_size != n:
+            self._tpl = TreeTemplate.best_first(n, self.top_k, self.max_depth).tensors(batch.device)
+            self._tpl_size = n
+        tpl = self._tpl
+        tokens = expand_template(tpl, lambda par, d: self.adj[par], batch.root)
+        parents = dedupe_siblings(tokens, tpl["parents"].expand(tokens.shape[0], -1))
+        return Proposal(tokens=tokens, parents=parents, max_depth=int(tpl["depth"].max().item()))
+
+
+# ---------------------------------------------------------------------------------------------
+# Model drafters
+
+
+class ModelDrafter(Drafter):
+    """A causal LM drafting K tokens autoregressively with its own KV cache (draft model,
+    layer-skip self-speculation). Its cache holds the committed text up to the last token it was
+    fed plus its own drafts; after verification only the accepted drafts stay."""
+
+    default_k = 4
+
+    def __init__(self, model):
+        self.model = model
+        self.state: KVState | None = None
+        self.fed: list[int] = []
+        self._drafted = 0
+
+    def begin(self, batch, seg: Segment) -> None:
+        self.state = KVState(self.model, len(batch.seqs), batch.device)
+        self.fed = [0] * len(batch.seqs)
+
+    def _feed_pending(self, batch) -> torch.Tensor:
+        pending = [seq[f:] for seq, f in zip(batch.seqs, self.fed)]
+        width = max(map(len, pending))
+        ids = torch.zeros(len(pending), width, dtype=torch.long)
+        valid = torch.zeros(len(pending), width, dtype=torch.bool)
+        for r, p in enumerate(pending):
+            ids[r, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+            valid[r, width - len(p) :] = True
+        ids, valid = ids.to(batch.device), valid.to(batch.device)
+        out = self.state.forward(ids, valid)
+        self.state.commit_prefix(width, valid)
+        self.fed = [len(seq) for seq in batch.seqs]
+        return out.logits[:, -1]
+
+    def _pick(self, logits: torch.Tensor, batch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if batch.sampling.greedy:
+            return logits.argmax(-1), None
+        q = logits_to_probs(logits, batch.sampling)
+        return torch.multinomial(q, 1, generator=batch.generator).squeeze(-1), q
+
+    def propose(self, batch) -> Proposal | None:
+        k = batch.num_draft
+        if k <= 0:
+            return None
+        logits = self._feed_pending(batch)
+        tokens, probs = [], []
+        for i in range(k):
+            tok, q = self._pick(logits, batch)
+            tokens.append(tok)
+            probs.append(q)
+            if i < k - 1:
+                out = self.state.forward(tok[:, None])
+                self.state.commit_prefix(1, torch.ones_like(tok[:, None], dtype=torch.bool))
+                logits = out.logits[:, -1]
+        self._drafted = k - 1  # slots holding drafts d1..d_{k-1}
+        draft_probs = None if probs[0] is None else torch.stack(probs, 1)
+        return Proposal(tokens=torch.stack(tokens, 1), draft_probs=draft_probs)
+
+    def observe(self, batch, seg: Segment) -> None:
+        if self._drafted == 0 and seg.accepted is None:
+            return
+        keep = [min(a, self._drafted) for a in seg.accepted]
+        self.state.rollback(self._drafted, keep)
+        self.fed = [f + kp for f, kp in zip(self.fed, keep)]
+        self._drafted = 0
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        self.state.select_rows(rows)
+        idx = rows.tolist()
+        self.fed = [self.fed[i] for i in idx]
+
+
+def layer_skip_view(model, skip: list[int]):
+    """The target with some decoder layers skipped, sharing all weights (SWIFT / Draft&Verify).
+
+    Shallow copies only: kept layers are re-indexed so the view has a cache of its own.
+    """
+    inner_name = "model"
+    inner = getattr(model, inner_name)
+    layers = inner.layers
+    keep = [i for i in range(len(layers)) if i not in set(skip)]
+    if not keep:
+        raise ValueError("layerskip would skip every layer")
+    config = copy.deepcopy(model.config)
+    config.num_hidden_layers = len(keep)
+    if getattr(config, "layer_types", None):
+        config.layer_types = [config.layer_types[i] for i in keep]
+    new_layers = []
+    for new_idx, old_idx in enumerate(keep):
+        layer = _shallow(layers[old_idx])
+        attn = _shallow(layer.self_attn)
+        attn.layer_idx = new_idx
+        layer.self_attn = attn
+        new_layers.append(layer)
+    view_inner = _shallow(inner)
+    view_inner.layers = torch.nn.ModuleList(new_layers)
+    view_inner.config = config
+    view = _shallow(model)
+    setattr(view, inner_name, view_inner)
+    view.config = config
+    return view
+
+
+def _shallow(module: torch.nn.Module) -> torch.nn.Module:
+    clone = copy.copy(module)
+    clone._modules = dict(module._modules)
+    clone._parameters = dict(module._parameters)
+    clone._buffers = dict(module._buffers)
+    return clone
+
+
+def parse_layerskip(spec: str, num_layers: int) -> list[int]:
+    """``layerskip`` skips the middle half of the layers; ``layerskip:2,3`` names them."""
+    _, _, arg = spec.partition(":")
+    if arg:
+        return [int(x) for x in arg.split(",") if x]
+    lo, hi = num_layers // 4, num_layers - num_layers // 4
+    return list(range(max(lo, 1), min(hi, num_layers - 1)))

@@ -1,0 +1,256 @@
+"""The one decode loop: prefill -> (propose -> verify forward -> accept -> update caches)*.
+
+Plain autoregressive decoding is the same loop with a drafter that proposes nothing, so every
+method pays the same per-round overhead and ``ar`` is an honest baseline. Batched: each row has
+its own accepted length, positions and stop state; finished rows leave the batch at once.
+One host sync per round (the verdict), none inside drafting.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from specdec.decode.cache import KVState
+from specdec.decode.drafters import Drafter, NoDrafter, Proposal, Segment, tree_attention_from_parents
+from specdec.decode.types import GenRequest, GenResult
+from specdec.decode.verify import Sampling, Verdict, verify_chain, verify_tree
+
+
+@dataclass
+class Batch:
+    """The state drafters may read: committed tokens per active row and the pending root token."""
+
+    seqs: list[list[int]]  # prompt + committed tokens; the last one (root) is not yet in the target cache
+    root: torch.Tensor  # [B]
+    sampling: Sampling
+    generator: torch.Generator
+    device: torch.device
+    num_draft: int
+    rows: list[int] = field(default_factory=list)  # original request index of each active row
+
+
+@dataclass
+class _Row:
+    max_new: int
+    tokens: list[int] = field(default_factory=list)
+    finish: str | None = None
+    target_calls: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    pos_drafted: list[int] = field(default_factory=list)
+    pos_accepted: list[int] = field(default_factory=list)
+
+
+class SpecEngine:
+    """A ``BatchGenerator`` for causal LMs: speculative decoding with any drafter (or none)."""
+
+    def __init__(
+        self,
+        target,
+        tokenizer,
+        drafter: Drafter | None = None,
+        sampling: Sampling | None = None,
+        num_draft: int | None = None,
+        seed: int = 0,
+        stop: list[str] | None = None,
+        eos_ids: list[int] | None = None,
+    ):
+        self.target = target
+        self.tokenizer = tokenizer
+        self.drafter = drafter or NoDrafter()
+        self.sampling = sampling or Sampling()
+        self.num_draft = self.drafter.default_k if num_draft is None else num_draft
+        self.seed = seed
+        self.stop = [s for s in (stop or []) if s]
+        self.eos_ids = set(eos_ids if eos_ids is not None else _eos_ids(target, tokenizer))
+        self.device = next(target.parameters()).device
+        self.max_context = getattr(target.config, "max_position_embeddings", None) or 1 << 30
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def generate(self, requests: list[GenRequest]) -> list[GenResult]:
+        start = time.perf_counter()
+        generator = torch.Generator(device=self.device).manual_seed(self.seed)
+        rows = [_Row(max_new=r.max_new_tokens) for r in requests]
+        batch, state = self._prefill(requests, rows, generator)
+        while batch.seqs:
+            room = self.max_context - max(map(len, batch.seqs))
+            batch.num_draft = self.num_draft if room > self.num_draft + 1 else 0
+            proposal = self.drafter.propose(batch) if batch.num_draft > 0 else None
+            seg, verdict = self._verify(state, batch, proposal)
+            emitted = self._accept(batch, rows, proposal, verdict)
+            seg.accepted = emitted
+            self.drafter.observe(batch, seg)
+            self._drop_finished(batch, rows, state, verdict)
+        wall = time.perf_counter() - start
+        return [self._result(r, wall) for r in rows]
+
+    def _prefill(self, requests, rows, generator) -> tuple[Batch, KVState]:
+        bsz = len(requests)
+        width = max(len(r.prompt_ids) for r in requests)
+        ids = torch.zeros(bsz, width, dtype=torch.long)
+        valid = torch.zeros(bsz, width, dtype=torch.bool)
+        for i, r in enumerate(requests):
+            ids[i, width - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids, dtype=torch.long)
+            valid[i, width - len(r.prompt_ids) :] = True
+        ids, valid = ids.to(self.device), valid.to(self.device)
+        state = KVState(self.target, bsz, self.device)
+        keep_all = getattr(self.drafter, "needs_prefill_logits", False)
+        out = state.forward(
+            ids, valid, hidden=self.drafter.needs_hidden, **({} if keep_all else {"logits_to_keep": 1})
+        )
+        state.commit_prefix(width, valid)
+        empty = torch.zeros(bsz, 0, dtype=torch.long, device=self.device)
+        verdict = verify_chain(out.logits[:, -1:], empty, None, self.sampling, generator)
+        batch = Batch(
+            seqs=[list(r.prompt_ids) for r in requests],
+            root=verdict.next_token,
+            sampling=self.sampling,
+            generator=generator,
+            device=self.device,
+            num_draft=self.num_draft,
+            rows=list(range(bsz)),
+        )
+        hidden = out.hidden_states[-1] if self.drafter.needs_hidden else None
+        first = verdict.next_token.tolist()
+        for i, tok in enumerate(first):
+            rows[i].target_calls += 1
+            self._append(rows[i], batch.seqs[i], [tok])
+        self.drafter.begin(batch, Segment(ids, valid, out.logits, hidden))
+        self._drop_finished(batch, rows, state, verdict)
+        return batch, state
+
+    def _verify(self, state: KVState, batch: Batch, proposal: Proposal | None) -> tuple[Segment, Verdict]:
+        """One target forward over [root, drafts...] and the shared verification routine."""
+        bsz = len(batch.seqs)
+        root = batch.root[:, None]
+        hidden = self.drafter.needs_hidden
+        if proposal is None or proposal.tokens.shape[1] == 0:
+            proposal = Proposal(tokens=torch.zeros(bsz, 0, dtype=torch.long, device=self.device))
+        n = proposal.tokens.shape[1]
+        input_ids = torch.cat([root, proposal.tokens], dim=1)
+        ones = torch.ones(bsz, 1, dtype=torch.bool, device=self.device)
+        if proposal.is_tree:
+            valid = torch.cat([ones, proposal.parents >= -1], dim=1)
+            attn, depth = proposal.tree_attn, proposal.depth
+            if attn is None:
+                attn, depth = tree_attention_from_parents(proposal.parents)
+            out = state.forward(input_ids, valid, tree_attn=attn.expand(bsz, -1, -1), depth=depth.expand(bsz, -1), hidden=hidden)
+            max_depth = proposal.max_depth or int(depth.max().item())
+            verdict = verify_tree(out.logits, proposal.tokens, proposal.parents, batch.sampling, batch.generator, max_depth)
+            keep = 1 + int(verdict.accepted.max().item())
+            index = torch.cat([torch.zeros_like(root), verdict.path[:, : keep - 1] + 1], dim=1).clamp_(min=0)
+            keep_valid = torch.arange(keep, device=self.device)[None] <= verdict.accepted[:, None]
+            state.commit_gather(index, keep_valid)
+        else:
+            lengths = proposal.lengths
+            steps = torch.arange(n, device=self.device)[None]
+            valid = torch.cat([ones, steps < lengths[:, None]] if lengths is not None else [ones, ones.expand(bsz, n)], dim=1)
+            out = state.forward(input_ids, valid, hidden=hidden)
+            verdict = verify_chain(out.logits, proposal.tokens, proposal.draft_probs, batch.sampling, batch.generator, lengths)
+            keep = 1 + int(verdict.accepted.max().item())
+            index = torch.arange(keep, device=self.device)[None].expand(bsz, keep)
+            keep_valid = index <= verdict.accepted[:, None]
+            state.commit_prefix(keep, keep_valid)
+        seg = Segment(
+            input_ids,
+            valid,
+            out.logits,
+            out.hidden_states[-1] if hidden else None,
+            keep_index=index,
+            keep_valid=keep_valid,
+        )
+        return seg, verdict
+
+    def _accept(self, batch: Batch, rows: list[_Row], proposal: Proposal | None, verdict: Verdict) -> list[int]:
+        """Append each row's accepted drafts and next token; returns accepted counts (host)."""
+        bsz = len(batch.seqs)
+        if proposal is not None and proposal.tokens.shape[1]:
+            path_tokens = proposal.tokens.gather(1, verdict.path.clamp(min=0))
+            emitted = torch.cat([path_tokens, verdict.next_token[:, None]], dim=1)
+            if proposal.is_tree:
+                drafted = (proposal.parents >= -1).sum(-1).tolist()
+                depths = [proposal.max_depth] * bsz
+            else:
+                drafted = proposal.lengths.tolist() if proposal.lengths is not None else [proposal.tokens.shape[1]] * bsz
+                depths = drafted
+        else:
+            emitted = verdict.next_token[:, None]
+            drafted = depths = [0] * bsz
+        host = torch.cat([verdict.accepted[:, None], emitted], dim=1).tolist()
+        accepted_counts = []
+        for i, line in enumerate(host):
+            a = line[0]
+            row = rows[batch.rows[i]]
+            row.target_calls += 1
+            row.drafted += drafted[i]
+            row.accepted += a
+            _count_positions(row, a, depths[i])
+            self._append(row, batch.seqs[i], line[1 : 1 + a] + [line[-1]])
+            accepted_counts.append(a)
+        batch.root = verdict.next_token
+        return accepted_counts
+
+    def _append(self, row: _Row, seq: list[int], new: list[int]) -> None:
+        for tok in new:
+            if row.finish:
+                break
+            row.tokens.append(tok)
+            seq.append(tok)
+            if tok in self.eos_ids:
+                row.finish = "stop"
+            elif len(row.tokens) >= row.max_new:
+                row.finish = "length"
+        if self.stop and not row.finish:
+            tail = self.tokenizer.decode(row.tokens[-32:])
+            if any(s in tail for s in self.stop):
+                row.finish = "stop"
+
+    def _drop_finished(self, batch: Batch, rows: list[_Row], state: KVState, verdict: Verdict) -> None:
+        keep = [i for i, r in enumerate(batch.rows) if not rows[r].finish]
+        if len(keep) == len(batch.rows):
+            return
+        idx = torch.tensor(keep, dtype=torch.long, device=self.device)
+        batch.rows = [batch.rows[i] for i in keep]
+        batch.seqs = [batch.seqs[i] for i in keep]
+        batch.root = batch.root[idx]
+        if keep:
+            state.select_rows(idx)
+            self.drafter.select_rows(idx)
+
+    def _result(self, row: _Row, wall: float) -> GenResult:
+        stats = {
+            "new_tokens": len(row.tokens),
+            "target_calls": row.target_calls,
+            "drafted_tokens": row.drafted,
+            "accepted_tokens": row.accepted,
+            "position_drafted": row.pos_drafted,
+            "position_accepted": row.pos_accepted,
+            "batch_wall_s": round(wall, 6),
+        }
+        return GenResult(token_ids=row.tokens, finish_reason=row.finish or "length", stats=stats)
+
+
+def _count_positions(row: _Row, accepted: int, drafted: int) -> None:
+    """Per-position acceptance: position i counts when every earlier position was accepted."""
+    reach = min(drafted, accepted + 1)
+    while len(row.pos_drafted) < reach:
+        row.pos_drafted.append(0)
+        row.pos_accepted.append(0)
+    for i in range(reach):
+        row.pos_drafted[i] += 1
+        if i < accepted:
+            row.pos_accepted[i] += 1
+
+
+def _eos_ids(model, tokenizer) -> list[int]:
+    ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if ids is None:
+        ids = getattr(tokenizer, "eos_token_id", None)
+    if ids is None:
+        return []
+    return list(ids) if isinstance(ids, (list, tuple)) else [int(ids)]

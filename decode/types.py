@@ -1,0 +1,29 @@
+"""The contract between the JSONL job runner and whatever generates tokens for a batch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+@dataclass
+class GenRequest:
+    prompt_ids: list[int]
+    max_new_tokens: int
+
+
+@dataclass
+class GenResult:
+    token_ids: list[int]  # new tokens only, stop string / EOS handling already applied
+    finish_reason: str  # "stop" or "length"
+    stats: dict = field(default_factory=dict)  # per-record counters: target_calls, drafted_tokens, ...
+
+
+class BatchGenerator(Protocol):
+    """One batch in, one result per request out, in the same order.
+
+    Autoregressive/speculative decoding (decode/engine.py) and diffusion decoding
+    (decode/diffusion.py) both implement this; the job runner does not care which.
+    """
+
+    def generate(self, requests: list[GenRequest]) -> list[GenResult]: ...

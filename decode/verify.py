@@ -1,0 +1,206 @@
+"""The one verification routine shared by every drafter.
+
+A proposal is a token tree per row (a chain is the tree whose node i has parent i-1). The target
+scored the root (the last committed token) and every node in one forward; ``verify`` decides which
+path is accepted and which token the target emits after it (the bonus / correction token).
+
+Semantics (Leviathan et al. 2023; Chen et al. 2023):
+- greedy (temperature 0): accept while the node's token equals the target's argmax at its parent;
+  emit the argmax at the last accepted node. Identical to plain greedy decoding.
+- sampling with draft probabilities q (a chain from a draft model): accept x with probability
+  min(1, p(x)/q(x)); at the first rejection sample from normalize(max(p - q, 0)); when every draft
+  is accepted, sample the bonus from p.
+- sampling with deterministic candidates (n-gram, trees from heads): q is one-hot. Children of a
+  node are tried in order: accept child x with probability p'(x), else remove x from p' and
+  renormalize; if every child is rejected, sample from p'. The emitted token is distributed as p.
+Temperature and top-p are applied to p and q alike before any test.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Sampling:
+    temperature: float = 0.0
+    top_p: float = 1.0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+@dataclass
+class Verdict:
+    accepted: torch.Tensor  # [B] number of accepted draft nodes
+    path: torch.Tensor  # [B, D] node indices (0-based into the proposal) of the accepted path, -1 padded
+    next_token: torch.Tensor  # [B] token emitted after the accepted path
+
+
+def logits_to_probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """Temperature then top-p (nucleus) filtering, in float32."""
+    probs = torch.softmax(logits.float() / max(sampling.temperature, 1e-5), dim=-1)
+    if sampling.top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        cum = sorted_p.cumsum(-1)
+        # keep the smallest prefix whose mass reaches top_p (always keeps the top token)
+        drop = cum - sorted_p >= sampling.top_p
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample_from(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling with a supplied uniform per row (so kernels can reproduce it exactly)."""
+    cdf = probs.cumsum(-1)
+    target = uniform.unsqueeze(-1) * cdf[..., -1:]
+    idx = torch.searchsorted(cdf, target, right=True).squeeze(-1)
+    return idx.clamp_(max=probs.shape[-1] - 1)
+
+
+def verify_chain_core(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    sampling: Sampling,
+    u_accept: torch.Tensor | None,
+    u_sample: torch.Tensor | None,
+    lengths: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chain verification given the random stream: returns (accepted [B], next_token [B]).
+
+    logits [B, K+1, V] (the root's and each draft's), tokens [B, K], draft_probs [B, K, V] already
+    tempered (None = one-hot drafts), u_accept [B, K] and u_sample [B] uniforms in [0, 1);
+    lengths [B] (optional): row r drafted only its first lengths[r] tokens.
+    This is the reference the Triton kernel in ``kernels/verify.py`` reproduces.
+    """
+    bsz, k = tokens.shape
+    in_draft = None if lengths is None else torch.arange(k, device=tokens.device)[None] < lengths[:, None]
+    if sampling.greedy:
+        best = logits.argmax(-1)
+        match = tokens == best[:, :k]
+        if in_draft is not None:
+            match &= in_draft
+        accepted = match.long().cumprod(-1).sum(-1)
+        return accepted, best.gather(1, accepted[:, None]).squeeze(1)
+    p = logits_to_probs(logits, sampling)
+    px = p[:, :k].gather(-1, tokens[..., None]).squeeze(-1)
+    if draft_probs is None:
+        ok = u_accept < px
+    else:
+        qx = draft_probs.gather(-1, tokens[..., None]).squeeze(-1)
+        ok = u_accept * qx < px  # u < p/q without dividing by a zero q
+    if in_draft is not None:
+        ok &= in_draft
+    accepted = ok.long().cumprod(-1).sum(-1)
+    rows = torch.arange(bsz, device=logits.device)
+    p_at = p[rows, accepted]  # [B, V]: target distribution after the accepted prefix
+    rejected = accepted < (k if lengths is None else lengths)
+    if rejected.any():
+        idx = accepted.clamp(max=k - 1)
+        if draft_probs is None:
+            residual = p_at.scatter(-1, tokens[rows, idx][:, None], 0.0)
+        else:
+            residual = (p_at - draft_probs[rows, idx]).clamp_(min=0.0)
+        # a residual with no mass can only follow an acceptance of probability one: fall back to p
+        empty = residual.sum(-1, keepdim=True) <= 0
+        residual = torch.where(empty, p_at, residual)
+        p_at = torch.where(rejected[:, None], residual, p_at)
+    return accepted, sample_from(p_at, u_sample)
+
+
+def verify_chain(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    sampling: Sampling,
+    generator: torch.Generator | None,
+    lengths: torch.Tensor | None = None,
+) -> Verdict:
+    bsz, k = tokens.shape
+    u_accept = u_sample = None
+    if not sampling.greedy:
+        u = torch.rand(bsz, k + 1, generator=generator, device=logits.device)
+        u_accept, u_sample = u[:, :k], u[:, k]
+    accepted, next_token = verify_chain_core(logits, tokens, draft_probs, sampling, u_accept, u_sample, lengths)
+    steps = torch.arange(k, device=tokens.device)
+    path = torch.where(steps[None] < accepted[:, None], steps[None], torch.full_like(steps[None], -1))
+    return Verdict(accepted=accepted, path=path, next_token=next_token)
+
+
+def verify_tree(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    parents: torch.Tensor,
+    sampling: Sampling,
+    generator: torch.Generator | None,
+    max_depth: int,
+) -> Verdict:
+    """Tree verification with deterministic candidates (one-hot q), greedy or exact sampling.
+
+    logits [B, N+1, V] (root at index 0, node i at i+1), tokens [B, N], parents [B, N] with -1 for a
+    child of the root; nodes are in topological order and siblings carry distinct tokens.
+    """
+    bsz, n = tokens.shape
+    dev = tokens.device
+    rows = torch.arange(bsz, device=dev)
+    # children[b, c, j]: j-th child (in proposal order) of node c, where c = parent + 1 (0 = root)
+    parent_slot = parents + 1
+    order = torch.arange(n, device=dev).expand(bsz, n)
+    sibling_rank = _rank_among_siblings(parent_slot)
+    max_children = int(sibling_rank.max().item()) + 1 if n else 1
+    children = torch.full((bsz, n + 1, max_children), -1, dtype=torch.long, device=dev)
+    valid = parents >= -1  # padding nodes carry parent -2
+    children[rows[:, None].expand(bsz, n)[valid], parent_slot[valid], sibling_rank[valid]] = order[valid]
+
+    greedy = sampling.greedy
+    probs = None if greedy else logits_to_probs(logits, sampling)
+    best = logits.argmax(-1) if greedy else None
+    cur = torch.zeros(bsz, dtype=torch.long, device=dev)  # current slot (0 = root)
+    alive = torch.ones(bsz, dtype=torch.bool, device=dev)
+    path = torch.full((bsz, max_depth), -1, dtype=torch.long, device=dev)
+    accepted = torch.zeros(bsz, dtype=torch.long, device=dev)
+    dist = None if greedy else probs[rows, cur]
+    for depth in range(max_depth):
+        kids = children[rows, cur]  # [B, C]
+        chosen = torch.full((bsz,), -1, dtype=torch.long, device=dev)
+        for j in range(max_children):
+            kid = kids[:, j]
+            live = alive & (chosen < 0) & (kid >= 0)
+            tok = tokens[rows, kid.clamp(min=0)]
+            if greedy:
+                ok = live & (tok == best[rows, cur])
+            else:
+                u = torch.rand(bsz, generator=generator, device=dev)
+                mass = dist.sum(-1)
+                px = dist[rows, tok]
+                ok = live & (u * mass < px)
+                # rejected candidates leave the residual distribution
+                rej = live & ~ok
+                dist = torch.where(rej[:, None], dist.scatter(-1, tok[:, None], 0.0), dist)
+            chosen = torch.where(ok, kid, chosen)
+        step = chosen >= 0
+        path[:, depth] = torch.where(step, chosen, path[:, depth])
+        accepted += step.long()
+        cur = torch.where(step, chosen + 1, cur)
+        if not greedy:
+            dist = torch.where(step[:, None], probs[rows, cur], dist)
+        alive &= step
+        if not bool(alive.any()):
+            break
+    if greedy:
+        next_token = best[rows, cur]
+    else:
+        next_token = sample_from(dist, torch.rand(bsz, generator=generator, device=dev))
+    return Verdict(accepted=accepted, path=path, next_token=next_token)
+
+
+def _rank_among_siblings(parent_slot: torch.Tensor) -> torch.Tensor:
+    """For each node, how many earlier nodes share its parent."""
+    same = parent_slot[:, :, None] == parent_slot[:, None, :]  # [B, N, N]
+    earlier = torch.ones_like(same[0]).tril(-1).bool()
+    return (same & earlier).sum(-1)
