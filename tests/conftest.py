@@ -59,3 +59,56 @@ def make_prompts(n: int, vocab: int = 96, seed: int = 0, lo: int = 5, hi: int = 
         body = torch.randint(3, vocab, (length,), generator=g).tolist()
         out.append(body[: length // 2] + motif + body[length // 2 :] + motif)
     return out
+
+
+def tiny_tokenizer(path=None):
+    """A real byte-level BPE (vocab ~300) trained in well under a second on a few lines of Python."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    text = [
+        "def add(a, b):\n    return a + b\n",
+        "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n",
+        "for i in range(10):\n    print(i * i)\n",
+        "import os\nimport sys\npath = os.path.join('a', 'b')\n",
+    ] * 20
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<|pad|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(text, trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|pad|>", bos_token="<|endoftext|>")
+    fast.chat_template = "{% for m in messages %}# {{ m['role'] }}:\n{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}# assistant:\n{% endif %}"
+    if path is not None:
+        fast.save_pretrained(path)
+    return fast
+
+
+def save_tiny_lm(path, tokenizer, seed=0, layers=2, hidden=48, max_pos=256):
+    """A random-init Llama with the tokenizer's vocabulary, saved as safetensors (float32)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_pos,
+                      bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(6.0)
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_family(tmp_path_factory):
+    """A saved target + draft pair (and an unrelated-tokenizer draft) in a temporary SPECDEC_HOME."""
+    root = tmp_path_factory.mktemp("family")
+    tok = tiny_tokenizer()
+    save_tiny_lm(root / "target", tok, seed=0)
+    save_tiny_lm(root / "draft", tok, seed=1, layers=1, hidden=32)
+    other = tiny_tokenizer()
+    other.add_tokens(["<extra_token>"])
+    save_tiny_lm(root / "foreign-draft", other, seed=2, layers=1, hidden=32)
+    return root

@@ -1,0 +1,37 @@
+# Everything a new user or CI needs: `make demo` and `make test` create the venv themselves.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+export SPECDEC_HOME ?= $(HOME)/.cache/specdec
+
+.PHONY: venv demo test test-fast bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	# torch==2.13.0 is pinned in pyproject.toml: pip takes the CPU build that lies on this machine's disk
+	$(BIN)/pip install --quiet -e ".[test,triton]"
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+## Build the default model family if needed (once), then decode the shipped prompts.
+demo: $(STAMP)
+	mkdir -p out
+	$(BIN)/specdec decode --in examples/prompts.jsonl --out out/demo.jsonl --overwrite --drafter ngram --batch-size 8
+	@$(BIN)/python -c "import json; rows=[json.loads(l) for l in open('out/demo.jsonl')]; r=rows[0]; print('\n--- first record:', r['id']); print(r['completion'][:400])"
+
+## The whole test suite (CI runs exactly this).
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow"
+
+bench: $(STAMP)
+	mkdir -p out
+	$(BIN)/specdec bench --in examples/prompts.jsonl --methods ar,ngram,recycle,draft,hf-lookup,hf-assisted:draft --json out/bench.json --plot out/bench.png
+
+clean:
+	rm -rf $(VENV) out *.egg-info

@@ -1,0 +1,383 @@
+"""``specdec bench``: every method on the same prompts, in one process, after warm-up.
+
+Speedup is tokens/s of a method over tokens/s of ``ar`` measured in the same run. tau counts the
+bonus token (tokens per target forward). Beside every speedup: the distinct-4-gram ratio of the
+outputs (repetition inflates speedups) and the ideal speedup S = tau / (c_round + v) from measured
+forward costs, where c_round is the drafting cost of one round and v the cost of the verification
+forward, both in units of one single-token target forward; efficiency = measured / ideal.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+
+from specdec.decode.artifacts import SpecdecError, artifact_kind, resolve_member
+from specdec.decode.io import read_records
+from specdec.decode.loading import DecodeOptions, build_drafter, load_causal_lm, load_target, parse_method
+from specdec.decode.types import GenRequest
+
+
+@dataclass
+class BenchConfig:
+    in_path: str
+    target: str | None = None
+    methods: list = field(default_factory=lambda: ["ar"])
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    batch_size: int = 1
+    repeats: int = 1
+    warmup: int = 2
+    limit: int | None = None
+    kernels: str = "auto"
+    trust_remote_code: bool = False
+    seed: int = 0
+
+
+@dataclass
+class Run:
+    outputs: list  # token lists per prompt
+    stats: list  # per-prompt stats dicts
+    wall: float  # median over repeats
+    walls: list
+    propose_s: float = 0.0
+    rounds: int = 0
+
+
+def run_bench(cfg: BenchConfig, console=None) -> dict:
+    from specdec.decode.job import ensure_default_family
+
+    target_path = resolve_member(cfg.target or ensure_default_family(console))
+    records = [r for r in read_records(cfg.in_path) if r.error is None and r.prompt is not None]
+    if cfg.limit:
+        records = records[: cfg.limit]
+    if not records:
+        raise SpecdecError(f"{cfg.in_path}: no usable prompts")
+    if artifact_kind(target_path) == "dllm":
+        return _diffusion_bench(cfg, target_path, records)
+    base = DecodeOptions(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=cfg.seed,
+                         batch_size=cfg.batch_size, kernels=cfg.kernels, trust_remote_code=cfg.trust_remote_code)
+    model, tok, _ = load_target(str(target_path), base)
+    prompts = [tok(r.prompt)["input_ids"] for r in records]
+    categories = [r.category or "all" for r in records]
+    methods = list(cfg.methods)
+    if "ar" not in methods:
+        methods.insert(0, "ar")
+    runs: dict[str, Run] = {}
+    for spec in methods:
+        if console is not None:
+            console.print(f"[bold]bench[/bold] {spec}")
+        runs[spec] = _run_method(spec, model, tok, prompts, base, cfg)
+    costs = _ForwardCosts(model, prompts)
+    entries = [_entry(spec, runs[spec], runs["ar"], categories, costs, model, tok, base, cfg) for spec in methods]
+    return {"config": asdict(cfg) | {"target": str(target_path), "prompts": len(prompts)}, "methods": entries}
+
+
+# -- running one method -----------------------------------------------------------------------
+
+
+def _run_method(spec: str, model, tok, prompts, base: DecodeOptions, cfg: BenchConfig) -> Run:
+    if spec.startswith("hf-"):
+        return _run_peer(spec, model, tok, prompts, base, cfg)
+    from specdec.decode.engine import SpecEngine
+    from specdec.decode.verify import Sampling
+
+    name, overrides = parse_method(spec)
+    opts = base.with_overrides(overrides)
+    drafter = build_drafter(name, model, tok, opts)
+    timed = _TimedPropose(drafter)
+    engine = SpecEngine(model, tok, drafter, Sampling(opts.temperature, opts.top_p), num_draft=opts.num_draft, seed=opts.seed)
+    drafter.propose = timed  # instance attribute: the engine calls it like the method
+    bs = max(1, opts.batch_size)
+    warm = prompts[: cfg.warmup]
+    for i in range(0, len(warm), bs):
+        engine.generate([GenRequest(p, min(16, opts.max_new_tokens)) for p in warm[i : i + bs]])
+    walls, outputs, stats = [], [], []
+    for _ in range(max(1, cfg.repeats)):
+        timed.reset()
+        outputs, stats = [], []
+        start = time.perf_counter()
+        for i in range(0, len(prompts), bs):
+            t0 = time.perf_counter()
+            res = engine.generate([GenRequest(p, opts.max_new_tokens) for p in prompts[i : i + bs]])
+            wall = time.perf_counter() - t0
+            for r in res:
+                outputs.append(r.token_ids)
+                stats.append({**r.stats, "wall_s": wall / len(res)})
+        walls.append(time.perf_counter() - start)
+    return Run(outputs, stats, statistics.median(walls), walls, timed.seconds, timed.calls)
+
+
+class _TimedPropose:
+    def __init__(self, drafter):
+        self.inner = drafter.propose
+        self.reset()
+
+    def reset(self):
+        self.seconds, self.calls = 0.0, 0
+
+    def __call__(self, batch):
+        t0 = time.perf_counter()
+        out = self.inner(batch)
+        self.seconds += time.perf_counter() - t0
+        self.calls += 1
+        return out
+
+
+def _run_peer(spec: str, model, tok, prompts, base: DecodeOptions, cfg: BenchConfig) -> Run:
+    """transformers' own generate: hf-generate (plain), hf-lookup (prompt lookup), hf-assisted:DRAFT."""
+    import torch
+
+    name, _, arg = spec.partition(":")
+    kwargs = {"do_sample": False, "pad_token_id": tok.pad_token_id, "eos_token_id": model.generation_config.eos_token_id}
+    if cfg.temperature > 0:
+        kwargs.update(do_sample=True, temperature=cfg.temperature)
+    if name == "hf-lookup":
+        kwargs["prompt_lookup_num_tokens"] = 10
+    elif name == "hf-assisted":
+        if not arg:
+            raise SpecdecError("hf-assisted needs a draft: hf-assisted:DIR")
+        kwargs["assistant_model"] = load_causal_lm(resolve_member(arg), base)
+    elif name != "hf-generate":
+        raise SpecdecError(f"unknown peer {spec!r} (hf-generate, hf-lookup, hf-assisted:DIR)")
+
+    def one(p, n):
+        ids = torch.tensor([p])
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, **kwargs)
+        return out[0, len(p) :].tolist()
+
+    for p in prompts[: cfg.warmup]:
+        one(p, 16)
+    walls = []
+    for _ in range(max(1, cfg.repeats)):
+        outputs, stats = [], []
+        start = time.perf_counter()
+        for p in prompts:
+            t0 = time.perf_counter()
+            toks = one(p, base.max_new_tokens)
+            outputs.append(toks)
+            stats.append({"new_tokens": len(toks), "wall_s": time.perf_counter() - t0})
+        walls.append(time.perf_counter() - start)
+    return Run(outputs, stats, statistics.median(walls), walls)
+
+
+# -- measuring forward costs --------------------------------------------------------------------
+
+
+class _ForwardCosts:
+    """Median wall time of target forwards of T tokens over a typical cache, memoised by T."""
+
+    def __init__(self, model, prompts, repeats: int = 15):
+        self.model, self.repeats = model, repeats
+        self.prefix = prompts[0][:128]
+        self._memo: dict[int, float] = {}
+
+    def __call__(self, t: int, model=None) -> float:
+        model = model or self.model
+        key = (id(model), t)
+        if key not in self._memo:
+            self._memo[key] = _time_forward(model, self.prefix, t, self.repeats)
+        return self._memo[key]
+
+
+def _time_forward(model, prefix: list[int], t: int, repeats: int) -> float:
+    import torch
+
+    from specdec.decode.cache import KVState
+
+    ids = torch.tensor([prefix])
+    times = []
+    with torch.inference_mode():
+        for _ in range(repeats):
+            state = KVState(model, 1, ids.device)
+            state.forward(ids, logits_to_keep=1)
+            state.commit_prefix(ids.shape[1], torch.ones_like(ids, dtype=torch.bool))
+            step = ids[:, :t] if t <= ids.shape[1] else ids[:, :1].repeat(1, t)
+            t0 = time.perf_counter()
+            state.forward(step)
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+# -- the report -----------------------------------------------------------------------------------
+
+
+def _entry(spec, run: Run, ar: Run, categories, costs, model, tok, base, cfg) -> dict:
+    from specdec.train.lm import distinct_ngram_ratio
+
+    def summarize(idx: list[int]) -> dict:
+        toks = sum(len(run.outputs[i]) for i in idx)
+        wall = sum(run.stats[i]["wall_s"] for i in idx)
+        ar_toks = sum(len(ar.outputs[i]) for i in idx)
+        ar_wall = sum(ar.stats[i]["wall_s"] for i in idx)
+        calls = [run.stats[i].get("target_calls") for i in idx]
+        tps = toks / wall if wall else 0.0
+        ar_tps = ar_toks / ar_wall if ar_wall else 0.0
+        out = {
+            "prompts": len(idx),
+            "new_tokens": toks,
+            "tokens_per_s": round(tps, 2),
+            "speedup": round(tps / ar_tps, 3) if ar_tps else None,
+            "identical_to_ar": round(sum(run.outputs[i] == ar.outputs[i] for i in idx) / len(idx), 4)
+            if cfg.temperature == 0 else None,
+            "distinct4": round(distinct_ngram_ratio([run.outputs[i] for i in idx]), 4),
+        }
+        if all(c is not None for c in calls):
+            out["target_calls"] = sum(calls)
+            out["tau"] = round(toks / sum(calls), 3) if sum(calls) else None
+            drafted, accepted = _positions(run.stats, idx)
+            out["acceptance_by_position"] = [round(a / d, 4) if d else 0.0 for a, d in zip(accepted, drafted)]
+        else:
+            out["target_calls"] = out["tau"] = None
+            out["acceptance_by_position"] = []
+        return out
+
+    all_idx = list(range(len(run.outputs)))
+    entry = {"method": spec, **summarize(all_idx)}
+    # whole-run throughput (median over repeats) is the headline figure
+    total = sum(len(o) for o in run.outputs)
+    ar_total = sum(len(o) for o in ar.outputs)
+    entry["tokens_per_s"] = round(total / run.wall, 2)
+    entry["speedup"] = round((total / run.wall) / (ar_total / ar.wall), 3)
+    entry.update(_ideal(spec, run, entry, costs, model, tok, base))
+    cats = sorted(set(categories))
+    if len(cats) > 1 or cats != ["all"]:
+        entry["by_category"] = {c: summarize([i for i, k in enumerate(categories) if k == c]) for c in cats}
+    return entry
+
+
+def _positions(stats, idx):
+    drafted, accepted = [], []
+    for i in idx:
+        for name, acc in (("position_drafted", drafted), ("position_accepted", accepted)):
+            vals = stats[i].get(name, [])
+            acc.extend([0] * (len(vals) - len(acc)))
+            for j, v in enumerate(vals):
+                acc[j] += v
+    return drafted, accepted
+
+
+def _ideal(spec, run: Run, entry: dict, costs, model, tok, base) -> dict:
+    tau = entry.get("tau")
+    if spec.startswith("hf-") or not tau or run.rounds == 0:
+        return {"ideal_speedup": None, "efficiency": None} if spec != "ar" else {"ideal_speedup": 1.0, "efficiency": entry["speedup"]}
+    rounds = sum(s.get("target_calls", 0) for s in run.stats) - len(run.stats)  # minus prefills
+    drafted = sum(s.get("drafted_tokens", 0) for s in run.stats)
+    width = 1 + round(drafted / max(rounds, 1))
+    t1 = costs(1)
+    v = costs(width) / t1
+    c_round = _draft_cost_per_round(spec, run, costs, model, tok, base) / t1
+    ideal = tau / (c_round + v)
+    return {"ideal_speedup": round(ideal, 3), "efficiency": round(entry["speedup"] / ideal, 3), "verify_cost": round(v, 3), "draft_cost": round(c_round, 3)}
+
+
+def _draft_cost_per_round(spec, run: Run, costs, model, tok, base) -> float:
+    """Seconds of drafting per round: K draft-model forwards for model drafters, measured propose
+    time for neural heads, zero for model-free drafters (their host time is implementation overhead)."""
+    name, overrides = parse_method(spec)
+    if name.split(":")[0] in ("ngram", "recycle", "ar"):
+        return 0.0
+    opts = base.with_overrides(overrides)
+    drafter = build_drafter(name, model, tok, opts)
+    draft_model = getattr(drafter, "model", None)
+    if draft_model is not None:
+        drafts_per_round = sum(s.get("drafted_tokens", 0) for s in run.stats) / max(run.rounds, 1)
+        return drafts_per_round * costs(1, draft_model)
+    return run.propose_s / max(run.rounds, 1)
+
+
+def _diffusion_bench(cfg: BenchConfig, target_path, records) -> dict:
+    from specdec.decode.loading import _hook
+
+    bench = _hook("specdec.decode.diffusion_bench", "bench_diffusion")
+    return bench(
+        str(target_path),
+        records,
+        cfg.methods,
+        gen_length=cfg.max_new_tokens,
+        block_size=32,
+        batch_size=cfg.batch_size,
+        repeats=cfg.repeats,
+        warmup=cfg.warmup,
+        trust_remote_code=cfg.trust_remote_code,
+    )
+
+
+# -- rendering ------------------------------------------------------------------------------------
+
+
+def render(report: dict, console, json_path: str | None = None, plot_path: str | None = None) -> None:
+    import json
+
+    if report["methods"] and "steps_per_token" in report["methods"][0]:
+        from specdec.decode.loading import _hook
+
+        console.print(_hook("specdec.decode.diffusion_bench", "render_table")(report))
+        if plot_path:
+            _hook("specdec.decode.diffusion_bench", "plot")(report, plot_path)
+    else:
+        console.print(table(report))
+        if plot_path:
+            plot(report, plot_path)
+    if json_path:
+        with open(json_path, "w") as fh:
+            json.dump(report, fh, indent=2)
+        console.print(f"report written to {json_path}")
+
+
+def table(report: dict):
+    from rich.table import Table
+
+    cfg = report["config"]
+    t = Table(title=f"specdec bench: {cfg['prompts']} prompts, {cfg['max_new_tokens']} new tokens, T={cfg['temperature']}, bs={cfg['batch_size']}")
+    for col in ("method", "tok/s", "speedup", "tau", "identical", "distinct4", "ideal", "efficiency", "target calls", "accept@pos"):
+        t.add_column(col, justify="left" if col == "method" else "right")
+    fmt = lambda v, p=2: "-" if v is None else (f"{v:.{p}f}" if isinstance(v, float) else str(v))  # noqa: E731
+    for m in report["methods"]:
+        t.add_row(
+            m["method"], fmt(m["tokens_per_s"], 1), fmt(m["speedup"]), fmt(m.get("tau")), fmt(m.get("identical_to_ar")),
+            fmt(m["distinct4"], 3), fmt(m.get("ideal_speedup")), fmt(m.get("efficiency")), fmt(m.get("target_calls")),
+            " ".join(f"{a:.2f}" for a in m.get("acceptance_by_position", [])[:6]) or "-",
+        )
+    cats = sorted({c for m in report["methods"] for c in m.get("by_category", {})})
+    if cats:
+        t2 = Table(title="by category: speedup / tau")
+        t2.add_column("method")
+        for c in cats:
+            t2.add_column(c, justify="right")
+        for m in report["methods"]:
+            row = [m["method"]]
+            for c in cats:
+                s = m.get("by_category", {}).get(c, {})
+                row.append(f"{fmt(s.get('speedup'))} / {fmt(s.get('tau'))}")
+            t2.add_row(*row)
+        from rich.console import Group
+
+        return Group(t, t2)
+    return t
+
+
+def plot(report: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = [m["method"] for m in report["methods"]]
+    cats = sorted({c for m in report["methods"] for c in m.get("by_category", {})}) or ["all"]
+    fig, axes = plt.subplots(1, 2, figsize=(max(8, 1.4 * len(methods)), 4.5))
+    width = 0.8 / (len(cats) + 1)
+    for ax, key in zip(axes, ("speedup", "tau")):
+        for j, c in enumerate(["all"] + [c for c in cats if c != "all"]):
+            vals = [(m if c == "all" else m.get("by_category", {}).get(c, {})).get(key) or 0 for m in report["methods"]]
+            ax.bar([i + j * width for i in range(len(methods))], vals, width, label=c)
+        ax.set_xticks([i + width * len(cats) / 2 for i in range(len(methods))])
+        ax.set_xticklabels(methods, rotation=30, ha="right")
+        ax.set_title(key)
+        ax.axhline(1.0, color="gray", lw=0.8)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

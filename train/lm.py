@@ -1,0 +1,196 @@
+"""Tokenizer and target LM of the embedded default family.
+
+A byte-level BPE tokenizer and a small Llama-architecture target trained on the stdlib corpus
+with accelerate (bf16 autocast on CPU). Saved with save_pretrained so that
+AutoModelForCausalLM / AutoTokenizer load the folder like any Hugging Face checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from specdec.train.corpus import Corpus
+
+EOS = "<|endoftext|>"
+PAD = "<|pad|>"
+CHAT_TEMPLATE = (
+    "{% for m in messages %}# {{ m['role'] }}:\n{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}# assistant:\n{% endif %}"
+)
+
+
+@dataclass
+class TargetArch:
+    vocab_size: int = 4096
+    hidden_size: int = 256
+    intermediate_size: int = 704
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 4
+    max_position_embeddings: int = 512
+    tie_word_embeddings: bool = True
+
+
+def train_tokenizer(corpus: Corpus, out_dir: Path, vocab_size: int = 4096, max_bytes: int = 6_000_000):
+    """Byte-level BPE on (a deterministic slice of) the training files."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    def texts():
+        total = 0
+        for path in corpus.train_files:
+            text = corpus.read(path)
+            total += len(text)
+            yield text
+            if total > max_bytes:
+                return
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS, PAD],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=PAD, bos_token=EOS)
+    fast.chat_template = CHAT_TEMPLATE
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(out_dir)
+    return fast
+
+
+def token_blocks(tokenizer, files: list[Path], corpus: Corpus, seq_len: int, num_proc: int = 1):
+    """A datasets.Dataset of fixed-length blocks: each file's tokens + EOS, concatenated and cut."""
+    from datasets import Dataset
+
+    ds = Dataset.from_dict({"text": [corpus.read(p) for p in files]})
+    eos = tokenizer.eos_token_id
+
+    def tokenize(batch):
+        ids = tokenizer(batch["text"], add_special_tokens=False)["input_ids"]
+        return {"ids": [x + [eos] for x in ids]}
+
+    def group(batch):
+        flat = [t for ids in batch["ids"] for t in ids]
+        n = len(flat) // seq_len
+        return {"input_ids": [flat[i * seq_len : (i + 1) * seq_len] for i in range(n)]}
+
+    ds = ds.map(tokenize, batched=True, remove_columns=["text"], num_proc=num_proc)
+    ds = ds.map(group, batched=True, batch_size=256, remove_columns=["ids"])
+    return ds.with_format("torch")
+
+
+def build_model(arch: TargetArch, tokenizer):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        **asdict(arch) | {"vocab_size": len(tokenizer)},
+        bos_token_id=tokenizer.eos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        rope_theta=10000.0,
+    )
+    return LlamaForCausalLM(cfg)
+
+
+@torch.no_grad()
+def heldout_loss(model, blocks, batch_size: int = 8, max_blocks: int = 64) -> float:
+    model.eval()
+    losses = []
+    n = min(len(blocks), max_blocks)
+    for i in range(0, n, batch_size):
+        ids = blocks[i : min(i + batch_size, n)]["input_ids"]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=ids.device.type == "cpu"):
+            out = model(input_ids=ids, labels=ids)
+        losses.append(out.loss.float().item())
+    model.train()
+    return sum(losses) / max(len(losses), 1)
+
+
+def pretrain(
+    model,
+    train_blocks,
+    heldout_blocks,
+    budget_s: float,
+    lr: float = 3e-3,
+    batch_size: int = 16,
+    seed: int = 0,
+    max_steps: int | None = None,
+    progress=None,
+) -> dict:
+    """Next-token pretraining for a wall-clock budget; cosine schedule over the predicted steps."""
+    from accelerate import Accelerator
+    from torch.utils.data import DataLoader
+
+    torch.manual_seed(seed)
+    acc = Accelerator(mixed_precision="bf16")
+    loader = DataLoader(train_blocks, batch_size=batch_size, shuffle=True, generator=torch.Generator().manual_seed(seed), drop_last=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+    model, opt, loader = acc.prepare(model, opt, loader)
+    model.train()
+    start = time.perf_counter()
+    step, tokens, warmup = 0, 0, 50
+    est_total = max_steps or 10**9
+    curve = []
+    done = False
+    while not done:
+        for batch in loader:
+            elapsed = time.perf_counter() - start
+            if step >= 20 and max_steps is None:
+                est_total = max(step + 1, int(step * budget_s / max(elapsed, 1e-6)))
+            frac = min(step / max(est_total, 1), 1.0)
+            scale = min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+            for g in opt.param_groups:
+                g["lr"] = lr * scale
+            ids = batch["input_ids"]
+            out = model(input_ids=ids, labels=ids)
+            acc.backward(out.loss)
+            acc.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            step += 1
+            tokens += ids.numel()
+            if step % 25 == 0:
+                curve.append((step, round(out.loss.item(), 4)))
+            if progress is not None:
+                progress(min(elapsed / budget_s, 1.0), f"target step {step} loss {out.loss.item():.3f}")
+            if (max_steps is not None and step >= max_steps) or (max_steps is None and elapsed >= budget_s):
+                done = True
+                break
+    model = acc.unwrap_model(model)
+    wall = time.perf_counter() - start
+    return {
+        "steps": step,
+        "tokens_trained": tokens,
+        "train_wall_s": round(wall, 1),
+        "tokens_per_s": round(tokens / max(wall, 1e-6)),
+        "final_train_loss": curve[-1][1] if curve else None,
+        "loss_curve": curve,
+        "heldout_loss": round(heldout_loss(model, heldout_blocks), 4),
+    }
+
+
+def distinct_ngram_ratio(token_lists: list[list[int]], n: int = 4) -> float:
+    grams, total = set(), 0
+    for toks in token_lists:
+        for i in range(len(toks) - n + 1):
+            grams.add((id(toks), tuple(toks[i : i + n])))
+            total += 1
+    return len(grams) / total if total else 0.0
+
+
+def save_target(model, tokenizer, out_dir: Path, metrics: dict, arch: TargetArch) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    (out_dir / "training_config.json").write_text(json.dumps(asdict(arch), indent=2) + "\n")
