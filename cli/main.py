@@ -65,6 +65,7 @@ def decode(
     cache: Annotated[str, typer.Option(help="Diffusion targets: none, prefix or dual (approximate).")] = "none",
     filter_dir: Annotated[Optional[str], typer.Option("--filter", help="Diffusion targets: Learn2PD filter artifact.")] = None,
     kernels: Annotated[str, typer.Option(help="auto, triton or torch.")] = "auto",
+    threads: Annotated[int, typer.Option(help="CPU intra-op threads (0: one; small models decode fastest single-threaded).")] = 0,
     dtype: Annotated[str, typer.Option(help="float32, bfloat16, float16.")] = "float32",
     trust_remote_code: Annotated[bool, typer.Option(help="Allow the checkpoint's own Python code (off by default).")] = False,
 ) -> None:
@@ -78,7 +79,7 @@ def decode(
         seed=seed, batch_size=batch_size, stop=list(stop or []), acceptance=acceptance, stop_threshold=stop_threshold,
         min_draft=min_draft, max_draft=max_draft, tree=tree, tree_tokens=tree_tokens, strategy=strategy,
         gen_length=gen_length, block_size=block_size, steps=steps, cache=cache, filter=filter_dir, kernels=kernels,
-        dtype=dtype, trust_remote_code=trust_remote_code,
+        threads=threads, dtype=dtype, trust_remote_code=trust_remote_code,
     )
     try:
         summary, code = run_decode_job(in_path, out_path, target, opts, strict=strict, overwrite=overwrite, console=console)
@@ -102,6 +103,7 @@ def bench(
     json_path: Annotated[Optional[str], typer.Option("--json", help="Write the JSON report here.")] = None,
     plot: Annotated[Optional[str], typer.Option(help="Write a PNG plot (speedup and tau per method and category).")] = None,
     kernels: Annotated[str, typer.Option(help="auto, triton or torch.")] = "auto",
+    threads: Annotated[int, typer.Option(help="CPU intra-op threads for every method (0: one).")] = 0,
     trust_remote_code: Annotated[bool, typer.Option(help="Allow the checkpoint's own Python code.")] = False,
 ) -> None:
     """Benchmark methods against plain decoding (and peers) in one process, on the same prompts."""
@@ -111,7 +113,7 @@ def bench(
     cfg = BenchConfig(
         in_path=in_path, target=target, methods=[m for m in methods.split(",") if m], max_new_tokens=max_new_tokens,
         temperature=temperature, batch_size=batch_size, repeats=repeats, warmup=warmup, limit=limit,
-        kernels=kernels, trust_remote_code=trust_remote_code,
+        kernels=kernels, threads=threads, trust_remote_code=trust_remote_code,
     )
     try:
         report = run_bench(cfg, console)

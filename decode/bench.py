@@ -15,7 +15,15 @@ from dataclasses import asdict, dataclass, field
 
 from specdec.decode.artifacts import SpecdecError, artifact_kind, resolve_member
 from specdec.decode.io import read_records
-from specdec.decode.loading import DecodeOptions, build_drafter, load_causal_lm, load_target, parse_method
+from specdec.decode.loading import (
+    DecodeOptions,
+    apply_threads,
+    build_drafter,
+    kernel_backend,
+    load_causal_lm,
+    load_target,
+    parse_method,
+)
 from specdec.decode.types import GenRequest
 
 
@@ -31,6 +39,7 @@ class BenchConfig:
     warmup: int = 2
     limit: int | None = None
     kernels: str = "auto"
+    threads: int = 0
     trust_remote_code: bool = False
     seed: int = 0
 
@@ -57,7 +66,9 @@ def run_bench(cfg: BenchConfig, console=None) -> dict:
     if artifact_kind(target_path) == "dllm":
         return _diffusion_bench(cfg, target_path, records)
     base = DecodeOptions(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=cfg.seed,
-                         batch_size=cfg.batch_size, kernels=cfg.kernels, trust_remote_code=cfg.trust_remote_code)
+                         batch_size=cfg.batch_size, kernels=cfg.kernels, threads=cfg.threads,
+                         trust_remote_code=cfg.trust_remote_code)
+    apply_threads(base)  # one setting for every method of the run
     model, tok, _ = load_target(str(target_path), base)
     prompts = [tok(r.prompt)["input_ids"] for r in records]
     categories = [r.category or "all" for r in records]
@@ -87,7 +98,8 @@ def _run_method(spec: str, model, tok, prompts, base: DecodeOptions, cfg: BenchC
     opts = base.with_overrides(overrides)
     drafter = build_drafter(name, model, tok, opts)
     timed = _TimedPropose(drafter)
-    engine = SpecEngine(model, tok, drafter, Sampling(opts.temperature, opts.top_p), num_draft=opts.num_draft, seed=opts.seed)
+    engine = SpecEngine(model, tok, drafter, Sampling(opts.temperature, opts.top_p), num_draft=opts.num_draft, seed=opts.seed,
+                        kernels=kernel_backend(opts, next(model.parameters()).device))
     drafter.propose = timed  # instance attribute: the engine calls it like the method
     bs = max(1, opts.batch_size)
     warm = prompts[: cfg.warmup]
@@ -328,35 +340,44 @@ def render(report: dict, console, json_path: str | None = None, plot_path: str |
 
 
 def table(report: dict):
+    from rich.console import Group
     from rich.table import Table
 
     cfg = report["config"]
-    t = Table(title=f"specdec bench: {cfg['prompts']} prompts, {cfg['max_new_tokens']} new tokens, T={cfg['temperature']}, bs={cfg['batch_size']}")
-    for col in ("method", "tok/s", "speedup", "tau", "identical", "distinct4", "ideal", "efficiency", "target calls", "accept@pos"):
-        t.add_column(col, justify="left" if col == "method" else "right")
     fmt = lambda v, p=2: "-" if v is None else (f"{v:.{p}f}" if isinstance(v, float) else str(v))  # noqa: E731
+    main = Table(title=f"specdec bench: {cfg['prompts']} prompts, {cfg['max_new_tokens']} new tokens, T={cfg['temperature']}, bs={cfg['batch_size']}")
+    for col in ("method", "tok/s", "speedup", "tau", "same as ar", "distinct4", "ideal", "effic.", "calls"):
+        main.add_column(col, justify="left" if col == "method" else "right", overflow="fold")
     for m in report["methods"]:
-        t.add_row(
+        main.add_row(
             m["method"], fmt(m["tokens_per_s"], 1), fmt(m["speedup"]), fmt(m.get("tau")), fmt(m.get("identical_to_ar")),
             fmt(m["distinct4"], 3), fmt(m.get("ideal_speedup")), fmt(m.get("efficiency")), fmt(m.get("target_calls")),
-            " ".join(f"{a:.2f}" for a in m.get("acceptance_by_position", [])[:6]) or "-",
         )
+    parts = [main]
+    depth = max((len(m.get("acceptance_by_position", [])) for m in report["methods"]), default=0)
+    if depth:
+        acc = Table(title="acceptance by draft position (P(accepted | earlier accepted))")
+        acc.add_column("method", overflow="fold")
+        for i in range(min(depth, 8)):
+            acc.add_column(str(i + 1), justify="right")
+        for m in report["methods"]:
+            vals = m.get("acceptance_by_position", [])
+            if vals:
+                acc.add_row(m["method"], *[f"{v:.2f}" for v in vals[:8]] + [""] * (min(depth, 8) - len(vals[:8])))
+        parts.append(acc)
     cats = sorted({c for m in report["methods"] for c in m.get("by_category", {})})
     if cats:
-        t2 = Table(title="by category: speedup / tau")
-        t2.add_column("method")
+        per = Table(title="by category: speedup / tau")
+        per.add_column("method", overflow="fold")
         for c in cats:
-            t2.add_column(c, justify="right")
+            per.add_column(c, justify="right")
         for m in report["methods"]:
-            row = [m["method"]]
-            for c in cats:
-                s = m.get("by_category", {}).get(c, {})
-                row.append(f"{fmt(s.get('speedup'))} / {fmt(s.get('tau'))}")
-            t2.add_row(*row)
-        from rich.console import Group
-
-        return Group(t, t2)
-    return t
+            per.add_row(m["method"], *[
+                f"{fmt(m.get('by_category', {}).get(c, {}).get('speedup'))} / {fmt(m.get('by_category', {}).get(c, {}).get('tau'))}"
+                for c in cats
+            ])
+        parts.append(per)
+    return Group(*parts)
 
 
 def plot(report: dict, path: str) -> None:

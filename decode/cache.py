@@ -20,7 +20,8 @@ class KVState:
         self.valid = torch.zeros(batch_size, 0, dtype=torch.bool, device=device)  # [B, S]
         self.pos = torch.zeros(batch_size, dtype=torch.long, device=device)  # next position id per row
         self._pending: torch.Tensor | None = None  # validity of the last forward's segment
-        self._float_mask = model.config._attn_implementation == "eager"
+        # the Triton tree-attention kernel reads a bool mask; everything else gets an additive float mask
+        self._bool_mask = model.config._attn_implementation == "specdec_tree"
 
     @property
     def length(self) -> int:
@@ -52,10 +53,13 @@ class KVState:
         seg = tree_attn & input_valid[:, None, :]
         # each token sees itself, so a padded query never has an empty softmax row
         seg = seg | torch.eye(t, dtype=torch.bool, device=input_ids.device)[None]
-        full = torch.cat([self.valid[:, None, :].expand(bsz, t, self.length), seg], dim=-1)[:, None]
-        if self._float_mask:
+        visible = torch.cat([self.valid[:, None, :].expand(bsz, t, self.length), seg], dim=-1)[:, None]
+        if self._bool_mask:
+            full = visible.contiguous()
+        else:
+            # additive and materialised: CPU SDPA takes a very slow path for broadcast bool masks
             dtype = self.model.dtype
-            full = torch.zeros(full.shape, dtype=dtype, device=full.device).masked_fill_(~full, torch.finfo(dtype).min)
+            full = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, torch.finfo(dtype).min)
         out = self.model(
             input_ids=input_ids,
             attention_mask=full,

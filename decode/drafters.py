@@ -124,23 +124,24 @@ class TreeTemplate:
     def tensors(self, device) -> dict:
         parents = torch.tensor(self.parents, dtype=torch.long, device=device)[None]
         anc, depth = tree_attention_from_parents(parents)
-        return {"parents": parents, "ranks": torch.tensor(self.ranks, device=device), "tree_attn": anc, "depth": depth}
+        return {
+            "parents": parents,
+            "ranks": torch.tensor(self.ranks, device=device),
+            "tree_attn": anc,
+            "depth": depth,
+            "max_depth": int(depth.max().item()),
+            "levels": [(depth[0, 1:] == d).nonzero().squeeze(-1) for d in range(1, int(depth.max().item()) + 1)],
+        }
 
 
 def expand_template(tpl: dict, candidates: Callable[[torch.Tensor, int], torch.Tensor], root: torch.Tensor) -> torch.Tensor:
     """Fill a static tree: node tokens [B, N] from ``candidates(parent_tokens [B, n], depth)`` -> [B, n, k]."""
-    parents = tpl["parents"][0]
-    ranks = tpl["ranks"]
-    depth = tpl["depth"][0, 1:]
-    n = parents.shape[0]
-    tokens = torch.empty(root.shape[0], n, dtype=torch.long, device=root.device)
-    with_root = torch.cat([root[:, None], tokens], dim=1)
-    for d in range(1, int(depth.max().item()) + 1 if n else 1):
-        nodes = (depth == d).nonzero().squeeze(-1)
-        par_tok = with_root[:, parents[nodes] + 1]  # [B, n_d]
-        cand = candidates(par_tok, d - 1)  # [B, n_d, k]
-        picked = cand.gather(-1, ranks[nodes][None, :, None].expand(cand.shape[0], -1, 1)).squeeze(-1)
-        with_root[:, nodes + 1] = picked
+    parents, ranks = tpl["parents"][0], tpl["ranks"]
+    with_root = torch.empty(root.shape[0], parents.shape[0] + 1, dtype=torch.long, device=root.device)
+    with_root[:, 0] = root
+    for d, nodes in enumerate(tpl["levels"]):
+        cand = candidates(with_root[:, parents[nodes] + 1], d)  # [B, n_d, k]
+        with_root[:, nodes + 1] = cand.gather(-1, ranks[nodes][None, :, None].expand(cand.shape[0], -1, 1)).squeeze(-1)
     return with_root[:, 1:]
 
 
@@ -211,7 +212,9 @@ class RecycleDrafter(Drafter):
 
     def _update(self, seg: Segment) -> None:
         if self.adj is None:
-            self.adj = torch.zeros(seg.logits.shape[-1], self.top_k, dtype=torch.long, device=seg.logits.device)
+            # distinct placeholders: every row of the matrix holds k different tokens, so siblings never repeat
+            vocab, dev = seg.logits.shape[-1], seg.logits.device
+            self.adj = torch.arange(self.top_k, device=dev).expand(vocab, -1).clone()
         valid = seg.input_valid
         self.adj[seg.input_ids[valid]] = seg.logits[valid].topk(self.top_k, dim=-1).indices
 
@@ -230,8 +233,13 @@ class RecycleDrafter(Drafter):
             self._tpl_size = n
         tpl = self._tpl
         tokens = expand_template(tpl, lambda par, d: self.adj[par], batch.root)
-        parents = dedupe_siblings(tokens, tpl["parents"].expand(tokens.shape[0], -1))
-        return Proposal(tokens=tokens, parents=parents, max_depth=int(tpl["depth"].max().item()))
+        return Proposal(
+            tokens=tokens,
+            parents=tpl["parents"].expand(tokens.shape[0], -1),
+            tree_attn=tpl["tree_attn"],
+            depth=tpl["depth"],
+            max_depth=tpl["max_depth"],
+        )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -57,6 +57,7 @@ class SpecEngine:
         seed: int = 0,
         stop: list[str] | None = None,
         eos_ids: list[int] | None = None,
+        kernels: str = "torch",
     ):
         self.target = target
         self.tokenizer = tokenizer
@@ -64,6 +65,7 @@ class SpecEngine:
         self.sampling = sampling or Sampling()
         self.num_draft = self.drafter.default_k if num_draft is None else num_draft
         self.seed = seed
+        self.kernels = kernels
         self.stop = [s for s in (stop or []) if s]
         self.eos_ids = set(eos_ids if eos_ids is not None else _eos_ids(target, tokenizer))
         self.device = next(target.parameters()).device
@@ -141,7 +143,9 @@ class SpecEngine:
                 attn, depth = tree_attention_from_parents(proposal.parents)
             out = state.forward(input_ids, valid, tree_attn=attn.expand(bsz, -1, -1), depth=depth.expand(bsz, -1), hidden=hidden)
             max_depth = proposal.max_depth or int(depth.max().item())
-            verdict = verify_tree(out.logits, proposal.tokens, proposal.parents, batch.sampling, batch.generator, max_depth)
+            verdict = verify_tree(
+                out.logits, proposal.tokens, proposal.parents, batch.sampling, batch.generator, max_depth, attn, depth
+            )
             keep = 1 + int(verdict.accepted.max().item())
             index = torch.cat([torch.zeros_like(root), verdict.path[:, : keep - 1] + 1], dim=1).clamp_(min=0)
             keep_valid = torch.arange(keep, device=self.device)[None] <= verdict.accepted[:, None]
@@ -151,7 +155,9 @@ class SpecEngine:
             steps = torch.arange(n, device=self.device)[None]
             valid = torch.cat([ones, steps < lengths[:, None]] if lengths is not None else [ones, ones.expand(bsz, n)], dim=1)
             out = state.forward(input_ids, valid, hidden=hidden)
-            verdict = verify_chain(out.logits, proposal.tokens, proposal.draft_probs, batch.sampling, batch.generator, lengths)
+            verdict = verify_chain(
+                out.logits, proposal.tokens, proposal.draft_probs, batch.sampling, batch.generator, lengths, self.kernels
+            )
             keep = 1 + int(verdict.accepted.max().item())
             index = torch.arange(keep, device=self.device)[None].expand(bsz, keep)
             keep_valid = index <= verdict.accepted[:, None]

@@ -60,6 +60,9 @@ class Decoder:
     def __init__(self, target: str | None, options: DecodeOptions, console=None):
         self.options = options
         self.console = console
+        from specdec.decode.loading import apply_threads
+
+        apply_threads(options)
         target = target or ensure_default_family(console)
         path = resolve_member(target)
         self.is_diffusion = artifact_kind(path) == "dllm"
@@ -72,6 +75,7 @@ class Decoder:
         else:
             model, self.tokenizer, _ = load_target(str(path), options)
             from specdec.decode.engine import SpecEngine
+            from specdec.decode.loading import kernel_backend
             from specdec.decode.verify import Sampling
 
             drafter = build_drafter(options.drafter, model, self.tokenizer, options)
@@ -83,6 +87,7 @@ class Decoder:
                 num_draft=options.num_draft,
                 seed=options.seed,
                 stop=options.stop,
+                kernels=kernel_backend(options, next(model.parameters()).device),
             )
             self.max_context = getattr(model.config, "max_position_embeddings", None) or 1 << 30
 

@@ -56,6 +56,7 @@ class DecodeOptions:
     filter: str | None = None
     # execution
     kernels: str = "auto"
+    threads: int = 0  # 0: one intra-op thread on CPU (tiny forwards lose more to thread sync than they gain)
     dtype: str = "float32"
     trust_remote_code: bool = False
 
@@ -129,7 +130,23 @@ def load_causal_lm(path: Path, options: DecodeOptions, device=None):
     )
     if device is not None:
         model.to(device)
+    if kernel_backend(options, device) == "triton":
+        from specdec.kernels.tree_attention import register
+
+        model.set_attn_implementation(register())
     return model.eval()
+
+
+def kernel_backend(options: DecodeOptions, device=None) -> str:
+    from specdec.kernels import backend
+
+    return backend(options.kernels, device)
+
+
+def apply_threads(options: DecodeOptions) -> None:
+    import torch
+
+    torch.set_num_threads(options.threads or 1)
 
 
 def load_tokenizer(path: Path, options: DecodeOptions):

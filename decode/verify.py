@@ -120,13 +120,20 @@ def verify_chain(
     sampling: Sampling,
     generator: torch.Generator | None,
     lengths: torch.Tensor | None = None,
+    kernels: str = "torch",
 ) -> Verdict:
     bsz, k = tokens.shape
     u_accept = u_sample = None
     if not sampling.greedy:
         u = torch.rand(bsz, k + 1, generator=generator, device=logits.device)
         u_accept, u_sample = u[:, :k], u[:, k]
-    accepted, next_token = verify_chain_core(logits, tokens, draft_probs, sampling, u_accept, u_sample, lengths)
+    if kernels != "torch" and lengths is None:
+        # imported here: kernels/verify.py imports this module for its reference
+        from specdec.kernels.verify import verify_chain_fused
+
+        accepted, next_token = verify_chain_fused(logits, tokens, draft_probs, sampling, u_accept, u_sample, kernels)
+    else:
+        accepted, next_token = verify_chain_core(logits, tokens, draft_probs, sampling, u_accept, u_sample, lengths)
     steps = torch.arange(k, device=tokens.device)
     path = torch.where(steps[None] < accepted[:, None], steps[None], torch.full_like(steps[None], -1))
     return Verdict(accepted=accepted, path=path, next_token=next_token)
@@ -139,12 +146,17 @@ def verify_tree(
     sampling: Sampling,
     generator: torch.Generator | None,
     max_depth: int,
+    ancestors: torch.Tensor | None = None,
+    depth: torch.Tensor | None = None,
 ) -> Verdict:
     """Tree verification with deterministic candidates (one-hot q), greedy or exact sampling.
 
     logits [B, N+1, V] (root at index 0, node i at i+1), tokens [B, N], parents [B, N] with -1 for a
-    child of the root; nodes are in topological order and siblings carry distinct tokens.
+    child of the root and -2 for padding; nodes are in topological order. ancestors [B|1, N+1, N+1]
+    and depth [B|1, N+1] (as used for the tree attention) make the greedy case loop-free.
     """
+    if sampling.greedy and ancestors is not None:
+        return _verify_tree_greedy(logits, tokens, parents, ancestors, depth, max_depth)
     bsz, n = tokens.shape
     dev = tokens.device
     rows = torch.arange(bsz, device=dev)
@@ -197,6 +209,26 @@ def verify_tree(
     else:
         next_token = sample_from(dist, torch.rand(bsz, generator=generator, device=dev))
     return Verdict(accepted=accepted, path=path, next_token=next_token)
+
+
+def _verify_tree_greedy(logits, tokens, parents, ancestors, depth, max_depth) -> Verdict:
+    """A node is accepted iff it and all its ancestors carry the target's argmax at their parent;
+    the deepest accepted node (the earliest among equals) ends the path."""
+    bsz, n = tokens.shape
+    best = logits.argmax(-1)  # [B, N+1]
+    correct = (tokens == best.gather(1, (parents + 1).clamp(min=0))) & (parents >= -1)
+    anc = ancestors[:, 1:, 1:].expand(bsz, n, n)  # node -> its ancestors (and itself), root dropped
+    ok = ~(anc & ~correct[:, None, :]).any(-1)
+    node_depth = depth[:, 1:].expand(bsz, n)
+    score = torch.where(ok, node_depth * (n + 1) - torch.arange(n, device=tokens.device), torch.full_like(node_depth, -1))
+    top_score, deepest = score.max(-1)
+    accepted = torch.where(top_score >= 0, node_depth.gather(1, deepest[:, None]).squeeze(1), torch.zeros_like(top_score))
+    on_path = anc.gather(1, deepest[:, None, None].expand(bsz, 1, n)).squeeze(1) & (accepted[:, None] > 0)
+    slot = torch.where(on_path, node_depth - 1, torch.full_like(node_depth, max_depth))  # path position of each node
+    path = torch.full((bsz, max_depth + 1), -1, dtype=torch.long, device=tokens.device)
+    path.scatter_(1, slot, torch.arange(n, device=tokens.device).expand(bsz, n))
+    last = torch.where(accepted > 0, deepest + 1, torch.zeros_like(deepest))
+    return Verdict(accepted=accepted, path=path[:, :max_depth], next_token=best.gather(1, last[:, None]).squeeze(1))
 
 
 def _rank_among_siblings(parent_slot: torch.Tensor) -> torch.Tensor:

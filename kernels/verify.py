@@ -24,8 +24,6 @@ from specdec.kernels import load_triton
 
 triton, tl = load_triton()
 
-reference = verify_chain_core
-
 
 def verify_chain_fused(
     logits: torch.Tensor,
@@ -37,7 +35,8 @@ def verify_chain_fused(
     backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as ``verify_chain_core``: returns (accepted [B], next_token [B]), int64."""
-    if pick_backend(backend, logits.device) == "torch" or sampling.top_p < 1.0:
+    # top-p needs a sorted row (not in the kernel); K = 0 leaves no draft row for the kernel to index
+    if pick_backend(backend, logits.device) == "torch" or sampling.top_p < 1.0 or tokens.shape[1] == 0:
         return verify_chain_core(logits, tokens, draft_probs, sampling, u_accept, u_sample)
     return _verify_triton(logits, tokens, draft_probs, sampling, u_accept, u_sample)
 
@@ -52,7 +51,7 @@ def _verify_triton(logits, tokens, draft_probs, sampling, u_accept, u_sample):
     tokens = _unit_last_stride(tokens)
     q = _unit_last_stride(draft_probs) if has_q else logits  # any pointer: unused when HAS_Q is off
     if greedy:  # the uniforms are not read; give the kernel valid pointers
-        u_accept = torch.zeros(bsz, max(k, 1), device=dev)
+        u_accept = torch.zeros(bsz, k, device=dev)
         u_sample = torch.zeros(bsz, device=dev)
 
     stats = torch.empty(4, bsz, k + 1, dtype=torch.float32, device=dev)  # max, sum, p(x), q(x)
@@ -99,7 +98,7 @@ def _row_stats_kernel(
     s_lb, s_lk, s_tb, s_qb, s_qk, s_stat,
     GREEDY: tl.constexpr, HAS_Q: tl.constexpr, BLOCK_V: tl.constexpr,
 ):  # fmt: skip
-    b = tl.program_id(0)
+    b = tl.program_id(0).to(tl.int64)  # int64 offsets: B * (K+1) * V can pass 2**31
     j = tl.program_id(1)
     row = logits_ptr + b * s_lb + j * s_lk
     out = b * (K + 1) + j
@@ -153,7 +152,7 @@ def _accept_kernel(
     s_lb, s_lk, s_tb, s_qb, s_qk, s_stat, s_uab, s_uak, s_usb,
     GREEDY: tl.constexpr, HAS_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
 ):  # fmt: skip
-    b = tl.program_id(0)
+    b = tl.program_id(0).to(tl.int64)
     ks = tl.arange(0, BLOCK_K)
     in_k = ks < K
     toks = tl.load(tokens_ptr + b * s_tb + ks, mask=in_k, other=0)

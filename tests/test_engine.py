@@ -108,7 +108,8 @@ def test_kv_rollback_equals_fresh_prefill(target, draft_model):
             torch.testing.assert_close(got_layer.values[row][:, keep], ref_layer.values[0], rtol=1e-9, atol=1e-9)
 
 
-def test_tree_verification_hand_built():
+@pytest.mark.parametrize("vectorised", [False, True])
+def test_tree_verification_hand_built(vectorised):
     """root -> a (-> c, -> d), root -> b. Target argmax: after root 'b', after b 'x'."""
     vocab = 10
     a, b, c, d, x = 3, 4, 5, 6, 7
@@ -118,7 +119,8 @@ def test_tree_verification_hand_built():
     logits[0, 0, b] = 5.0  # root predicts b: node 1 accepted, a rejected
     logits[0, 2, x] = 5.0  # after b the target says x (b has no children): bonus x
     logits[0, 1, c] = 5.0  # after a it would say c, but a was rejected
-    verdict = verify_tree(logits, tokens, parents, Sampling(), None, max_depth=2)
+    anc, depth = tree_attention_from_parents(parents) if vectorised else (None, None)
+    verdict = verify_tree(logits, tokens, parents, Sampling(), None, 2, anc, depth)
     assert verdict.accepted.tolist() == [1]
     assert verdict.path[0, 0].item() == 1
     assert verdict.next_token.tolist() == [x]
@@ -127,7 +129,7 @@ def test_tree_verification_hand_built():
     logits[0, 0, a] = 5.0
     logits[0, 1, d] = 5.0
     logits[0, 4, x] = 5.0
-    verdict = verify_tree(logits, tokens, parents, Sampling(), None, max_depth=2)
+    verdict = verify_tree(logits, tokens, parents, Sampling(), None, 2, anc, depth)
     assert verdict.accepted.tolist() == [2]
     assert verdict.path[0].tolist() == [0, 3]
     assert verdict.next_token.tolist() == [x]
