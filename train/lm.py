@@ -70,8 +70,10 @@ def train_tokenizer(corpus: Corpus, out_dir: Path, vocab_size: int = 4096, max_b
 
 def token_blocks(tokenizer, files: list[Path], corpus: Corpus, seq_len: int, num_proc: int = 1):
     """A datasets.Dataset of fixed-length blocks: each file's tokens + EOS, concatenated and cut."""
+    import datasets
     from datasets import Dataset
 
+    datasets.disable_progress_bars()  # the recipe shows its own rich progress
     ds = Dataset.from_dict({"text": [corpus.read(p) for p in files]})
     eos = tokenizer.eos_token_id
 

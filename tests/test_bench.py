@@ -1,0 +1,43 @@
+"""`specdec bench`: same prompts, same process, every method identical to ar at T=0, report schema."""
+
+from __future__ import annotations
+
+import json
+
+from typer.testing import CliRunner
+
+from specdec.cli.main import app
+from specdec.decode.loading import DecodeOptions, parse_method
+
+
+def test_method_specs_parse_into_decode_options():
+    name, overrides = parse_method("draft+k=4+tree-tokens=32+acceptance=acceptance")
+    opts = DecodeOptions().with_overrides(overrides)
+    assert name == "draft" and opts.num_draft == 4 and opts.tree_tokens == 32 and opts.acceptance == "acceptance"
+
+
+def test_bench_report(tiny_family, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    rows = [{"prompt": f"def h{i}(x):\n    return x - {i}\n", "category": ["code", "data"][i % 2]} for i in range(4)]
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    report_path, plot_path = tmp_path / "r.json", tmp_path / "r.png"
+    draft = str(tiny_family / "draft")
+    res = CliRunner().invoke(app, [
+        "bench", "--in", str(prompts), "--target", str(tiny_family / "target"), "--max-new-tokens", "12",
+        "--methods", f"ngram,recycle,{draft}+k=3,hf-lookup,hf-assisted:{draft}", "--warmup", "1",
+        "--json", str(report_path), "--plot", str(plot_path),
+    ])
+    assert res.exit_code == 0, res.output
+    report = json.loads(report_path.read_text())
+    methods = {m["method"]: m for m in report["methods"]}
+    assert list(methods) == ["ar", "ngram", "recycle", f"{draft}+k=3", "hf-lookup", f"hf-assisted:{draft}"]
+    for spec, m in methods.items():
+        assert m["identical_to_ar"] == 1.0, spec  # lossless, and the peers agree with us
+        assert m["tokens_per_s"] > 0 and m["speedup"] > 0
+        assert set(m["by_category"]) == {"code", "data"}
+        assert 0 < m["distinct4"] <= 1
+    assert methods["ar"]["speedup"] == 1.0 and methods["ar"]["tau"] == 1.0
+    assert methods["recycle"]["tau"] >= 1.0 and methods["recycle"]["acceptance_by_position"]
+    assert methods["recycle"]["ideal_speedup"] > 0 and methods["recycle"]["efficiency"] > 0
+    assert methods["hf-lookup"]["tau"] is None  # peers do not report target calls
+    assert plot_path.stat().st_size > 1000
