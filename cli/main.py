@@ -58,7 +58,8 @@ def decode(
     max_draft: Annotated[int, typer.Option(help="Adaptive drafting: most drafts per round.")] = 20,
     tree: Annotated[str, typer.Option(help="Tree drafters: static or dynamic (EAGLE-2).")] = "static",
     tree_tokens: Annotated[Optional[int], typer.Option(help="Tree drafters: nodes per tree.")] = None,
-    strategy: Annotated[str, typer.Option(help="Diffusion targets: static, threshold, factor, localleap, credit, entropy, learn2pd, freedave.")] = "static",
+    strategy: Annotated[str, typer.Option(help="Diffusion targets: static, threshold, factor, localleap, credit, entropy, learn2pd, freedave; options as in bench specs (threshold+tau=0.8).")] = "static",
+    adablock: Annotated[bool, typer.Option(help="Diffusion targets: adaptive block ends at a confident newline (AdaBlock).")] = False,
     gen_length: Annotated[Optional[int], typer.Option(help="Diffusion targets: tokens to generate (default --max-new-tokens).")] = None,
     block_size: Annotated[int, typer.Option(help="Diffusion targets: block length.")] = 32,
     steps: Annotated[Optional[int], typer.Option(help="Diffusion targets: steps for static (default: one token per step).")] = None,
@@ -78,7 +79,7 @@ def decode(
         drafter=drafter, num_draft=num_draft, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
         seed=seed, batch_size=batch_size, stop=list(stop or []), acceptance=acceptance, stop_threshold=stop_threshold,
         min_draft=min_draft, max_draft=max_draft, tree=tree, tree_tokens=tree_tokens, strategy=strategy,
-        gen_length=gen_length, block_size=block_size, steps=steps, cache=cache, filter=filter_dir, kernels=kernels,
+        gen_length=gen_length, block_size=block_size, steps=steps, cache=cache, filter=filter_dir, adablock=adablock, kernels=kernels,
         threads=threads, dtype=dtype, trust_remote_code=trust_remote_code,
     )
     try:

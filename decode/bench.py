@@ -13,7 +13,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field
 
-from specdec.decode.artifacts import SpecdecError, artifact_kind, resolve_member
+from specdec.decode.artifacts import SpecdecError, resolve_member
 from specdec.decode.io import read_records
 from specdec.decode.loading import (
     DecodeOptions,
@@ -55,7 +55,7 @@ class Run:
 
 
 def run_bench(cfg: BenchConfig, console=None) -> dict:
-    from specdec.decode.job import ensure_default_family
+    from specdec.decode.job import ensure_default_family, is_diffusion_model
 
     target_path = resolve_member(cfg.target or ensure_default_family(console))
     records = [r for r in read_records(cfg.in_path) if r.error is None and r.prompt is not None]
@@ -63,7 +63,7 @@ def run_bench(cfg: BenchConfig, console=None) -> dict:
         records = records[: cfg.limit]
     if not records:
         raise SpecdecError(f"{cfg.in_path}: no usable prompts")
-    if artifact_kind(target_path) == "dllm":
+    if is_diffusion_model(target_path, DecodeOptions(trust_remote_code=cfg.trust_remote_code)):
         return _diffusion_bench(cfg, target_path, records)
     base = DecodeOptions(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=cfg.seed,
                          batch_size=cfg.batch_size, kernels=cfg.kernels, threads=cfg.threads,
@@ -306,7 +306,7 @@ def _diffusion_bench(cfg: BenchConfig, target_path, records) -> dict:
     bench = _hook("specdec.decode.diffusion_bench", "bench_diffusion")
     return bench(
         str(target_path),
-        records,
+        [r.extra for r in records],
         cfg.methods,
         gen_length=cfg.max_new_tokens,
         block_size=32,

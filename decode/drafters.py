@@ -45,6 +45,7 @@ class Segment:
     input_valid: torch.Tensor  # [B, T]
     logits: torch.Tensor  # [B, T, V]
     hidden: torch.Tensor | None  # [B, T, H] last hidden states, when a drafter asked for them
+    hidden_layers: tuple | None = None  # the hidden states of the layers in ``Drafter.hidden_layers`` (EAGLE-3)
     keep_index: torch.Tensor | None = None  # [B, M] segment slots each row kept (root + accepted path)
     keep_valid: torch.Tensor | None = None  # [B, M]
     accepted: list[int] | None = None  # per row, accepted draft nodes this round
@@ -52,6 +53,7 @@ class Segment:
 
 class Drafter:
     needs_hidden = False
+    hidden_layers: tuple[int, ...] | None = None  # extra hidden-state layers the drafter reads (EAGLE-3)
     default_k = 4
 
     def begin(self, batch, seg: Segment) -> None:

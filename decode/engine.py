@@ -102,9 +102,7 @@ class SpecEngine:
         ids, valid = ids.to(self.device), valid.to(self.device)
         state = KVState(self.target, bsz, self.device)
         keep_all = getattr(self.drafter, "needs_prefill_logits", False)
-        out = state.forward(
-            ids, valid, hidden=self.drafter.needs_hidden, **({} if keep_all else {"logits_to_keep": 1})
-        )
+        out = state.forward(ids, valid, hidden=self._wants_hidden, **({} if keep_all else {"logits_to_keep": 1}))
         state.commit_prefix(width, valid)
         empty = torch.zeros(bsz, 0, dtype=torch.long, device=self.device)
         verdict = verify_chain(out.logits[:, -1:], empty, None, self.sampling, generator)
@@ -117,12 +115,11 @@ class SpecEngine:
             num_draft=self.num_draft,
             rows=list(range(bsz)),
         )
-        hidden = out.hidden_states[-1] if self.drafter.needs_hidden else None
         first = verdict.next_token.tolist()
         for i, tok in enumerate(first):
             rows[i].target_calls += 1
             self._append(rows[i], batch.seqs[i], [tok])
-        self.drafter.begin(batch, Segment(ids, valid, out.logits, hidden))
+        self.drafter.begin(batch, Segment(ids, valid, out.logits, *self._hidden(out)))
         self._drop_finished(batch, rows, state, verdict)
         return batch, state
 
@@ -130,7 +127,7 @@ class SpecEngine:
         """One target forward over [root, drafts...] and the shared verification routine."""
         bsz = len(batch.seqs)
         root = batch.root[:, None]
-        hidden = self.drafter.needs_hidden
+        hidden = self._wants_hidden
         if proposal is None or proposal.tokens.shape[1] == 0:
             proposal = Proposal(tokens=torch.zeros(bsz, 0, dtype=torch.long, device=self.device))
         n = proposal.tokens.shape[1]
@@ -162,15 +159,19 @@ class SpecEngine:
             index = torch.arange(keep, device=self.device)[None].expand(bsz, keep)
             keep_valid = index <= verdict.accepted[:, None]
             state.commit_prefix(keep, keep_valid)
-        seg = Segment(
-            input_ids,
-            valid,
-            out.logits,
-            out.hidden_states[-1] if hidden else None,
-            keep_index=index,
-            keep_valid=keep_valid,
-        )
+        seg = Segment(input_ids, valid, out.logits, *self._hidden(out), keep_index=index, keep_valid=keep_valid)
         return seg, verdict
+
+    @property
+    def _wants_hidden(self) -> bool:
+        return bool(self.drafter.needs_hidden or self.drafter.hidden_layers)
+
+    def _hidden(self, out) -> tuple:
+        """(last hidden state, the drafter's extra layers) of a forward, as the drafter asked."""
+        if not self._wants_hidden:
+            return None, None
+        layers = self.drafter.hidden_layers
+        return out.hidden_states[-1], tuple(out.hidden_states[i] for i in layers) if layers else None
 
     def _accept(self, batch: Batch, rows: list[_Row], proposal: Proposal | None, verdict: Verdict) -> list[int]:
         """Append each row's accepted drafts and next token; returns accepted counts (host)."""

@@ -24,7 +24,7 @@ class Record:
     category: str | None = None
     max_new_tokens: int | None = None
     error: str | None = None
-    extra: dict = field(default_factory=dict)
+    extra: dict = field(default_factory=dict)  # the record's raw fields (e.g. a probe's ``answer``)
 
     def error_record(self, message: str | None = None) -> dict:
         return {"id": self.id, "line": self.line, "error": message or self.error}
@@ -40,7 +40,7 @@ def parse_line(text: str, line: int) -> Record:
         return Record(line=line, id=default_id, error="each line must be a JSON object")
     rid = obj.get("id", default_id)
     rid = str(rid) if rid is not None else default_id
-    rec = Record(line=line, id=rid, category=obj.get("category"))
+    rec = Record(line=line, id=rid, category=obj.get("category"), extra=obj)
     if rec.category is not None and not isinstance(rec.category, str):
         rec.category = str(rec.category)
     mnt = obj.get("max_new_tokens")

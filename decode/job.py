@@ -65,7 +65,7 @@ class Decoder:
         apply_threads(options)
         target = target or ensure_default_family(console)
         path = resolve_member(target)
-        self.is_diffusion = artifact_kind(path) == "dllm"
+        self.is_diffusion = is_diffusion_model(path, options)
         if self.is_diffusion:
             from specdec.decode.loading import _hook
 
@@ -174,6 +174,16 @@ class Decoder:
         summary.wall_s = time.perf_counter() - start
         summary.stopped_early = stop
         return summary
+
+
+def is_diffusion_model(path: Path, options: DecodeOptions) -> bool:
+    """specdec's dLLMs say so in config.json; third-party ones (LLaDA, Dream) carry a mask token id
+    and run their own code, so they are recognised only with --trust-remote-code."""
+    from specdec.decode.artifacts import read_config
+
+    if artifact_kind(path) == "dllm":
+        return True
+    return options.trust_remote_code and read_config(path).get("mask_token_id") is not None
 
 
 def ensure_default_family(console=None) -> str:

@@ -54,6 +54,7 @@ class DecodeOptions:
     steps: int | None = None
     cache: str = "none"
     filter: str | None = None
+    adablock: bool = False
     # execution
     kernels: str = "auto"
     threads: int = 0  # 0: one intra-op thread on CPU (tiny forwards lose more to thread sync than they gain)
@@ -177,10 +178,14 @@ def _build_draft(path: Path, target, tokenizer, options: DecodeOptions):
         raise SpecdecError(
             f"draft {path} has vocabulary size {cfg.get('vocab_size')}, the target's is {target.config.vocab_size}"
         )
-    model = load_causal_lm(path, options, next(target.parameters()).device)
+    device = next(target.parameters()).device
+    if (path / "adapter_config.json").exists():  # a LoRA adapter saved by train-draft --lora-save adapter
+        model = _hook("specdec.train.draft", "load_draft")(path).to(device).eval()
+    else:
+        model = load_causal_lm(path, options, device)
     if options.acceptance:
         adaptive = _hook("specdec.decode.adaptive", "build_adaptive")
-        return adaptive(resolve_member(options.acceptance), model, options)
+        return adaptive(resolve_member(options.acceptance), model, options, tokenizer=tokenizer)
     return ModelDrafter(model)
 
 

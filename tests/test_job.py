@@ -176,12 +176,16 @@ def test_two_process_accelerate_launch_merges_in_order(tiny_family, tmp_path):
     multi = tmp_path / "multi.jsonl"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--cpu", "-m", "specdec", "decode",
+        # --multi_gpu with no GPU gives N CPU processes over gloo (--cpu would start only one)
+        [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+         "-m", "specdec", "decode",
          "--in", str(src), "--out", str(multi), "--target", str(tiny_family / "target"), "--max-new-tokens", "8"],
         capture_output=True, text=True, timeout=300, env=env,
     )
     # one record failed on some rank: the launcher reports failure, and the merged file is complete
     assert proc.returncode != 0 and multi.exists(), proc.stderr[-2000:]
+    shards = [tmp_path / f"multi.jsonl.rank{r}-of-2" for r in range(2)]
+    assert all(s.exists() and s.read_text() for s in shards), "both ranks must have decoded records"
     got, ref = read_jsonl(multi), read_jsonl(single)
     assert [o["id"] for o in got] == [o["id"] for o in ref]
     assert [o.get("completion") for o in got] == [o.get("completion") for o in ref]

@@ -23,7 +23,7 @@ class RecipeConfig:
     name: str
     seed: int = 0
     budget_minutes: float = 15.0
-    shares: dict = field(default_factory=lambda: {"target": 0.55, "drafters": 0.28, "dllm": 0.14})
+    shares: dict = field(default_factory=lambda: {"target": 0.5, "drafters": 0.28, "dllm": 0.2})
     tokenizer: dict = field(default_factory=dict)
     target: dict = field(default_factory=dict)
     training: dict = field(default_factory=dict)
@@ -69,10 +69,10 @@ def run_recipe(name: str, budget_minutes: float | None = None, force: bool = Fal
     if "drafters" in want:
         report["drafters"] = _stage(
             "drafters", fam, force, console,
-            lambda: _hook("specdec.train.recipe_hooks", "build_drafters_for_recipe")(
+            lambda: _hook("specdec.cli.train", "build_drafters_for_recipe")(
                 fam, [data], cfg.shares["drafters"] * cfg.budget_minutes, cfg.seed
             ),
-            members=("draft", "medusa", "clover", "eagle"),
+            members=("draft", "draft-ce", "acceptance", "medusa", "clover", "eagle"),
         )
     if "dllm" in want:
         texts = [json.loads(line)["prompt"] for line in data.read_text().splitlines()]

@@ -1,0 +1,108 @@
+"""CLI commands for masked-diffusion LMs: train-dllm and train-filter.
+
+Commands only declare options and hand off to the library; torch, transformers and datasets are
+imported inside the command bodies so ``specdec --help`` stays instant.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    app.command("train-dllm", help="Turn an AR checkpoint into a masked-diffusion LM (or train one from a config).")(train_dllm_command)
+    app.command("train-filter", help="Train a Learn2PD filter for a dLLM (used by --strategy learn2pd --filter DIR).")(train_filter_command)
+
+
+def _fail(exc: Exception) -> typer.Exit:
+    from rich.console import Console
+
+    Console(stderr=True).print(f"[red]error:[/red] {exc}", markup=True, highlight=False)
+    return typer.Exit(getattr(exc, "exit_code", 1))
+
+
+def train_dllm_command(
+    out: Annotated[Path, typer.Option("--out", help="Output directory for the dLLM.")],
+    data: Annotated[list[Path], typer.Option("--data", help="JSONL (prompt[+completion] or text) or plain-text file; repeat for more.")],
+    from_dir: Annotated[Optional[Path], typer.Option("--from", help="AR checkpoint to adapt (or a dLLM, for --certainty-forcing).")] = None,
+    config: Annotated[Optional[Path], typer.Option("--config", help="JSON LlamaConfig kwargs: train from scratch instead of --from.")] = None,
+    tokenizer: Annotated[Optional[Path], typer.Option("--tokenizer", help="Tokenizer directory when training from --config.")] = None,
+    block_size: Annotated[int, typer.Option(help="Block size of block diffusion (and of decoding).")] = 32,
+    attention: Annotated[str, typer.Option(help="block (block diffusion) or bidirectional.")] = "block",
+    max_steps: Annotated[int, typer.Option(help="Optimizer steps at most.")] = 500,
+    budget_minutes: Annotated[Optional[float], typer.Option(help="Stop after this many minutes.")] = None,
+    list_tasks: Annotated[int, typer.Option(help="Add this many generated list tasks (copy/reverse/sort) to the mix.")] = 0,
+    certainty_forcing: Annotated[bool, typer.Option("--certainty-forcing", help="dParallel certainty-forcing distillation of --from (a dLLM).")] = False,
+    lora: Annotated[bool, typer.Option("--lora", help="Train a LoRA (merged into the saved model).")] = False,
+    seed: Annotated[int, typer.Option(help="Random seed.")] = 0,
+) -> None:
+    from specdec.decode.artifacts import SpecdecError
+    from specdec.train.dllm import train_dllm
+    from specdec.train.listtasks import list_tasks as make_list_tasks
+
+    if (from_dir is None) == (config is None):
+        raise _fail(SpecdecError("give exactly one of --from DIR or --config FILE"))
+    try:
+        model_config = json.loads(config.read_text()) if config is not None else None
+        extra = [(t.prompt, t.completion) for t in make_list_tasks(list_tasks, seed=seed)]
+        metrics = train_dllm(
+            from_dir, data, out, block_size=block_size, attention=attention, max_steps=max_steps, budget_minutes=budget_minutes,
+            seed=seed, certainty_forcing=certainty_forcing, lora=lora, extra_examples=extra, model_config=model_config, tokenizer_dir=tokenizer,
+        )  # fmt: skip
+    except (SpecdecError, OSError, json.JSONDecodeError) as exc:
+        raise _fail(exc) from None
+    typer.echo(
+        f"wrote {out}: {metrics['steps']} steps, loss {metrics['loss_first']:.4f} -> {metrics['loss_last']:.4f}, "
+        f"held-out masked CE {_fmt(metrics['heldout_masked_ce_before'])} -> {_fmt(metrics['heldout_masked_ce'])}"
+    )
+
+
+def train_filter_command(
+    dllm: Annotated[Path, typer.Option("--dllm", help="The dLLM the filter is for.")],
+    data: Annotated[Path, typer.Option("--data", help="prompts.jsonl: one {\"prompt\": ...} per line.")],
+    out: Annotated[Path, typer.Option("--out", help="Output directory for the filter.")],
+    gen_length: Annotated[int, typer.Option(help="Answer length of the labelling decodes.")] = 128,
+    block_size: Annotated[int, typer.Option(help="Decode block size (the filter's width).")] = 32,
+    hidden: Annotated[int, typer.Option(help="0: logistic regression; >0: MLP hidden size.")] = 0,
+    max_steps: Annotated[int, typer.Option(help="Optimizer steps at most.")] = 2000,
+    budget_minutes: Annotated[Optional[float], typer.Option(help="Stop after this many minutes.")] = None,
+    seed: Annotated[int, typer.Option(help="Random seed.")] = 0,
+    trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code", help="Allow LLaDA/Dream-style remote code.")] = False,
+) -> None:
+    from specdec.decode.artifacts import SpecdecError
+    from specdec.train.filter import train_filter
+
+    try:
+        prompts = read_prompts(data)
+        metrics = train_filter(
+            dllm, prompts, out, gen_length=gen_length, block_size=block_size, hidden=hidden, max_steps=max_steps,
+            budget_minutes=budget_minutes, seed=seed, trust_remote_code=trust_remote_code,
+        )  # fmt: skip
+    except (SpecdecError, OSError) as exc:
+        raise _fail(exc) from None
+    held = metrics["heldout"]
+    typer.echo(
+        f"wrote {out}: {metrics['records']} labelled steps, BCE {metrics['loss_first']:.4f} -> {metrics['loss_last']:.4f}, "
+        f"held-out precision {_fmt(held.get('precision'))} recall {_fmt(held.get('recall'))}"
+    )
+
+
+def read_prompts(path: Path) -> list[str]:
+    from datasets import load_dataset
+
+    from specdec.decode.artifacts import SpecdecError
+
+    if not path.is_file():
+        raise SpecdecError(f"no such prompts file: {path}")
+    prompts = [row["prompt"] for row in load_dataset("json", data_files=str(path), split="train") if row.get("prompt")]
+    if not prompts:
+        raise SpecdecError(f"{path} has no records with a prompt")
+    return prompts
+
+
+def _fmt(x) -> str:
+    return "n/a" if x is None else f"{x:.4f}"

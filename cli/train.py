@@ -1,0 +1,251 @@
+"""CLI commands: train-draft, train-acceptance, train-heads, export (torch is imported lazily).
+
+Each command only declares options and hands off to one library function; a SpecdecError becomes
+a clean message and exit code 1 (2 for usage errors). Runs as a module too, which is what
+``accelerate launch --multi_gpu --num_processes N -m specdec.cli.train train-draft ...`` needs.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from specdec.decode.artifacts import SpecdecError
+
+RECIPES = Path(__file__).resolve().parent.parent / "recipes"
+
+Data = Annotated[list[Path], typer.Option("--data", help="Training data: JSONL (e.g. the output of specdec decode), Parquet or text; repeat for several files.")]
+Target = Annotated[Path, typer.Option("--target", help="The target model directory (HF causal LM with its tokenizer).")]
+Out = Annotated[Path, typer.Option("--out", help="Artifact directory to write (checkpoints go under OUT/checkpoints).")]
+Recipe = Annotated[Optional[Path], typer.Option("--recipe", help="Recipe YAML (TrainConfig fields; unknown keys are an error). Default: the packaged recipe.")]
+MaxSteps = Annotated[Optional[int], typer.Option("--max-steps", help="Optimizer steps (overrides the recipe).")]
+Budget = Annotated[Optional[float], typer.Option("--budget-minutes", help="Stop training after this many wall-clock minutes.")]
+Resume = Annotated[bool, typer.Option("--resume", help="Continue exactly from the latest checkpoint in OUT.")]
+Batch = Annotated[Optional[int], typer.Option("--batch", help="Sequences per process per micro-batch.")]
+SeqLen = Annotated[Optional[int], typer.Option("--seq-len", help="Tokens per training block.")]
+Lr = Annotated[Optional[float], typer.Option("--lr", help="Peak learning rate.")]
+Seed = Annotated[Optional[int], typer.Option("--seed", help="Seed for init, data order and sampling.")]
+CkptEvery = Annotated[Optional[int], typer.Option("--checkpoint-every", help="Checkpoint every N optimizer steps (0 = only at the end).")]
+Precision = Annotated[Optional[str], typer.Option("--mixed-precision", help="no, bf16 (default, works on CPU) or fp16.")]
+
+
+def _config(recipe: Path | None, default: str, section: str, **overrides):
+    from specdec.train.loop import load_config
+
+    path = recipe or RECIPES / default
+    over = {
+        "steps": overrides.pop("max_steps", None),
+        "budget_minutes": overrides.pop("budget_minutes", None),
+        "batch": overrides.pop("batch", None),
+        "seq_len": overrides.pop("seq_len", None),
+        "lr": overrides.pop("lr", None),
+        "seed": overrides.pop("seed", None),
+        "checkpoint_every": overrides.pop("checkpoint_every", None),
+        "mixed_precision": overrides.pop("mixed_precision", None),
+    }
+    return load_config(path, over, section=section)
+
+
+def _run(fn, *args, **kwargs):
+    try:
+        return fn(*args, **kwargs)
+    except SpecdecError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(getattr(exc, "exit_code", 1)) from None
+
+
+def _report(metrics: dict, out: Path, keys: tuple[str, ...]) -> None:
+    if not metrics:  # non-main processes of a distributed run
+        return
+    shown = {k: metrics[k] for k in keys if k in metrics}
+    typer.echo(f"wrote {out}: " + ", ".join(f"{k}={_fmt(v)}" for k, v in shown.items()), err=True)
+
+
+def _fmt(v):
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{k}: {_fmt(x)}" for k, x in v.items()) + "}"
+    if isinstance(v, list):
+        return "[" + ", ".join(_fmt(x) for x in v) + "]"
+    return str(v)
+
+
+def train_draft_cmd(
+    target: Target,
+    data: Data,
+    out: Out,
+    init: Annotated[Optional[Path], typer.Option("--init", help="Start from this causal LM checkpoint (same vocabulary).")] = None,
+    arch: Annotated[Optional[str], typer.Option("--arch", help="New small Llama: layers=N,hidden=N,heads=N[,kv_heads=N,ffn=N].")] = None,
+    recipe: Recipe = None,
+    kd_weight: Annotated[Optional[float], typer.Option("--kd-weight", help="Weight of forward KL to the target (1-W goes to CE; 0 = CE only).")] = None,
+    temperature: Annotated[Optional[float], typer.Option("--temperature", help="Distillation temperature.")] = None,
+    lora: Annotated[bool, typer.Option("--lora", help="Train a LoRA adapter on the --init draft.")] = False,
+    lora_save: Annotated[str, typer.Option("--lora-save", help="merged (plain weights) or adapter (peft adapter dir).")] = "merged",
+    cache_teacher: Annotated[bool, typer.Option("--cache-teacher", help="Compute the target's top-k logits once and cache them on disk.")] = False,
+    max_steps: MaxSteps = None,
+    budget_minutes: Budget = None,
+    resume: Resume = False,
+    batch: Batch = None,
+    seq_len: SeqLen = None,
+    lr: Lr = None,
+    seed: Seed = None,
+    checkpoint_every: CkptEvery = None,
+    mixed_precision: Precision = None,
+) -> None:
+    """Distil a draft model from the target (forward KL + CE)."""
+    from specdec.train.draft import train_draft
+
+    cfg = _run(_config, recipe, "draft.yaml", "draft", max_steps=max_steps, budget_minutes=budget_minutes, batch=batch,
+               seq_len=seq_len, lr=lr, seed=seed, checkpoint_every=checkpoint_every, mixed_precision=mixed_precision)
+    kd = kd_weight if kd_weight is not None else float(cfg.extra.get("kd_weight", 0.9))
+    temp = temperature if temperature is not None else float(cfg.extra.get("temperature", 1.0))
+    metrics = _run(train_draft, target, data, out, cfg, init=init, arch=arch, kd_weight=kd, temperature=temp, lora=lora,
+                   lora_save=lora_save, cache_teacher=cache_teacher, resume=resume)
+    _report(metrics, out, ("heldout_ce", "top1_agreement", "expected_tau", "steps", "stopped"))
+
+
+def train_acceptance_cmd(
+    target: Target,
+    draft: Annotated[Path, typer.Option("--draft", help="The draft artifact the head reads.")],
+    data: Data,
+    out: Out,
+    recipe: Recipe = None,
+    reject_weight: Annotated[Optional[float], typer.Option("--reject-weight", help="BCE weight of the reject class.")] = None,
+    max_steps: MaxSteps = None,
+    budget_minutes: Budget = None,
+    resume: Resume = False,
+    batch: Batch = None,
+    seq_len: SeqLen = None,
+    lr: Lr = None,
+    seed: Seed = None,
+    checkpoint_every: CkptEvery = None,
+    mixed_precision: Precision = None,
+) -> None:
+    """Train a SpecDec++ acceptance head on the draft's hidden states."""
+    from specdec.train.acceptance import train_acceptance
+
+    cfg = _run(_config, recipe, "draft.yaml", "acceptance", max_steps=max_steps, budget_minutes=budget_minutes, batch=batch,
+               seq_len=seq_len, lr=lr, seed=seed, checkpoint_every=checkpoint_every, mixed_precision=mixed_precision)
+    metrics = _run(train_acceptance, target, draft, data, out, cfg,
+                   reject_weight=reject_weight if reject_weight is not None else float(cfg.extra.get("reject_weight", 6.0)),
+                   target_token_frac=float(cfg.extra.get("target_token_frac", 0.15)),
+                   temperature=float(cfg.extra.get("temperature", 1.0)), resume=resume)
+    _report(metrics, out, ("brier", "brier_constant_baseline", "ece", "steps"))
+
+
+def train_heads_cmd(
+    kind: Annotated[str, typer.Option("--kind", help="medusa, clover or eagle.")],
+    target: Target,
+    data: Data,
+    out: Out,
+    num_heads: Annotated[Optional[int], typer.Option("--num-heads", help="Medusa/Clover heads (default 4).")] = None,
+    eagle3: Annotated[bool, typer.Option("--eagle3", help="EAGLE: multi-layer features and unrolled training-time steps.")] = False,
+    unroll: Annotated[Optional[int], typer.Option("--unroll", help="EAGLE: unrolled training-time steps (1 = EAGLE-1).")] = None,
+    recipe: Recipe = None,
+    max_steps: MaxSteps = None,
+    budget_minutes: Budget = None,
+    resume: Resume = False,
+    batch: Batch = None,
+    seq_len: SeqLen = None,
+    lr: Lr = None,
+    seed: Seed = None,
+    checkpoint_every: CkptEvery = None,
+    mixed_precision: Precision = None,
+) -> None:
+    """Train Medusa / Clover / EAGLE heads on the frozen target."""
+    from specdec.train.heads import KINDS, train_heads
+
+    if kind not in KINDS:
+        typer.echo(f"error: --kind must be one of {', '.join(KINDS)}", err=True)
+        raise typer.Exit(2)
+    cfg = _run(_config, recipe, "heads.yaml", kind, max_steps=max_steps, budget_minutes=budget_minutes, batch=batch,
+               seq_len=seq_len, lr=lr, seed=seed, checkpoint_every=checkpoint_every, mixed_precision=mixed_precision)
+    hp = {"num_heads": num_heads, "unroll": unroll}
+    if eagle3:
+        hp.update(eagle3=True, feature_layers="eagle3")
+    metrics = _run(train_heads, kind, target, data, out, cfg, resume=resume, **hp)
+    _report(metrics, out, ("top1_accuracy", "expected_tau", "steps", "stopped"))
+
+
+def export_cmd(
+    src: Annotated[Path, typer.Argument(help="A medusa or eagle artifact directory.")],
+    to: Annotated[str, typer.Option("--to", help="hf (the method's own checkpoint layout) or vllm.")],
+    out: Annotated[Optional[Path], typer.Option("--out", help="Where to write (default SRC-TO).")] = None,
+) -> None:
+    """Export a head artifact in the Medusa / EAGLE checkpoint conventions."""
+    from specdec.train.heads import export_artifact
+
+    dst = _run(export_artifact, src, out or src.with_name(f"{src.name}-{to}"), to)
+    typer.echo(str(dst))
+
+
+def register(app: typer.Typer) -> None:
+    app.command("train-draft")(train_draft_cmd)
+    app.command("train-acceptance")(train_acceptance_cmd)
+    app.command("train-heads")(train_heads_cmd)
+    app.command("export")(export_cmd)
+
+
+# ---------------------------------------------------------------------------------------------
+# Recipe hook: the tiny-stdlib family
+
+
+def build_drafters_for_recipe(family_dir: Path, train_files: list[Path], budget_minutes: float, seed: int) -> dict:
+    """Train every learned drafter of a family from ``family_dir/target`` within ``budget_minutes``.
+
+    Writes family_dir/{draft, draft-ce, acceptance, medusa, clover, eagle}; draft (KD) and draft-ce
+    (CE only) get the same budget and recipe so their tau is comparable. Returns {member: metrics}.
+    """
+    from specdec.train.acceptance import train_acceptance
+    from specdec.train.draft import train_draft
+    from specdec.train.heads import train_heads
+    from specdec.train.loop import load_config
+
+    family_dir = Path(family_dir)
+    target = family_dir / "target"
+    if not (target / "config.json").exists():
+        raise SpecdecError(f"{target} has no config.json: build the target first")
+    share = {"draft": 0.22, "draft-ce": 0.22, "acceptance": 0.1, "medusa": 0.14, "clover": 0.16, "eagle": 0.16}
+    big = 100_000  # steps: the budget is what stops each run
+    deadline = time.monotonic() + budget_minutes * 60
+    results: dict = {}
+
+    def cfg(recipe: str, section: str, member: str):
+        # each run's training budget is its share of the time still left, less ~25% for loading,
+        # feature building and held-out metrics, so the whole family lands near the budget
+        left = max(deadline - time.monotonic(), 0.0) / 60
+        todo = [m for m in share if m not in results]
+        minutes = max(0.75 * left * share[member] / sum(share[m] for m in todo), 0.05)
+        return load_config(RECIPES / recipe, {"steps": big, "seed": seed, "budget_minutes": minutes,
+                                              "progress": sys.stderr.isatty()}, section=section)
+
+    c = cfg("draft.yaml", "draft", "draft")
+    arch = c.extra.get("arch", "layers=2,hidden=128,heads=4")
+    # KD and CE-only get the same training minutes so their tau compares at equal training time
+    c_ce = load_config(RECIPES / "draft.yaml", {"steps": big, "seed": seed, "budget_minutes": c.budget_minutes,
+                                                "progress": c.progress}, section="draft")
+    results["draft"] = train_draft(target, train_files, family_dir / "draft", c, arch=arch,
+                                   kd_weight=float(c.extra.get("kd_weight", 0.9)), temperature=float(c.extra.get("temperature", 1.0)))
+    results["draft-ce"] = train_draft(target, train_files, family_dir / "draft-ce", c_ce, arch=arch, kd_weight=0.0)
+    a = cfg("draft.yaml", "acceptance", "acceptance")
+    results["acceptance"] = train_acceptance(target, family_dir / "draft", train_files, family_dir / "acceptance", a,
+                                             reject_weight=float(a.extra.get("reject_weight", 6.0)),
+                                             target_token_frac=float(a.extra.get("target_token_frac", 0.15)))
+    for kind in ("medusa", "clover", "eagle"):
+        results[kind] = train_heads(kind, target, train_files, family_dir / kind, cfg("heads.yaml", kind, kind))
+    return results
+
+
+def main() -> None:
+    app = typer.Typer(add_completion=False, no_args_is_help=True)
+    register(app)
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,373 @@
+"""Drafters for Medusa, Clover and EAGLE artifacts: token trees from the target's own hidden states.
+
+All three read the target's last hidden states from the engine (``needs_hidden = True``): the
+prefill's in ``begin`` and each verify forward's in ``observe``, where ``seg.keep_index`` /
+``seg.accepted`` say which slots each row kept. They differ only in how a tree node's children are
+scored (``_child_logprobs``); one tree builder grows either
+  - a static tree: a TreeTemplate (best-first top-k per depth), or
+  - a dynamic tree (EAGLE-2): expand the top-k frontier nodes by cumulative draft log-prob, keep
+    the global top-k per depth, and finally the best ``tree_tokens`` nodes of everything seen.
+Every row gets its own tree; the engine verifies all of them in one target forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specdec.decode.cache import KVState
+from specdec.decode.drafters import Drafter, Proposal, Segment, TreeTemplate, tree_attention_from_parents
+
+DEFAULTS = {"medusa": (24, 4), "clover": (24, 4), "eagle": (32, 5)}  # (tree tokens, depth)
+
+
+@dataclass
+class Tree:
+    """Nodes grown so far, per row: tokens/parents/depth/score [B, n]; parent -1 = the root."""
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    depth: torch.Tensor
+    score: torch.Tensor
+
+    @staticmethod
+    def empty(bsz: int, device) -> "Tree":
+        z = torch.zeros(bsz, 0, device=device)
+        return Tree(z.long(), z.long(), z.long(), z.double())
+
+    @property
+    def size(self) -> int:
+        return self.tokens.shape[1]
+
+    def add(self, tokens, parents, depth, score) -> torch.Tensor:
+        start = self.size
+        self.tokens = torch.cat([self.tokens, tokens], 1)
+        self.parents = torch.cat([self.parents, parents], 1)
+        self.depth = torch.cat([self.depth, depth], 1)
+        self.score = torch.cat([self.score, score.double()], 1)
+        return torch.arange(start, self.size, device=tokens.device)
+
+
+class HeadTreeDrafter(Drafter):
+    """Shared tree growth; subclasses implement ``_root_state`` bookkeeping and ``_child_logprobs``."""
+
+    needs_hidden = True
+
+    def __init__(self, heads, target, tree: str = "static", tree_tokens: int | None = None, depth: int | None = None, top_k: int | None = None):
+        if tree not in ("static", "dynamic"):
+            raise ValueError("tree must be static or dynamic")
+        kind_tokens, kind_depth = DEFAULTS[heads.kind]
+        self.heads, self.target = heads, target
+        self.tree = tree
+        self.tree_tokens = int(tree_tokens or kind_tokens)
+        self.depth = int(depth or kind_depth)
+        if heads.kind != "eagle":
+            self.depth = min(self.depth, heads.num_heads)
+        self.top_k = int(top_k or (4 if tree == "static" else 8))
+        self.default_k = self.depth  # the engine's num_draft bounds the depth (context room)
+        self._tpl_key = None
+        self._tpl = None
+
+    # -- engine hooks --------------------------------------------------------------------------
+
+    def begin(self, batch, seg: Segment) -> None:
+        raise NotImplementedError
+
+    def observe(self, batch, seg: Segment) -> None:
+        raise NotImplementedError
+
+    def _child_logprobs(self, tree: Tree, nodes: torch.Tensor, level: int, batch) -> torch.Tensor:
+        """Log-probs [B, m, V] of the children of ``nodes`` [B, m] (-1 = root), all at depth ``level``."""
+        raise NotImplementedError
+
+    def _reset_tree(self, batch) -> None:
+        pass
+
+    # -- tree growth ---------------------------------------------------------------------------
+
+    def propose(self, batch) -> Proposal | None:
+        depth = min(self.depth, batch.num_draft)
+        if depth <= 0:
+            return None
+        self._reset_tree(batch)
+        if self.tree == "static":
+            tree = self._grow_static(batch, depth)
+        else:
+            tree = self._grow_dynamic(batch, depth)
+        return Proposal(tokens=tree.tokens, parents=tree.parents, max_depth=int(tree.depth.max().item()))
+
+    def _template(self, depth: int, device):
+        key = (self.tree_tokens, self.top_k, depth)
+        if self._tpl_key != key:
+            tpl = TreeTemplate.best_first(self.tree_tokens, self.top_k, depth)
+            t = tpl.tensors(device)
+            self._tpl = (t["parents"][0], t["ranks"], t["depth"][0, 1:])
+            self._tpl_key = key
+        return self._tpl
+
+    def _grow_static(self, batch, depth: int) -> Tree:
+        parents, ranks, depths = self._template(depth, batch.device)
+        bsz = len(batch.seqs)
+        tree = Tree.empty(bsz, batch.device)
+        for d in range(1, int(depths.max().item()) + 1):
+            nodes = (depths == d).nonzero().squeeze(-1)
+            par = parents[nodes]  # template indices (== tree indices: templates are depth-sorted)
+            uniq, inv = torch.unique(par, return_inverse=True)
+            expand = uniq[None].expand(bsz, -1)
+            logp = self._child_logprobs(tree, expand, d - 1, batch)  # [B, u, V]
+            k = int(ranks[nodes].max().item()) + 1
+            top_lp, top_tok = logp.topk(k, dim=-1)
+            r = ranks[nodes]
+            tok = top_tok[:, inv, r]
+            lp = top_lp[:, inv, r]
+            par_b = par[None].expand(bsz, -1)
+            base = torch.where(par_b >= 0, tree.score.gather(1, par_b.clamp(min=0)) if tree.size else torch.zeros_like(lp, dtype=torch.float64), torch.zeros_like(lp, dtype=torch.float64))
+            tree.add(tok, par_b, torch.full_like(tok, d), base + lp.double())
+        return tree
+
+    def _grow_dynamic(self, batch, depth: int) -> Tree:
+        bsz = len(batch.seqs)
+        dev = batch.device
+        k = self.top_k
+        tree = Tree.empty(bsz, dev)
+        frontier = torch.full((bsz, 1), -1, dtype=torch.long, device=dev)
+        f_score = torch.zeros(bsz, 1, dtype=torch.float64, device=dev)
+        for d in range(1, depth + 1):
+            logp = self._child_logprobs(tree, frontier, d - 1, batch)  # [B, m, V]
+            top_lp, top_tok = logp.topk(k, dim=-1)  # [B, m, k]
+            m = frontier.shape[1]
+            score = (f_score[..., None] + top_lp.double()).reshape(bsz, m * k)
+            par = frontier[..., None].expand(bsz, m, k).reshape(bsz, m * k)
+            idx = tree.add(top_tok.reshape(bsz, m * k), par, torch.full_like(par, d), score)
+            if d < depth:
+                best = score.topk(min(k, m * k), dim=-1).indices
+                frontier = idx[best]
+                f_score = score.gather(1, best)
+        return _best_subtree(tree, self.tree_tokens)
+
+
+def _best_subtree(tree: Tree, n: int) -> Tree:
+    """Keep each row's n best-scoring nodes, topologically ordered; a node whose parent was not kept
+    (only possible on exact score ties) becomes padding (parent -2)."""
+    bsz, total = tree.tokens.shape
+    n = min(n, total)
+    # shallower first on ties, so parents win over children of equal score
+    key = tree.score - tree.depth.double() * 1e-9
+    keep = key.topk(n, dim=-1).indices
+    order = torch.sort(tree.depth.gather(1, keep) * (total + 1) + keep, dim=-1).indices
+    keep = keep.gather(1, order)  # sorted by (depth, index): topological
+    new_index = torch.full((bsz, total), -2, dtype=torch.long, device=keep.device)
+    new_index.scatter_(1, keep, torch.arange(n, device=keep.device)[None].expand(bsz, n))
+    old_par = tree.parents.gather(1, keep)
+    parents = torch.where(old_par >= 0, new_index.gather(1, old_par.clamp(min=0)), old_par)
+    for i in range(n):  # a dropped parent drops its subtree
+        p = parents[:, i]
+        dead = (p >= 0) & (parents.gather(1, p.clamp(min=0)[:, None]).squeeze(1) == -2)
+        parents[:, i] = torch.where(dead | (p == -2), torch.full_like(p, -2), p)
+    return Tree(tree.tokens.gather(1, keep), parents, tree.depth.gather(1, keep), tree.score.gather(1, keep))
+
+
+def _last_kept_hidden(seg: Segment) -> torch.Tensor:
+    """[B, H]: the target's hidden state at each row's last kept slot (it predicted batch.root)."""
+    acc = torch.tensor(seg.accepted, device=seg.hidden.device)
+    rows = torch.arange(seg.hidden.shape[0], device=seg.hidden.device)
+    return seg.hidden[rows, seg.keep_index[rows, acc]]
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+class MedusaDrafter(HeadTreeDrafter):
+    """Candidates of depth d come from head d on the last hidden state, whatever the parent."""
+
+    def begin(self, batch, seg: Segment) -> None:
+        self.h = seg.hidden[:, -1]  # prompts are left-padded: the last slot is every row's last token
+
+    def observe(self, batch, seg: Segment) -> None:
+        self.h = _last_kept_hidden(seg)
+
+    def _reset_tree(self, batch) -> None:
+        self._logp = torch.log_softmax(self.heads.medusa_logits(self.h).float(), -1)  # [heads, B, V]
+
+    def _child_logprobs(self, tree, nodes, level, batch):
+        return self._logp[level][:, None].expand(-1, nodes.shape[1], -1)
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        self.h = self.h[rows]
+
+
+class CloverDrafter(HeadTreeDrafter):
+    """Sequential heads: a node's state = step(its token, its parent's state) over a window of the
+    target's hidden states (the Attention Decoder's memory); the root state comes from the
+    Augmenting Block on that window."""
+
+    def begin(self, batch, seg: Segment) -> None:
+        self.mem = seg.hidden
+        self.mem_valid = seg.input_valid.clone()
+        self._trim()
+
+    def observe(self, batch, seg: Segment) -> None:
+        kept = seg.hidden.gather(1, seg.keep_index[..., None].expand(-1, -1, seg.hidden.shape[-1]))
+        self.mem = torch.cat([self.mem, kept], 1)
+        self.mem_valid = torch.cat([self.mem_valid, seg.keep_valid], 1)
+        self._trim()
+
+    def _trim(self) -> None:
+        # right-align each row's valid states, then keep the last `window` columns
+        order = torch.sort(self.mem_valid.long(), dim=1, stable=True).indices
+        self.mem = self.mem.gather(1, order[..., None].expand(-1, -1, self.mem.shape[-1]))
+        self.mem_valid = self.mem_valid.gather(1, order)
+        w = self.heads.window
+        self.mem, self.mem_valid = self.mem[:, -w:], self.mem_valid[:, -w:]
+        used = self.mem_valid.any(0)
+        first = int(used.long().argmax().item())
+        self.mem, self.mem_valid = self.mem[:, first:], self.mem_valid[:, first:]
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        self.mem, self.mem_valid = self.mem[rows], self.mem_valid[rows]
+        self._trim()
+
+    def _reset_tree(self, batch) -> None:
+        mask = self.mem_valid[:, None, :]
+        aug = self.heads.augmented(self.mem[:, -1:], self.mem, mask)  # query: the last committed state
+        self._root_state = aug  # [B, 1, H]
+        self._state = None  # [B, n, H] per node, filled as nodes are expanded
+        self._root_tok = batch.root[:, None]
+
+    def _child_logprobs(self, tree, nodes, level, batch):
+        bsz, m = nodes.shape
+        hsz = self.mem.shape[-1]
+        if self._state is None or self._state.shape[1] < tree.size:
+            pad = tree.size - (0 if self._state is None else self._state.shape[1])
+            extra = torch.zeros(bsz, pad, hsz, dtype=self.mem.dtype, device=self.mem.device)
+            self._state = extra if self._state is None else torch.cat([self._state, extra], 1)
+        if level == 0:
+            # the root's emitting state: the augmented state after consuming the root token
+            prev_state, tok = self._root_state.expand(bsz, m, hsz), self._root_tok.expand(bsz, m)
+        else:
+            par = tree.parents.gather(1, nodes)
+            states_with_root = torch.cat([self._root_emit, self._state], 1)  # slot 0 = root
+            prev_state = states_with_root.gather(1, (par + 1)[..., None].expand(-1, -1, hsz))
+            tok = tree.tokens.gather(1, nodes)
+        state = self.heads.step(tok, prev_state, self.mem, self.mem_valid[:, None, :].expand(bsz, m, -1))
+        if level > 0:
+            self._state.scatter_(1, nodes[..., None].expand(-1, -1, hsz), state)
+        else:
+            self._root_emit = state
+        head = min(level, self.heads.num_heads - 1)
+        return torch.log_softmax(self.heads.head_logits(head, state).float(), -1)
+
+
+class _EagleView(torch.nn.Module):
+    """What KVState drives: entries (token, feature) -> predicted features, with the layer's cache."""
+
+    def __init__(self, eagle):
+        super().__init__()
+        self.eagle = eagle
+        self.config = eagle.layer_config
+
+    @property
+    def dtype(self):
+        return next(self.eagle.parameters()).dtype
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, past_key_values=None, use_cache=True,
+                output_hidden_states=False, features=None):
+        x = self.eagle.entry(input_ids, features)
+        return self.eagle.run(x, attention_mask=attention_mask, position_ids=position_ids, past_key_values=past_key_values, use_cache=use_cache)
+
+
+class EagleDrafter(HeadTreeDrafter):
+    """EAGLE: a one-layer feature drafter with its own KV cache of true (token, feature) entries for
+    committed text; tree nodes are entries (token, parent's predicted feature) evaluated with tree
+    attention and never committed."""
+
+    def __init__(self, heads, target, **kw):
+        super().__init__(heads, target, **kw)
+        if heads.feature_layers:
+            from specdec.decode.artifacts import SpecdecError
+
+            raise SpecdecError("this EAGLE artifact uses multi-layer features (EAGLE-3); the engine passes only the "
+                               "last hidden state to drafters")
+        self.view = _EagleView(heads)
+
+    def begin(self, batch, seg: Segment) -> None:
+        self.state = KVState(self.view, len(batch.seqs), batch.device)
+        nxt = torch.cat([seg.input_ids[:, 1:], batch.root[:, None]], 1)  # entry t = (token t+1, f_t)
+        fh = self.state.forward(nxt, seg.input_valid, features=seg.hidden)
+        self.state.commit_prefix(nxt.shape[1], seg.input_valid)
+        self.f_root = fh[:, -1]
+
+    def observe(self, batch, seg: Segment) -> None:
+        ids = seg.input_ids.gather(1, seg.keep_index)  # [root, accepted path...]
+        nxt = torch.cat([ids[:, 1:], batch.root[:, None]], 1)
+        acc = torch.tensor(seg.accepted, device=nxt.device)
+        rows = torch.arange(nxt.shape[0], device=nxt.device)
+        nxt[rows, acc] = batch.root  # the token after each row's last kept slot is its new root
+        feats = seg.hidden.gather(1, seg.keep_index[..., None].expand(-1, -1, seg.hidden.shape[-1]))
+        fh = self.state.forward(nxt, seg.keep_valid, features=feats)
+        self.state.commit_prefix(nxt.shape[1], seg.keep_valid)
+        self.f_root = fh[rows, acc]
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        self.state.select_rows(rows)
+        self.f_root = self.f_root[rows]
+
+    def _reset_tree(self, batch) -> None:
+        self._fh = None  # [B, n, H] predicted feature per expanded node
+        self._expanded = torch.zeros(len(batch.seqs), 0, dtype=torch.long, device=batch.device)
+
+    def _child_logprobs(self, tree, nodes, level, batch):
+        bsz, m = nodes.shape
+        hsz = self.f_root.shape[-1]
+        if level == 0:
+            return torch.log_softmax(self.heads.lm_logits(self.f_root).float(), -1)[:, None].expand(bsz, m, -1)
+        if self._fh is None or self._fh.shape[1] < tree.size:
+            pad = tree.size - (0 if self._fh is None else self._fh.shape[1])
+            extra = torch.zeros(bsz, pad, hsz, dtype=self.f_root.dtype, device=self.f_root.device)
+            self._fh = extra if self._fh is None else torch.cat([self._fh, extra], 1)
+        # the segment: every expanded node so far plus this level's (their ancestors are all in it)
+        self._expanded = torch.cat([self._expanded, nodes], 1)
+        seg_nodes = self._expanded
+        s = seg_nodes.shape[1]
+        par = tree.parents.gather(1, seg_nodes)
+        fh_with_root = torch.cat([self.f_root[:, None], self._fh], 1)
+        feats = fh_with_root.gather(1, (par + 1)[..., None].expand(-1, -1, hsz))
+        toks = tree.tokens.gather(1, seg_nodes)
+        local = torch.where(par[..., None] == seg_nodes[:, None, :], 1, 0)
+        local_par = torch.where(par >= 0, local.argmax(-1), torch.full_like(par, -1))
+        anc, _ = tree_attention_from_parents(local_par)
+        offsets = tree.depth.gather(1, seg_nodes) - 1
+        out = self.state.forward(toks, None, tree_attn=anc[:, 1:, 1:], depth=offsets, features=feats)
+        self.state.commit_prefix(0, torch.zeros(bsz, 0, dtype=torch.bool, device=toks.device))  # drop the tree
+        fh = out[:, s - m :]
+        self._fh.scatter_(1, nodes[..., None].expand(-1, -1, hsz), fh)
+        return torch.log_softmax(self.heads.lm_logits(fh).float(), -1)
+
+
+DRAFTERS = {"medusa": MedusaDrafter, "clover": CloverDrafter, "eagle": EagleDrafter}
+
+
+def build_drafter(artifact_dir: Path, target, tokenizer, options) -> Drafter:
+    """Factory for ``--drafter DIR`` of kind medusa/clover/eagle.
+
+    options: ``num_draft`` (tree depth; None = the kind's default), ``tree`` ("static" or "dynamic"),
+    ``tree_tokens`` (nodes per tree; None = default), optional ``top_k``.
+    """
+    from specdec.decode.artifacts import SpecdecError, check_fingerprint, read_config, tokenizer_fingerprint
+    from specdec.train.heads import load_heads
+
+    cfg = read_config(artifact_dir)
+    kind = cfg.get("kind")
+    if kind not in DRAFTERS:
+        raise SpecdecError(f"{artifact_dir} is not a medusa/clover/eagle artifact (kind {kind!r})")
+    check_fingerprint(cfg["target"], tokenizer_fingerprint(tokenizer), f"{kind} artifact {artifact_dir}")
+    heads, _ = load_heads(artifact_dir, target)
+    return DRAFTERS[kind](
+        heads, target,
+        tree=getattr(options, "tree", None) or ("dynamic" if kind == "eagle" else "static"),
+        tree_tokens=getattr(options, "tree_tokens", None),
+        depth=getattr(options, "num_draft", None),
+        top_k=getattr(options, "top_k", None),
+    )

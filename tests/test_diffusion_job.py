@@ -1,0 +1,45 @@
+"""`specdec decode` on a masked-diffusion LM: the same JSONL contract, error records and batching."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from test_train_dllm import FAST, TINY, task_pairs, word_tokenizer
+from transformers import LlamaConfig, LlamaForCausalLM
+from typer.testing import CliRunner
+
+from specdec.cli.main import app
+from specdec.train.dllm import train_dllm
+
+
+@pytest.fixture(scope="module")
+def dllm_dir(tmp_path_factory):
+    ar = tmp_path_factory.mktemp("ar")
+    tok = word_tokenizer()
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), eos_token_id=tok.eos_token_id, **TINY)).save_pretrained(ar)
+    tok.save_pretrained(ar)
+    out = tmp_path_factory.mktemp("dllm")
+    train_dllm(ar, ["apple pear fig " * 20], out, block_size=8, max_steps=4, extra_examples=task_pairs(20), **FAST)
+    return out
+
+
+def test_decode_routes_a_dllm_to_diffusion_decoding(dllm_dir, tmp_path):
+    rows = [{"id": "a", "prompt": "copy : apple pear"}, "{broken", {"id": "b", "prompt": ""}, {"id": "c", "prompt": "reverse : fig apple"}]
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    outs = {}
+    for strategy in ["static", "threshold+tau=0.5", "freedave"]:
+        out = tmp_path / f"{strategy.split('+')[0]}.jsonl"
+        res = CliRunner().invoke(app, ["decode", "--in", str(src), "--out", str(out), "--target", str(dllm_dir),
+                                       "--strategy", strategy, "--gen-length", "16", "--block-size", "8", "--batch-size", "2"])
+        assert res.exit_code == 3, res.output  # two bad records
+        got = [json.loads(line) for line in out.read_text().splitlines()]
+        assert [o["id"] for o in got] == ["a", "2", "b", "c"]
+        assert "malformed JSON" in got[1]["error"] and "empty prompt" in got[2]["error"]
+        for o in (got[0], got[3]):
+            assert o["stats"]["strategy"] == strategy.split("+")[0] and o["stats"]["steps"] >= 1
+        outs[strategy] = [got[0]["completion"], got[3]["completion"]]
+    assert outs["freedave"] == outs["static"]  # lossless strategy, through the whole job

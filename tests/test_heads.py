@@ -1,0 +1,132 @@
+"""Medusa / Clover / EAGLE heads: training reduces the loss, tree decoding is exactly AR greedy."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from specdec.decode.engine import SpecEngine
+from specdec.decode.heads import DRAFTERS, build_drafter
+from specdec.decode.types import GenRequest
+from specdec.decode.verify import Sampling, verify_tree
+from specdec.tests.conftest import ByteTokenizer, make_prompts
+from specdec.tests.test_train import make_target_dir, make_tokenizer, tiny_cfg, write_decode_output
+from specdec.train.heads import KINDS, build_heads, export_artifact, train_heads
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("heads")
+    make_target_dir(root / "target", layers=3)
+    write_decode_output(root / "data.jsonl", n=150)
+    return root
+
+
+def _generate(target, drafter, prompts, max_new=20, sampling=None):
+    reqs = [GenRequest(prompt_ids=p, max_new_tokens=max_new) for p in prompts]
+    return SpecEngine(target, ByteTokenizer(), drafter, sampling=sampling).generate(reqs)
+
+
+def _heads(kind, target, **hp):
+    torch.manual_seed(0)
+    return build_heads(kind, target, {"window": 16, **hp}).attach(target, init_from_lm_head=True).double().eval()
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def test_verify_hand_built_tree():
+    # root -> {5, 7}; 5 -> {8}; 7 -> {9, 4}. Target argmax: root 7, node(7) 4, node(4) 6.
+    tokens = torch.tensor([[5, 7, 8, 9, 4]])
+    parents = torch.tensor([[-1, -1, 0, 1, 1]])
+    logits = torch.full((1, 6, 10), -5.0)
+    best = {0: 7, 1: 1, 2: 4, 3: 0, 4: 0, 5: 6}  # slot -> argmax (slot = node + 1, root = 0)
+    for slot, tok in best.items():
+        logits[0, slot, tok] = 5.0
+    v = verify_tree(logits, tokens, parents, Sampling(), None, max_depth=2)
+    assert v.accepted.tolist() == [2]
+    assert v.path.tolist() == [[1, 4]]
+    assert v.next_token.tolist() == [6]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("tree", ["static", "dynamic"])
+@pytest.mark.parametrize("bs", [1, 3])
+def test_tree_decoding_equals_ar(target, kind, tree, bs):
+    prompts = make_prompts(bs, seed=10 + bs)
+    ar = _generate(target, None, prompts)
+    drafter = DRAFTERS[kind](_heads(kind, target), target, tree=tree, tree_tokens=12, top_k=3)
+    out = _generate(target, drafter, prompts)
+    assert [r.token_ids for r in out] == [r.token_ids for r in ar]
+    assert all(r.stats["drafted_tokens"] > 0 for r in out)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_tree_sampling_runs(target, kind):
+    drafter = DRAFTERS[kind](_heads(kind, target), target, tree="dynamic", tree_tokens=8, top_k=2)
+    out = _generate(target, drafter, make_prompts(2, seed=3), max_new=12, sampling=Sampling(temperature=0.9))
+    assert all(len(r.token_ids) == 12 or r.finish_reason == "stop" for r in out)
+
+
+def test_eagle_unrolled_matches_decode_tree(target):
+    """The training-time unrolled chain equals what the drafter computes on a chain-shaped tree."""
+    heads = _heads("eagle", target)
+    ids = torch.tensor([make_prompts(1, seed=4)[0][:12]])
+    with torch.no_grad():
+        hs = target(input_ids=ids, output_hidden_states=True).hidden_states
+        chain = heads.unrolled(hs, ids, 3)  # [3, 1, T-1, H]
+    # decode side: commit entries 0..s, then the chain of data tokens as a tree
+    from specdec.decode.heads import EagleDrafter, Tree, _EagleView
+    from specdec.decode.cache import KVState
+
+    s = 5
+    view = _EagleView(heads)
+    state = KVState(view, 1, ids.device)
+    with torch.no_grad():
+        fh = state.forward(ids[:, 1 : s + 2], features=hs[-1][:, : s + 1])
+        state.commit_prefix(s + 1, torch.ones(1, s + 1, dtype=torch.bool))
+        assert torch.allclose(fh[:, s], chain[0, :, s], atol=1e-9)
+        drafter = EagleDrafter(heads, target, tree="static")
+        drafter.state, drafter.f_root = state, fh[:, s]
+        drafter._reset_tree(None if False else SimpleNamespace(seqs=[0], device=ids.device))
+        tree = Tree.empty(1, ids.device)
+        tree.add(ids[:, s + 2 : s + 3], torch.tensor([[-1]]), torch.tensor([[1]]), torch.zeros(1, 1))
+        drafter._child_logprobs(tree, torch.tensor([[0]]), 1, None)
+        assert torch.allclose(drafter._fh[:, 0], chain[1, :, s], atol=1e-9)
+        tree.add(ids[:, s + 3 : s + 4], torch.tensor([[0]]), torch.tensor([[2]]), torch.zeros(1, 1))
+        drafter._child_logprobs(tree, torch.tensor([[1]]), 2, None)
+        assert torch.allclose(drafter._fh[:, 1], chain[2, :, s], atol=1e-9)
+
+
+# ---------------------------------------------------------------------------------------------
+# training (float32 target on disk, a few steps)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_heads_train_loss_falls_and_artifact_loads(workdir, kind):
+    from specdec.train.draft import load_target
+
+    out = workdir / kind
+    extra = {"window": 16} if kind == "clover" else {}
+    m = train_heads(kind, workdir / "target", [workdir / "data.jsonl"], out, tiny_cfg(steps=12, lr=1e-2 if kind != "eagle" else 3e-3), **extra)
+    curve = m["loss_curve"]
+    assert sum(curve[-3:]) / 3 < sum(curve[:3]) / 3
+    for f in ("config.json", "model.safetensors", "metrics.json", "training_config.yaml"):
+        assert (out / f).exists()
+    assert len(m["top1_accuracy"]) >= 4 and "1" in m["expected_tau"]
+    target, tok = load_target(workdir / "target")
+    drafter = build_drafter(out, target, tok, SimpleNamespace(num_draft=None, tree="static", tree_tokens=10))
+    res = SpecEngine(target, tok, drafter).generate([GenRequest(prompt_ids=tok("the cat sat")["input_ids"], max_new_tokens=10)])
+    ar = SpecEngine(target, tok, None).generate([GenRequest(prompt_ids=tok("the cat sat")["input_ids"], max_new_tokens=10)])
+    assert res[0].token_ids == ar[0].token_ids
+    # a tokenizer with another vocabulary is refused before any work
+    from specdec.decode.artifacts import SpecdecError
+
+    with pytest.raises(SpecdecError, match="another tokenizer"):
+        build_drafter(out, target, make_tokenizer(80, seed=1), SimpleNamespace(num_draft=None, tree="static", tree_tokens=None))
+    if kind in ("medusa", "eagle"):
+        for to in ("hf", "vllm"):
+            dst = export_artifact(out, workdir / f"{kind}-{to}", to)
+            assert (dst / "config.json").exists()

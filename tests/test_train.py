@@ -1,0 +1,346 @@
+"""train/loop.py, train/data.py, train/draft.py, train/acceptance.py on tiny random models."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from specdec.decode.artifacts import SpecdecError, UsageError, tokenizer_fingerprint
+from specdec.train.loop import TrainConfig, config_from_dict, load_config, run_training
+
+WORDS = "the a cat dog sat on mat ran far near big small red blue tree house went to and then it was".split()
+
+
+def corpus(n: int = 200, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 20))) + "." for _ in range(n)]
+
+
+def make_tokenizer(vocab_size: int = 96, seed: int = 0):
+    """A small BPE tokenizer trained here (no hub): byte alphabet restricted to ASCII letters."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers, decoders
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<pad>", "<s>", "</s>", "<unk>"], show_progress=False)
+    tok.train_from_iterator(corpus(300, seed), trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+def make_target_dir(path: Path, vocab_size: int = 96, hidden: int = 48, layers: int = 2, seed: int = 0, tok_seed: int = 0) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = make_tokenizer(vocab_size, tok_seed)
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(6.0)  # peaked random distributions: KD has something to learn
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def write_decode_output(path: Path, n: int = 120, seed: int = 0) -> Path:
+    """What `specdec decode` writes: prompt + completion records, with an error record mixed in."""
+    texts = corpus(n, seed)
+    with open(path, "w") as fh:
+        for i, t in enumerate(texts):
+            half = len(t) // 2
+            fh.write(json.dumps({"id": str(i), "prompt": t[:half], "completion": t[half:]}) + "\n")
+            if i == 3:
+                fh.write(json.dumps({"id": "bad", "line": 5, "error": "malformed JSON"}) + "\n")
+    return path
+
+
+def tiny_cfg(**kw) -> TrainConfig:
+    base = dict(lr=3e-3, steps=6, batch=4, seq_len=32, warmup=1, checkpoint_every=0, progress=False, log_every=1, heldout=0.15)
+    base.update(kw)
+    return config_from_dict(base)
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train")
+    make_target_dir(root / "target")
+    write_decode_output(root / "data.jsonl")
+    return root
+
+
+# ---------------------------------------------------------------------------------------------
+# config and data
+
+
+def test_config_yaml_unknown_key_and_overrides(tmp_path):
+    (tmp_path / "r.yaml").write_text("lr: 0.01\nsteps: 5\nextra: {kd_weight: 0.5}\n")
+    cfg = load_config(tmp_path / "r.yaml", {"steps": 7, "batch": None})
+    assert cfg.lr == 0.01 and cfg.steps == 7 and cfg.batch == 8 and cfg.extra["kd_weight"] == 0.5
+    (tmp_path / "bad.yaml").write_text("lr: 0.01\nlearning_rate: 3\n")
+    with pytest.raises(UsageError, match="learning_rate"):
+        load_config(tmp_path / "bad.yaml")
+
+
+def test_recipes_load():
+    root = Path(__file__).resolve().parents[1] / "recipes"
+    for name, sections in (("draft.yaml", ["draft", "acceptance"]), ("heads.yaml", ["medusa", "clover", "eagle"])):
+        text = (root / name).read_text()
+        assert text.startswith("# specdec ") or "specdec train-" in text.splitlines()[0]
+        for s in sections:
+            load_config(root / name, section=s)
+
+
+def test_load_texts_formats(tmp_path):
+    from specdec.train.data import load_texts, tokenize_blocks
+
+    write_decode_output(tmp_path / "d.jsonl", n=5)
+    (tmp_path / "t.txt").write_text("plain text document\nsecond line\n")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": ["from parquet one", "from parquet two"]}), tmp_path / "p.parquet")
+    texts = load_texts([tmp_path / "d.jsonl", tmp_path / "t.txt", tmp_path / "p.parquet"])
+    assert len(texts) == 5 + 1 + 2  # the error record is skipped
+    assert texts[0] == corpus(5)[0]
+    train, held = tokenize_blocks(texts * 20, make_tokenizer(), seq_len=16, heldout=0.2)
+    assert train[0]["input_ids"].shape == (16,) and len(held) >= 1
+    with pytest.raises(SpecdecError):
+        load_texts([tmp_path / "missing.jsonl"])
+
+
+# ---------------------------------------------------------------------------------------------
+# the loop
+
+
+class _Toy(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.lin(x).squeeze(-1)
+
+
+class _ToyData:
+    def __init__(self, n=40):
+        g = torch.Generator().manual_seed(1)
+        self.x = torch.randn(n, 8, generator=g)
+        self.y = self.x @ torch.randn(8, generator=g)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"x": self.x[i], "y": self.y[i]}
+
+
+def _toy_loss(model, batch):
+    return ((model(batch["x"]).float() - batch["y"]) ** 2).mean()
+
+
+class _Crash(Exception):
+    pass
+
+
+def test_resume_reproduces_loss_curve(tmp_path):
+    # 4 micro-batches per epoch with grad_accum 2: the crash falls mid-epoch, resume must skip exactly
+    cfg = tiny_cfg(steps=8, batch=5, grad_accum=2, checkpoint_every=3, lr=0.05, mixed_precision="no")
+    full = run_training(cfg, _Toy(), _toy_loss, _ToyData(), tmp_path / "full")
+    calls = {"n": 0}
+
+    def crashing(model, batch):
+        calls["n"] += 1
+        if calls["n"] == 2 * 5 + 1:  # during optimizer step 6, after the step-3 checkpoint
+            raise _Crash()
+        return _toy_loss(model, batch)
+
+    with pytest.raises(_Crash):
+        run_training(cfg, _Toy(), crashing, _ToyData(), tmp_path / "split")
+    resumed = run_training(cfg, _Toy(), _toy_loss, _ToyData(), tmp_path / "split", resume=True)
+    assert len(resumed.losses) == len(full.losses) == 8
+    assert resumed.losses == pytest.approx(full.losses, rel=1e-6, abs=1e-7)
+    assert torch.allclose(resumed.model.lin.weight, full.model.lin.weight, atol=1e-6)
+
+
+def test_budget_stops(tmp_path):
+    cfg = tiny_cfg(steps=10_000, batch=5, budget_minutes=1e-4, mixed_precision="no")
+    res = run_training(cfg, _Toy(), _toy_loss, _ToyData(), tmp_path / "b")
+    assert res.stopped == "budget" and res.steps < 10_000
+
+
+# ---------------------------------------------------------------------------------------------
+# draft
+
+
+def test_kd_loss_falls_and_artifact(workdir):
+    from specdec.train.draft import load_draft, train_draft
+
+    out = workdir / "draft"
+    m = train_draft(workdir / "target", [workdir / "data.jsonl"], out, tiny_cfg(steps=10), arch="layers=1,hidden=32,heads=4", kd_weight=1.0)
+    curve = m["loss_curve"]
+    assert sum(curve[-3:]) / 3 < sum(curve[:3]) / 3
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["specdec_kind"] == "draft"
+    from transformers import AutoTokenizer
+
+    assert cfg["specdec_target"] == tokenizer_fingerprint(AutoTokenizer.from_pretrained(workdir / "target"))
+    for f in ("model.safetensors", "metrics.json", "training_config.yaml", "tokenizer.json"):
+        assert (out / f).exists()
+    assert set(m["expected_tau"]) == {str(k) for k in range(1, 9)}
+    assert 1.0 <= m["expected_tau"]["1"] <= m["expected_tau"]["8"] <= 9.0
+    assert load_draft(out).config.vocab_size == cfg["vocab_size"]
+
+
+def test_ce_only_cached_teacher_and_lora(workdir):
+    from specdec.train.draft import load_draft, train_draft
+
+    base = workdir / "draft-base"
+    train_draft(workdir / "target", [workdir / "data.jsonl"], base, tiny_cfg(steps=2), arch="layers=1,hidden=32,heads=4", kd_weight=0.0)
+    m = train_draft(workdir / "target", [workdir / "data.jsonl"], workdir / "draft-cached", tiny_cfg(steps=3), init=base,
+                    kd_weight=0.5, cache_teacher=True, teacher_topk=16)
+    assert m["teacher"] == "cached-top16" and (workdir / "draft-cached" / "teacher_cache.safetensors").exists()
+    m = train_draft(workdir / "target", [workdir / "data.jsonl"], workdir / "draft-lora", tiny_cfg(steps=3), init=base,
+                    lora=True, lora_save="adapter")
+    assert (workdir / "draft-lora" / "adapter_config.json").exists()
+    assert load_draft(workdir / "draft-lora").config.hidden_size == 32
+
+
+def test_draft_for_other_tokenizer_refused(workdir, tmp_path):
+    from specdec.decode.artifacts import check_fingerprint, read_config
+    from specdec.train.draft import train_draft
+
+    other = make_target_dir(tmp_path / "other", vocab_size=80, tok_seed=1)
+    draft_cfg = read_config(workdir / "draft") if (workdir / "draft").exists() else None
+    if draft_cfg is None:
+        pytest.skip("needs the draft from test_kd_loss_falls_and_artifact")
+    from transformers import AutoTokenizer
+
+    with pytest.raises(SpecdecError, match="another tokenizer"):
+        check_fingerprint(draft_cfg["specdec_target"], tokenizer_fingerprint(AutoTokenizer.from_pretrained(other)), "draft")
+    with pytest.raises(SpecdecError, match="another tokenizer"):
+        train_draft(other, [workdir / "data.jsonl"], tmp_path / "x", tiny_cfg(steps=1), init=workdir / "draft")
+    with pytest.raises(SpecdecError, match="another tokenizer"):
+        from specdec.train.acceptance import train_acceptance
+
+        train_acceptance(other, workdir / "draft", [workdir / "data.jsonl"], tmp_path / "y", tiny_cfg(steps=1))
+
+
+# ---------------------------------------------------------------------------------------------
+# acceptance head
+
+
+def test_acceptance_labels_hand_built():
+    from specdec.train.acceptance import acceptance_labels, weighted_bce
+
+    p = torch.tensor([[0.5, 0.3, 0.2], [0.1, 0.1, 0.8]])
+    q = torch.tensor([[0.25, 0.6, 0.15], [0.5, 0.5, 0.0]])
+    tokens = torch.tensor([[0, 1], [2, 0]])  # per row of (p, q): judge these tokens
+    labels = acceptance_labels(p[:, None].expand(2, 2, 3), q[:, None].expand(2, 2, 3), tokens)
+    # row 0: p/q = 2 -> 1 ; 0.3/0.6 = 0.5.  row 1: q(2) = 0 (a target-chosen token) -> 1 ; 0.1/0.5 = 0.2
+    assert labels.flatten().tolist() == pytest.approx([1.0, 0.5, 1.0, 0.2])
+    # a rejected-leaning label costs more with the reject class up-weighted
+    z = torch.zeros(1)
+    assert float(weighted_bce(z, torch.tensor([0.0]), 6.0)) == pytest.approx(6 * 0.6931, rel=1e-3)
+    assert float(weighted_bce(z, torch.tensor([1.0]), 6.0)) == pytest.approx(0.6931, rel=1e-3)
+
+
+def test_judged_hidden_matches_incremental(draft_model):
+    from specdec.train.acceptance import judged_hidden
+
+    ids = torch.randint(3, 90, (2, 7))
+    tokens = torch.randint(3, 90, (2, 6))
+    with torch.no_grad():
+        h = judged_hidden(draft_model, ids, tokens)
+        for j in (1, 4, 6):
+            seq = torch.cat([ids[:, :j], tokens[:, j - 1 : j]], 1)
+            ref = draft_model(input_ids=seq, output_hidden_states=True).hidden_states[-1][:, -1]
+            assert torch.allclose(h[:, j - 1], ref, atol=1e-9)
+
+
+def test_train_acceptance_artifact(workdir):
+    from specdec.decode.adaptive import build_adaptive
+    from specdec.train.acceptance import train_acceptance
+    from specdec.train.draft import load_draft
+
+    if not (workdir / "draft").exists():
+        pytest.skip("needs the draft from test_kd_loss_falls_and_artifact")
+    out = workdir / "acceptance"
+    m = train_acceptance(workdir / "target", workdir / "draft", [workdir / "data.jsonl"], out, tiny_cfg(steps=8, batch=64, lr=1e-2))
+    assert 0 <= m["brier"] <= 1 and m["reliability_bins"]
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["kind"] == "acceptance" and cfg["target"]["vocab_size"] > 0
+    from types import SimpleNamespace
+    from transformers import AutoTokenizer
+
+    drafter = build_adaptive(out, load_draft(workdir / "draft"), SimpleNamespace(stop_threshold=0.3, min_draft=2, max_draft=20),
+                             tokenizer=AutoTokenizer.from_pretrained(workdir / "target"))
+    assert drafter.max_draft == 20
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI and distributed
+
+
+def test_cli_train_draft(workdir):
+    import typer
+    from typer.testing import CliRunner
+
+    from specdec.cli.train import register
+
+    app = typer.Typer()
+    register(app)
+    runner = CliRunner()
+    res = runner.invoke(app, ["train-draft", "--target", str(workdir / "target"), "--data", str(workdir / "data.jsonl"),
+                              "--out", str(workdir / "cli-draft"), "--arch", "layers=1,hidden=32,heads=4", "--max-steps", "2",
+                              "--batch", "4", "--seq-len", "32", "--checkpoint-every", "0"])
+    assert res.exit_code == 0, res.output
+    assert (workdir / "cli-draft" / "model.safetensors").exists()
+    res = runner.invoke(app, ["train-draft", "--target", str(workdir / "target"), "--data", str(workdir / "nope.jsonl"),
+                              "--out", str(workdir / "cli-bad"), "--arch", "layers=1"])
+    assert res.exit_code == 1 and "no such data file" in res.output
+    res = runner.invoke(app, ["train-draft", "--target", str(workdir / "target"), "--data", str(workdir / "data.jsonl"),
+                              "--out", str(workdir / "cli-bad"), "--arch", "depth=3"])
+    assert res.exit_code == 2 and "--arch" in res.output
+
+
+def test_accelerate_launch_two_processes(workdir):
+    """accelerate launch --multi_gpu (torchrun) with 2 processes on CPU: gloo, same artifact kind."""
+    exe = Path(sys.executable).with_name("accelerate")
+    out = workdir / "ddp-draft"
+    cmd = [str(exe), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "bf16",
+           "--dynamo_backend", "no", "-m", "specdec.cli.train", "train-draft", "--target", str(workdir / "target"),
+           "--data", str(workdir / "data.jsonl"), "--out", str(out), "--arch", "layers=1,hidden=32,heads=4",
+           "--max-steps", "3", "--batch", "2", "--seq-len", "32", "--checkpoint-every", "2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": str(29500 + os.getpid() % 1000)}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["processes"] == 2 and metrics["steps"] == 3
+    assert json.loads((out / "config.json").read_text())["specdec_kind"] == "draft"
+
+
+@pytest.mark.slow
+def test_recipe_hook_builds_family(workdir, tmp_path):
+    import shutil
+
+    from specdec.cli.train import build_drafters_for_recipe
+
+    shutil.copytree(workdir / "target", tmp_path / "target")
+    res = build_drafters_for_recipe(tmp_path, [workdir / "data.jsonl"], budget_minutes=0.2, seed=0)
+    assert set(res) == {"draft", "draft-ce", "acceptance", "medusa", "clover", "eagle"}
+    assert res["draft-ce"]["kd_weight"] == 0.0 and res["draft"]["kd_weight"] > 0
+    for member in res:
+        assert (tmp_path / member / "metrics.json").exists()

@@ -1,0 +1,144 @@
+"""dLLM training on tiny models: masked CE, from-config training, Learn2PD filter, certainty forcing, CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import typer
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from typer.testing import CliRunner
+
+from specdec.cli.diffusion import register
+from specdec.decode.artifacts import artifact_kind
+from specdec.decode.diffusion import DiffusionGenerator, load_dllm, load_filter
+from specdec.decode.types import GenRequest
+from specdec.train.dllm import train_dllm
+from specdec.train.filter import train_filter
+from specdec.train.listtasks import OPERATIONS, WORDS, first_line_matches, list_tasks
+
+TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+FAST = dict(seq_len=32, batch_size=8, warmup_steps=5, lr=3e-3, progress=False)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models: extra threads only contend on a shared machine
+    yield
+    torch.set_num_threads(threads)
+
+
+def word_tokenizer() -> PreTrainedTokenizerFast:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = ["<pad>", "<eos>", "<unk>", ":", "answer", *OPERATIONS, *WORDS]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.WordPiece()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>")
+
+
+@pytest.fixture(scope="module")
+def ar_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ar")
+    tokenizer = word_tokenizer()
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id, **TINY)).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def task_pairs(n: int, split: str = "train"):
+    return [(t.prompt, t.completion) for t in list_tasks(n, seed=0, split=split)]
+
+
+@pytest.fixture(scope="module")
+def dllm(ar_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("dllm")
+    metrics = train_dllm(ar_dir, ["apple pear fig " * 20], out, block_size=8, max_steps=60, extra_examples=task_pairs(200), **FAST)
+    return out, metrics
+
+
+def test_list_tasks_are_deterministic_and_splits_disjoint():
+    train, heldout = list_tasks(300, seed=3), list_tasks(50, seed=3, split="heldout")
+    assert train == list_tasks(300, seed=3)
+    assert not set(train) & set(heldout)
+    task = train[0]
+    assert first_line_matches(task.completion + "trailing\nlines", task.answer)
+
+
+def test_train_dllm_loss_falls_and_artifact_decodes(dllm):
+    out, metrics = dllm
+    assert metrics["loss_last"] < metrics["loss_first"]
+    assert metrics["heldout_masked_ce"] < metrics["heldout_masked_ce_before"]
+    assert artifact_kind(out) == "dllm"
+    assert {"metrics.json", "train_config.json", "model.safetensors"} <= {p.name for p in out.iterdir()}
+    model, tokenizer, spec = load_dllm(out)
+    assert spec.mask_token_id == tokenizer.mask_token_id and spec.attention == "block" and spec.token_shift
+    prompt = tokenizer(list_tasks(1, split="heldout")[0].prompt)["input_ids"]
+    result = DiffusionGenerator(model, tokenizer, spec, "threshold", gen_length=16, block_size=8).generate([GenRequest(prompt, 16)])
+    assert len(result[0].token_ids) <= 16
+
+
+def test_train_dllm_from_config(tmp_path, ar_dir):
+    config = {"vocab_size": 64, **TINY}
+    metrics = train_dllm(None, ["apple pear fig " * 20], tmp_path / "scratch", block_size=8, attention="bidirectional", max_steps=15, model_config=config, tokenizer_dir=ar_dir, **FAST)
+    assert metrics["steps"] == 15
+    _, _, spec = load_dllm(tmp_path / "scratch")
+    assert spec.attention == "bidirectional"
+
+
+def test_train_filter_loss_falls(dllm, tmp_path):
+    out, _ = dllm
+    prompts = [t.prompt for t in list_tasks(8, seed=1)]
+    metrics = train_filter(out, prompts, tmp_path / "filter", gen_length=16, block_size=8, max_steps=150)
+    assert metrics["loss_last"] < metrics["loss_first"]
+    assert artifact_kind(tmp_path / "filter") == "filter" and load_filter(tmp_path / "filter").width == 8
+    model, tokenizer, spec = load_dllm(out)
+    gen = DiffusionGenerator(model, tokenizer, spec, "learn2pd", gen_length=16, block_size=8, filter_dir=tmp_path / "filter")
+    assert len(gen.generate([GenRequest(tokenizer(prompts[0])["input_ids"], 16)])) == 1
+
+
+def test_certainty_forcing_lora_reduces_its_loss(dllm, tmp_path):
+    out, _ = dllm
+    metrics = train_dllm(
+        out, [], tmp_path / "cf", block_size=8, max_steps=40, certainty_forcing=True, lora=True, extra_examples=task_pairs(16),
+        lora_rank=8, cf_prompts=16, cf_gen_length=16, **FAST,
+    )  # fmt: skip
+    assert metrics["objective"] == "certainty_forcing"
+    assert metrics["loss_last"] < metrics["loss_first"]
+    model, _, _ = load_dllm(tmp_path / "cf")  # LoRA merged: a plain dLLM again
+    assert not any("lora" in name for name, _ in model.named_parameters())
+
+
+def test_cli_train_dllm_and_errors(tmp_path, ar_dir):
+    app = typer.Typer()
+    register(app)
+    data = tmp_path / "data.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt": p, "completion": c}) for p, c in task_pairs(20)) + "\n")
+    runner = CliRunner()
+    result = runner.invoke(app, ["train-dllm", "--from", str(ar_dir), "--data", str(data), "--out", str(tmp_path / "d"), "--block-size", "8", "--max-steps", "3"])
+    assert result.exit_code == 0, result.output
+    assert artifact_kind(tmp_path / "d") == "dllm"
+    bad = runner.invoke(app, ["train-filter", "--dllm", str(ar_dir), "--data", str(data), "--out", str(tmp_path / "f")])
+    assert bad.exit_code == 1 and "not a specdec dLLM" in bad.output
+
+
+def test_bench_reports_every_method(dllm, tmp_path):
+    from specdec.decode.diffusion_bench import bench_diffusion, plot, render_table
+
+    out, _ = dllm
+    train_filter(out, [t.prompt for t in list_tasks(4, seed=1)], tmp_path / "filter", gen_length=16, block_size=8, max_steps=20)
+    records = [t.record(i) for i, t in enumerate(list_tasks(4, split="heldout"))]
+    methods = ["freedave", "threshold+tau=0.5", "static+cache=dual", f"learn2pd+filter={tmp_path / 'filter'}"]
+    report = bench_diffusion(out, records, methods, gen_length=16, block_size=8, batch_size=2, repeats=1, warmup=0)
+    rows = {row["method"]: row for row in report["methods"]}
+    assert list(rows) == ["static", *methods]
+    assert rows["static"]["speedup"] == 1.0 and rows["static"]["exact_match"] == 1.0
+    assert rows["freedave"]["exact_match"] == 1.0 and rows["freedave"]["forwards_per_token"] <= rows["static"]["forwards_per_token"]
+    assert rows["static+cache=dual"]["approximate"] and not rows["threshold+tau=0.5"]["approximate"]
+    assert all(row["task_accuracy"] is not None for row in rows.values())
+    assert render_table(report).row_count == len(rows)
+    assert plot(report, tmp_path / "plot.png").stat().st_size > 0

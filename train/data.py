@@ -1,0 +1,100 @@
+"""Training text through ``datasets``: JSONL (the output of ``specdec decode``), Parquet, plain text.
+
+Self-distillation is a pipeline: ``specdec decode`` writes records with ``prompt`` and
+``completion``; those records are training data here (prompt + completion is one document).
+Error records (``{"id", "line", "error"}``) are skipped.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from specdec.decode.artifacts import SpecdecError
+
+TEXT_FIELDS = ("text", "content")
+
+
+def load_texts(files: list[str | Path]) -> list[str]:
+    """One string per document, in file order."""
+    import datasets
+    from datasets import load_dataset
+
+    datasets.disable_progress_bars()
+    texts: list[str] = []
+    for f in files:
+        path = Path(f)
+        if not path.exists():
+            raise SpecdecError(f"no such data file: {path}")
+        suffix = path.suffix.lower()
+        if suffix in (".jsonl", ".json"):
+            ds = load_dataset("json", data_files=str(path), split="train")
+        elif suffix == ".parquet":
+            ds = load_dataset("parquet", data_files=str(path), split="train")
+        else:
+            ds = load_dataset("text", data_files=str(path), split="train", sample_by="document")
+        for rec in ds:
+            text = record_text(rec)
+            if text:
+                texts.append(text)
+    if not texts:
+        raise SpecdecError(f"no usable training text in {', '.join(map(str, files))}")
+    return texts
+
+
+def record_text(rec: dict) -> str | None:
+    """prompt + completion, or messages joined, or a text field; None for error records."""
+    if rec.get("error"):
+        return None
+    prompt = rec.get("prompt")
+    if isinstance(prompt, str) and prompt:
+        completion = rec.get("completion") or ""
+        return prompt + (completion if isinstance(completion, str) else "")
+    msgs = rec.get("messages")
+    if isinstance(msgs, list) and msgs:
+        return "\n".join(str(m.get("content", "")) for m in msgs if isinstance(m, dict))
+    for key in TEXT_FIELDS:
+        if isinstance(rec.get(key), str) and rec[key]:
+            return rec[key]
+    return None
+
+
+def tokenize_blocks(texts: list[str], tokenizer, seq_len: int, heldout: float = 0.1, seed: int = 0):
+    """Concatenate documents (EOS between them) and cut fixed-length blocks of ``seq_len`` tokens.
+
+    Returns (train, heldout) ``datasets.Dataset`` with columns input_ids and idx (block index,
+    used to look up cached teacher outputs), formatted as torch tensors.
+    """
+    import datasets
+    from datasets import Dataset
+
+    datasets.disable_progress_bars()
+    eos = tokenizer.eos_token_id
+
+    def tok(batch):
+        ids = tokenizer(batch["text"], add_special_tokens=False)["input_ids"]
+        return {"ids": [x + ([eos] if eos is not None else []) for x in ids]}
+
+    def blocks(batch):
+        flat = [t for ids in batch["ids"] for t in ids]
+        n = len(flat) // seq_len
+        return {"input_ids": [flat[i * seq_len : (i + 1) * seq_len] for i in range(n)]}
+
+    ds = Dataset.from_dict({"text": texts})
+    ds = ds.map(tok, batched=True, remove_columns=["text"])
+    # one map batch = the whole corpus so no tail is lost between map batches
+    ds = ds.map(blocks, batched=True, batch_size=len(ds), remove_columns=["ids"])
+    if len(ds) < 2:
+        raise SpecdecError(f"too little text for blocks of {seq_len} tokens ({len(ds)} block(s)); lower seq_len")
+    ds = ds.add_column("idx", list(range(len(ds))))
+    n_held = max(1, int(round(len(ds) * heldout))) if heldout > 0 else 0
+    if n_held:
+        split = ds.train_test_split(test_size=n_held, seed=seed, shuffle=True)
+        train, held = split["train"], split["test"]
+        train = train.remove_columns("idx").add_column("idx", list(range(len(train))))
+    else:
+        train, held = ds, ds.select([])
+    return train.with_format("torch"), held.with_format("torch")
+
+
+def load_blocks(files: list[str | Path], tokenizer, seq_len: int, heldout: float = 0.1, seed: int = 0):
+    return tokenize_blocks(load_texts(files), tokenizer, seq_len, heldout, seed)

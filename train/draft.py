@@ -1,0 +1,333 @@
+"""train-draft: distil a small causal LM from the target (forward KL + CE) through the shared loop.
+
+The artifact is a normal Hugging Face causal LM directory (save_pretrained, safetensors, the
+target's tokenizer) whose config.json also carries ``specdec_kind: draft`` and
+``specdec_target`` (the target tokenizer's fingerprint), so ``--drafter DIR`` and
+AutoModelForCausalLM both load it. ``--lora`` with ``lora_save="adapter"`` writes a peft adapter
+instead of merged weights; ``load_draft`` handles both.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from specdec.decode.artifacts import SpecdecError, UsageError, check_fingerprint, read_config, tokenizer_fingerprint, write_json
+from specdec.train.loop import TrainConfig, run_training, save_config
+
+TAU_KS = tuple(range(1, 9))
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+def load_target(target_dir: str | Path, dtype=None):
+    """The frozen target and its tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target_dir = Path(target_dir)
+    if not (target_dir / "config.json").exists():
+        raise SpecdecError(f"{target_dir} is not a model directory (no config.json)")
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype or torch.float32)
+    model.eval().requires_grad_(False)
+    return model, tokenizer
+
+
+def load_draft(draft_dir: str | Path, dtype=None):
+    """A draft artifact (merged weights or a peft adapter over its --init checkpoint)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    draft_dir = Path(draft_dir)
+    cfg = read_config(draft_dir)
+    if (draft_dir / "adapter_config.json").exists():
+        from peft import PeftModel
+
+        base_dir = cfg.get("specdec_adapter_base") or json.loads((draft_dir / "adapter_config.json").read_text())["base_model_name_or_path"]
+        base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=dtype or torch.float32)
+        model = PeftModel.from_pretrained(base, draft_dir).merge_and_unload()
+    else:
+        model = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=dtype or torch.float32)
+    return model.eval()
+
+
+def parse_arch(spec: str) -> dict:
+    """``layers=2,hidden=128,heads=4[,kv_heads=2,ffn=256]`` -> LlamaConfig keyword arguments."""
+    names = {
+        "layers": "num_hidden_layers",
+        "hidden": "hidden_size",
+        "heads": "num_attention_heads",
+        "kv_heads": "num_key_value_heads",
+        "ffn": "intermediate_size",
+        "intermediate": "intermediate_size",
+    }
+    out: dict = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        key, sep, value = part.partition("=")
+        if not sep or key.strip() not in names:
+            raise UsageError(f"bad --arch item {part!r}: use layers=N,hidden=N,heads=N[,kv_heads=N,ffn=N]")
+        try:
+            out[names[key.strip()]] = int(value)
+        except ValueError:
+            raise UsageError(f"bad --arch value {part!r}: an integer is needed") from None
+    if "hidden_size" in out and "num_attention_heads" in out and out["hidden_size"] % out["num_attention_heads"]:
+        raise UsageError("--arch: hidden must be a multiple of heads")
+    return out
+
+
+def new_draft(target_config, arch: str):
+    """A fresh small Llama with the target's vocabulary, special tokens and rope settings."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    kw = {"num_hidden_layers": 2, "hidden_size": 128, "num_attention_heads": 4}
+    kw.update(parse_arch(arch))
+    kw.setdefault("num_key_value_heads", kw["num_attention_heads"])
+    kw.setdefault("intermediate_size", kw["hidden_size"] * 3)
+    tc = target_config
+    config = LlamaConfig(
+        vocab_size=tc.vocab_size,
+        max_position_embeddings=getattr(tc, "max_position_embeddings", 2048),
+        bos_token_id=tc.bos_token_id,
+        eos_token_id=tc.eos_token_id,
+        pad_token_id=getattr(tc, "pad_token_id", None),
+        tie_word_embeddings=False,
+        **kw,
+    )
+    return LlamaForCausalLM(config)
+
+
+# ---------------------------------------------------------------------------------------------
+# Losses
+
+
+def kd_loss(student_logits, input_ids, teacher, kd_weight: float, temperature: float):
+    """kd_weight * T^2 * KL(p_T || q_T) + (1 - kd_weight) * CE(next token).
+
+    ``teacher`` is full logits [B, T, V] or a sparse (values [B, T, k], indices [B, T, k]) pair from
+    the disk cache (the KL then runs over the teacher's top-k support, renormalised).
+    Returns (loss, {"kl": ..., "ce": ...}).
+    """
+    import torch
+    import torch.nn.functional as F
+
+    s = student_logits.float()
+    ce = F.cross_entropy(s[:, :-1].reshape(-1, s.shape[-1]), input_ids[:, 1:].reshape(-1))
+    if kd_weight <= 0:
+        return ce, {"ce": float(ce.detach())}
+    t = temperature
+    log_q = F.log_softmax(s / t, dim=-1)
+    if isinstance(teacher, tuple):
+        values, indices = teacher
+        log_p = F.log_softmax(values.float() / t, dim=-1)
+        log_q = log_q.gather(-1, indices.long())
+    else:
+        log_p = F.log_softmax(teacher.float() / t, dim=-1)
+    kl = (log_p.exp() * (log_p - log_q)).sum(-1).mean() * t * t
+    loss = kd_weight * kl + (1 - kd_weight) * ce if kd_weight < 1 else kl
+    return loss, {"kl": float(kl.detach()), "ce": float(ce.detach())}
+
+
+def cache_teacher_logits(target, dataset, path: Path, top_k: int, batch: int = 8) -> dict:
+    """Top-k teacher logits for every training block, on disk (safetensors), indexed by ``idx``."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    if path.exists():
+        cached = load_file(str(path))
+        if cached["values"].shape[0] == len(dataset) and cached["values"].shape[-1] == top_k:
+            return cached
+    values, indices = [], []
+    with torch.no_grad():
+        for i in range(0, len(dataset), batch):
+            ids = dataset[i : i + batch]["input_ids"]
+            logits = target(input_ids=ids).logits.float()
+            v, ix = logits.topk(top_k, dim=-1)
+            values.append(v.half())
+            indices.append(ix.int())
+    cached = {"values": torch.cat(values), "indices": torch.cat(indices)}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(cached, str(path))
+    return cached
+
+
+# ---------------------------------------------------------------------------------------------
+# Metrics
+
+
+def chain_tau(match, ks=TAU_KS) -> dict:
+    """Expected tokens per target forward (bonus counted) for chains of K drafts, teacher-forced.
+
+    ``match`` [N, T] holds, per held-out position, whether the draft's next-token choice equals the
+    target's (greedy) or the acceptance probability sum_x min(p, q) (sampling). A round starting at
+    t accepts draft i with the product of the first i entries from t, so
+    tau(K) = mean_t sum_{i=0..K} prod_{j<i} match[t + j]. Starts leave room for max(ks) drafts.
+    Also returns alpha_i = P(position i accepted | positions < i accepted).
+    """
+    import torch
+
+    kmax = max(ks)
+    m = match.double()
+    n, t = m.shape
+    starts = t - kmax
+    if starts <= 0:
+        raise SpecdecError(f"held-out blocks are too short for K={kmax}")
+    prods = [torch.ones(n, starts, dtype=torch.float64)]
+    for j in range(kmax):
+        prods.append(prods[-1] * m[:, j : j + starts])
+    reach = torch.stack([p.mean() for p in prods])  # P(first i drafts accepted)
+    tau = {str(k): float(reach[: k + 1].sum()) for k in ks}
+    alpha = [float(reach[i + 1] / reach[i]) if reach[i] > 0 else 0.0 for i in range(kmax)]
+    return {"tau": tau, "alpha": alpha}
+
+
+def evaluate_draft(draft, target, heldout, batch: int = 8, temperature: float = 1.0) -> dict:
+    """Held-out CE, top-1 agreement with the target, expected tau for K = 1..8 (greedy and T=1)."""
+    import torch
+    import torch.nn.functional as F
+
+    ces, agree, greedy, sampled = [], [], [], []
+    with torch.no_grad():
+        for i in range(0, len(heldout), batch):
+            ids = heldout[i : i + batch]["input_ids"]
+            q = draft(input_ids=ids).logits.float()
+            p = target(input_ids=ids).logits.float()
+            ces.append(F.cross_entropy(q[:, :-1].reshape(-1, q.shape[-1]), ids[:, 1:].reshape(-1), reduction="none"))
+            m = q.argmax(-1) == p.argmax(-1)
+            agree.append(m.float().flatten())
+            greedy.append(m)
+            pp, qq = F.softmax(p / temperature, -1), F.softmax(q / temperature, -1)
+            sampled.append(torch.minimum(pp, qq).sum(-1))
+    g = chain_tau(torch.cat(greedy))
+    s = chain_tau(torch.cat(sampled))
+    return {
+        "heldout_ce": float(torch.cat(ces).mean()),
+        "top1_agreement": float(torch.cat(agree).mean()),
+        "expected_tau": g["tau"],
+        "per_position_acceptance": g["alpha"],
+        "expected_tau_sampled": s["tau"],
+        "heldout_blocks": len(heldout),
+        "tau_method": (
+            "teacher-forced on held-out blocks: tau(K) = mean over start positions t of "
+            "sum_{i=0..K} prod_{j<i} a[t+j], a = 1[argmax q == argmax p] (greedy) or sum_x min(p, q) "
+            "(T=1); counts the bonus token"
+        ),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# The trainer
+
+
+def train_draft(
+    target_dir: str | Path,
+    data_files: list[str | Path],
+    out_dir: str | Path,
+    cfg: TrainConfig,
+    init: str | Path | None = None,
+    arch: str | None = None,
+    kd_weight: float = 0.9,
+    temperature: float = 1.0,
+    lora: bool = False,
+    lora_save: str = "merged",
+    lora_rank: int = 8,
+    cache_teacher: bool = False,
+    teacher_topk: int = 64,
+    resume: bool = False,
+) -> dict:
+    """Train a draft and write its artifact; returns metrics (empty on non-main processes)."""
+    import torch
+    from transformers import AutoConfig
+
+    from specdec.train.data import load_blocks
+    from specdec.train.loop import make_accelerator
+
+    out_dir = Path(out_dir)
+    if init and arch:
+        raise UsageError("give --init or --arch, not both")
+    if lora and not init:
+        raise UsageError("--lora trains an adapter on an initialized draft: give --init DIR")
+    if lora_save not in ("merged", "adapter"):
+        raise UsageError("lora_save must be merged or adapter")
+    if not 0.0 <= kd_weight <= 1.0 or temperature <= 0:
+        raise UsageError("kd_weight must lie in [0, 1] and temperature be > 0")
+    target, tokenizer = load_target(target_dir)
+    fp = tokenizer_fingerprint(tokenizer)
+    if init:
+        init_cfg = read_config(init)
+        if "specdec_target" in init_cfg:
+            check_fingerprint(init_cfg["specdec_target"], fp, f"--init {init}")
+        if AutoConfig.from_pretrained(init).vocab_size != target.config.vocab_size:
+            raise SpecdecError(f"--init {init} has another vocabulary size than the target")
+        draft = load_draft(init)
+    else:
+        torch.manual_seed(cfg.seed)
+        draft = new_draft(target.config, arch or "")
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        draft = get_peft_model(
+            draft,
+            LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
+        )
+
+    accelerator = make_accelerator(cfg)
+    train, held = load_blocks(data_files, tokenizer, cfg.seq_len, cfg.heldout, cfg.seed)
+    cached = None
+    if cache_teacher and kd_weight > 0:
+        path = out_dir / "teacher_cache.safetensors"
+        if accelerator.is_main_process:
+            cache_teacher_logits(target, train, path, min(teacher_topk, target.config.vocab_size))
+        accelerator.wait_for_everyone()
+        from safetensors.torch import load_file
+
+        cached = {k: v.to(accelerator.device) for k, v in load_file(str(path)).items()}
+    target.to(accelerator.device)
+
+    def loss_fn(model, batch):
+        ids = batch["input_ids"]
+        logits = model(input_ids=ids).logits
+        if kd_weight <= 0:
+            teacher = None
+        elif cached is not None:
+            teacher = (cached["values"][batch["idx"]], cached["indices"][batch["idx"]])
+        else:
+            with torch.no_grad():
+                teacher = target(input_ids=ids).logits
+        return kd_loss(logits, ids, teacher, kd_weight, temperature)
+
+    result = run_training(cfg, draft, loss_fn, train, out_dir, resume=resume, accelerator=accelerator)
+    if not result.is_main:
+        return {}
+    model = result.model
+    metrics = evaluate_draft(model, target, held, batch=cfg.batch, temperature=temperature)
+    metrics.update(
+        kind="draft", kd_weight=kd_weight, temperature=temperature, steps=result.steps, stopped=result.stopped,
+        train_wall_s=round(result.wall_s, 3), loss_curve=result.losses, final_loss=result.losses[-1] if result.losses else None,
+        processes=accelerator.num_processes, teacher="cached-top%d" % teacher_topk if cached is not None else "on-the-fly",
+    )
+    _save_draft(model, tokenizer, out_dir, fp, lora, lora_save, init)
+    save_config(cfg, out_dir, {"trainer": "draft", "target": str(target_dir), "data": [str(f) for f in data_files],
+                               "init": str(init) if init else None, "arch": arch, "kd_weight": kd_weight,
+                               "temperature": temperature, "lora": lora, "lora_save": lora_save,
+                               "cache_teacher": cache_teacher})
+    write_json(out_dir / "metrics.json", metrics)
+    return metrics
+
+
+def _save_draft(model, tokenizer, out_dir: Path, fp: dict, lora: bool, lora_save: str, init) -> None:
+    if lora and lora_save == "merged":
+        model = model.merge_and_unload()
+    if lora and lora_save == "adapter":
+        model.save_pretrained(out_dir)  # adapter_config.json + adapter_model.safetensors
+        config = model.get_base_model().config.to_dict()
+        config["specdec_adapter_base"] = str(Path(init).resolve())
+    else:
+        model.save_pretrained(out_dir, safe_serialization=True)
+        config = json.loads((out_dir / "config.json").read_text())
+    tokenizer.save_pretrained(out_dir)
+    config["specdec_kind"] = "draft"
+    config["specdec_target"] = fp
+    write_json(out_dir / "config.json", config)

@@ -1,0 +1,147 @@
+"""Learn2PD: train the tiny filter that tells which current dLLM predictions are already final.
+
+Labels come from an oracle run: decode each prompt once with static one-token-per-step decoding
+(the reference), then re-decode committing at every step each masked position whose prediction
+already equals the reference, and log (block confidences, is-correct) per step. The filter is a
+logistic regression (``hidden=0``, as in the public code) or a one-hidden-layer MLP over the
+block's top-1 confidences, trained with BCE and AdamW (lr 3e-3).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from specdec.decode.artifacts import SpecdecError, tokenizer_fingerprint, write_json
+from specdec.decode.diffusion import ConfidenceFilter, DiffusionGenerator, load_dllm, save_filter
+from specdec.decode.types import GenRequest
+from specdec.train.dllm import curve_summary, encode_prompt
+
+
+@dataclass
+class FilterTrainConfig:
+    gen_length: int = 128
+    block_size: int = 32
+    hidden: int = 0
+    lr: float = 3e-3
+    weight_decay: float = 0.01
+    max_steps: int = 2000
+    batch_size: int = 256  # logged steps per optimizer step
+    decode_batch_size: int = 16
+    heldout_fraction: float = 0.1
+    threshold: float = 0.96  # the commit threshold learn2pd uses at inference
+    budget_minutes: float | None = None
+    seed: int = 0
+
+
+@dataclass
+class FilterData:
+    features: Tensor  # [S, W] block confidences (decided positions read 1.0)
+    labels: Tensor  # [S, W] 1 where the prediction already equals the reference
+    weight: Tensor  # [S, W] 1 where the position was still masked (only those are supervised)
+
+    def __len__(self) -> int:
+        return self.features.shape[0]
+
+    def take(self, idx: Tensor) -> "FilterData":
+        return FilterData(self.features[idx], self.labels[idx], self.weight[idx])
+
+
+def reference_canvas(results, gen_length: int, eos_id: int | None) -> list[list[int]]:
+    """The static decode's full canvas: answer tokens, then EOS to the end when it stopped."""
+    return [r.token_ids + [eos_id] * (gen_length - len(r.token_ids)) if r.finish_reason == "stop" else r.token_ids for r in results]
+
+
+def collect_filter_data(model, tokenizer, spec, prompts: list[str], cfg: FilterTrainConfig) -> FilterData:
+    static = DiffusionGenerator(model, tokenizer, spec, "static", gen_length=cfg.gen_length, block_size=cfg.block_size)
+    feats, labels, weights = [], [], []
+    for i in range(0, len(prompts), cfg.decode_batch_size):
+        requests = [GenRequest(encode_prompt(tokenizer, p), cfg.gen_length) for p in prompts[i : i + cfg.decode_batch_size]]
+        reference = torch.tensor(reference_canvas(static.generate(requests), cfg.gen_length, spec.eos_token_id), device=model.device)
+        log: list = []
+        oracle = DiffusionGenerator(model, tokenizer, spec, "oracle", gen_length=cfg.gen_length, block_size=cfg.block_size, reference=reference, log=log)
+        oracle.generate(requests)
+        for f, y, w in log:
+            pad = (0, cfg.block_size - f.shape[-1])
+            feats.append(F.pad(f, pad, value=1.0))
+            labels.append(F.pad(y, pad))
+            weights.append(F.pad(w.float(), pad))
+    if not feats:
+        raise SpecdecError("no filter training data: give at least one prompt")
+    return FilterData(torch.cat(feats), torch.cat(labels), torch.cat(weights))
+
+
+def bce(filt: ConfidenceFilter, data: FilterData) -> Tensor:
+    loss = F.binary_cross_entropy_with_logits(filt(data.features), data.labels, weight=data.weight, reduction="sum")
+    return loss / data.weight.sum().clamp(min=1)
+
+
+@torch.no_grad()
+def evaluate(filt: ConfidenceFilter, data: FilterData, threshold: float) -> dict:
+    """BCE, plus precision/recall of 'commit' decisions at the inference threshold (masked positions only)."""
+    if len(data) == 0:
+        return {}
+    commit = (torch.sigmoid(filt(data.features)) > threshold) & (data.weight > 0)
+    positives = (data.labels > 0) & (data.weight > 0)
+    return {
+        "bce": float(bce(filt, data)),
+        "precision": float((commit & positives).sum() / commit.sum().clamp(min=1)),
+        "recall": float((commit & positives).sum() / positives.sum().clamp(min=1)),
+        "positive_rate": float(positives.sum() / (data.weight > 0).sum().clamp(min=1)),
+    }
+
+
+def fit_filter(data: FilterData, cfg: FilterTrainConfig) -> tuple[ConfidenceFilter, dict]:
+    torch.manual_seed(cfg.seed)
+    order = torch.randperm(len(data))
+    n_heldout = int(len(data) * cfg.heldout_fraction)
+    heldout, train = data.take(order[:n_heldout]), data.take(order[n_heldout:])
+    filt = ConfidenceFilter(cfg.block_size, cfg.hidden)
+    optimizer = torch.optim.AdamW(filt.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    deadline = None if cfg.budget_minutes is None else time.monotonic() + 60 * cfg.budget_minutes
+    rng, losses, start = random.Random(cfg.seed), [], time.monotonic()
+    for _ in range(cfg.max_steps):
+        if deadline is not None and time.monotonic() > deadline:
+            break
+        batch = train.take(torch.tensor([rng.randrange(len(train)) for _ in range(min(cfg.batch_size, len(train)))]))
+        loss = bce(filt, batch)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    filt.eval()
+    return filt, {**curve_summary(losses, time.monotonic() - start), "heldout": evaluate(filt, heldout, cfg.threshold), "train_records": len(train)}
+
+
+def train_filter(
+    dllm_dir: str | Path,
+    prompts: list[str],
+    out_dir: str | Path,
+    gen_length: int = 128,
+    block_size: int = 32,
+    hidden: int = 0,
+    max_steps: int = 2000,
+    budget_minutes: float | None = None,
+    seed: int = 0,
+    trust_remote_code: bool = False,
+) -> dict:
+    """Label oracle decodes of ``prompts`` with the dLLM in ``dllm_dir``, fit the filter, write the artifact."""
+    cfg = FilterTrainConfig(gen_length=gen_length, block_size=block_size, hidden=hidden, max_steps=max_steps, budget_minutes=budget_minutes, seed=seed)
+    model, tokenizer, spec = load_dllm(dllm_dir, trust_remote_code=trust_remote_code)
+    started = time.monotonic()
+    data = collect_filter_data(model, tokenizer, spec, prompts, cfg)
+    labelling = time.monotonic() - started
+    if budget_minutes is not None:  # labelling spent part of the budget
+        cfg.budget_minutes = max(0.05, budget_minutes - labelling / 60)
+    filt, metrics = fit_filter(data, cfg)
+    metrics = {"records": len(data), "prompts": len(prompts), "labelling_seconds": round(labelling, 2), **metrics}
+    save_filter(filt, out_dir, {"dllm": str(dllm_dir), "target": tokenizer_fingerprint(tokenizer), "threshold": cfg.threshold, "block_size": block_size})
+    write_json(Path(out_dir) / "metrics.json", metrics)
+    write_json(Path(out_dir) / "train_config.json", asdict(cfg))
+    return metrics

@@ -1,0 +1,522 @@
+"""train-heads: Medusa, Clover and EAGLE drafting heads on a frozen target, through the shared loop.
+
+Every head module exposes the same three things:
+  forward(hidden_states, input_ids, target_logits) -> (loss, parts)   training (one call per step)
+  chain_logits(hidden_states, input_ids, k) -> [k, B, T, V]            teacher-forced chains for metrics:
+      entry k at position t predicts token t+2+k from the target's states up to t
+  plus the decode-side steps decode/heads.py calls (medusa_logits / clover step / eagle step).
+The target's embedding and LM head are used frozen and are not part of the artifact; the artifact
+holds only the trained head weights (model.safetensors) and config.json with the target's
+tokenizer fingerprint.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specdec.decode.artifacts import SpecdecError, UsageError, read_config, tokenizer_fingerprint, write_json
+from specdec.train.acceptance import ResBlock
+from specdec.train.loop import TrainConfig, run_training, save_config
+
+KINDS = ("medusa", "clover", "eagle")
+
+
+def _frozen(target):
+    """(embedding, lm_head) of the target, kept outside the module's parameters."""
+    return (target.get_input_embeddings(), target.get_output_embeddings())
+
+
+# ---------------------------------------------------------------------------------------------
+# Medusa (Cai et al. 2024): head i = ResBlock^L then Linear(H, V) on h_t, predicts token t+2+i
+
+
+class MedusaHeads(nn.Module):
+    kind = "medusa"
+
+    def __init__(self, hidden: int, vocab: int, num_heads: int = 4, num_layers: int = 1, decay: float = 0.8):
+        super().__init__()
+        self.num_heads, self.num_layers, self.decay = num_heads, num_layers, decay
+        self.heads = nn.ModuleList(
+            nn.Sequential(*[ResBlock(hidden) for _ in range(num_layers)], nn.Linear(hidden, vocab, bias=False)) for _ in range(num_heads)
+        )
+        self._target = None
+
+    def attach(self, target, init_from_lm_head: bool = False):
+        self._target = _frozen(target)
+        if init_from_lm_head:
+            with torch.no_grad():
+                for head in self.heads:
+                    head[-1].weight.copy_(target.get_output_embeddings().weight)
+        return self
+
+    def hparams(self) -> dict:
+        return {"num_heads": self.num_heads, "num_layers": self.num_layers}
+
+    def medusa_logits(self, h):
+        """[num_heads, ..., V] from last hidden states h [..., H]."""
+        return torch.stack([head(h) for head in self.heads])
+
+    def chain_logits(self, hidden_states, input_ids, k):
+        return self.medusa_logits(hidden_states[-1])[:k]
+
+    def forward(self, hidden_states, input_ids, target_logits):
+        logits = self.medusa_logits(hidden_states[-1])
+        t = input_ids.shape[1]
+        loss, parts = 0.0, {}
+        for i in range(self.num_heads):
+            if t - 2 - i <= 0:
+                break
+            ce = F.cross_entropy(logits[i, :, : t - 2 - i].float().reshape(-1, logits.shape[-1]), input_ids[:, 2 + i :].reshape(-1))
+            loss = loss + self.decay**i * ce
+            parts[f"ce{i}"] = float(ce.detach())
+        return loss, parts
+
+
+# ---------------------------------------------------------------------------------------------
+# Clover (Xiao et al. 2024): Regressive Connection + Attention Decoder + Augmenting Block
+
+
+class _Attention(nn.Module):
+    """Multi-head attention without positions (the target's hidden states already carry them)."""
+
+    def __init__(self, hidden: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.q = nn.Linear(hidden, hidden, bias=False)
+        self.kv = nn.Linear(hidden, 2 * hidden, bias=False)
+        self.o = nn.Linear(hidden, hidden, bias=False)
+        nn.init.zeros_(self.o.weight)  # a fresh block is the identity on its residual path
+
+    def forward(self, x, mem, mask):
+        """x [B, Q, H] queries, mem [B, S, H] keys/values, mask [B, Q, S] bool (True = attend)."""
+        b, q, h = x.shape
+        d = h // self.heads
+        qs = self.q(x).view(b, q, self.heads, d).transpose(1, 2)
+        k, v = self.kv(mem).view(b, mem.shape[1], 2, self.heads, d).permute(2, 0, 3, 1, 4)
+        out = F.scaled_dot_product_attention(qs, k.to(qs.dtype), v.to(qs.dtype), attn_mask=mask[:, None])
+        return self.o(out.transpose(1, 2).reshape(b, q, h))
+
+
+class _Block(nn.Module):
+    """Pre-norm attention + MLP (the Augmenting Block and the Attention Decoder share this shape)."""
+
+    def __init__(self, hidden: int, heads: int):
+        super().__init__()
+        self.norm1, self.norm2 = nn.RMSNorm(hidden, eps=1e-6), nn.RMSNorm(hidden, eps=1e-6)
+        self.attn = _Attention(hidden, heads)
+        self.mlp = nn.Sequential(nn.Linear(hidden, 2 * hidden), nn.SiLU(), nn.Linear(2 * hidden, hidden))
+        nn.init.zeros_(self.mlp[-1].weight)
+        nn.init.zeros_(self.mlp[-1].bias)
+
+    def forward(self, x, mem, mask):
+        x = x + self.attn(self.norm1(x), mem, mask)
+        return x + self.mlp(self.norm2(x))
+
+
+def window_mask(t: int, window: int, device) -> torch.Tensor:
+    """[T, T]: query t sees keys t-window < j <= t."""
+    i = torch.arange(t, device=device)
+    diff = i[:, None] - i[None, :]
+    return (diff >= 0) & (diff < window)
+
+
+class CloverHeads(nn.Module):
+    kind = "clover"
+
+    def __init__(self, hidden: int, vocab: int, num_heads: int = 4, attn_heads: int = 4, window: int = 64, decay: float = 0.8):
+        super().__init__()
+        self.num_heads, self.attn_heads, self.window, self.decay = num_heads, attn_heads, window, decay
+        self.augment = _Block(hidden, attn_heads)  # Augmenting Block: self-attention over the target's states
+        self.embed_norm = nn.RMSNorm(hidden, eps=1e-6)
+        self.fc = nn.Linear(2 * hidden, hidden)  # Regressive Connection: [embed(prev token), state] -> query
+        with torch.no_grad():  # start as "the state", so head 0 begins where Medusa does
+            self.fc.weight.zero_()
+            self.fc.weight[:, hidden:].copy_(torch.eye(hidden))
+            self.fc.bias.zero_()
+        self.decoder = _Block(hidden, attn_heads)  # Attention Decoder: cross-attention to the target's states
+        self.heads = nn.ModuleList(ResBlock(hidden) for _ in range(num_heads))
+        self._target = None
+
+    def attach(self, target, init_from_lm_head: bool = False):
+        self._target = _frozen(target)
+        return self
+
+    def hparams(self) -> dict:
+        return {"num_heads": self.num_heads, "attn_heads": self.attn_heads, "window": self.window}
+
+    def augmented(self, x, mem, mask):
+        """The Augmenting Block: states x [B, Q, H] attending to the target's states mem [B, S, H]."""
+        return self.augment(x, mem, mask)
+
+    def step(self, tokens, state, mem, mask):
+        """One regressive step: tokens [B, Q], state [B, Q, H], mem [B, S, H], mask [B, Q, S]."""
+        embed, _ = self._target
+        x = self.fc(torch.cat([self.embed_norm(embed(tokens).to(state.dtype)), state], dim=-1))
+        return self.decoder(x, mem, mask)
+
+    def head_logits(self, i, state):
+        _, lm_head = self._target
+        return lm_head(self.heads[i](state).to(lm_head.weight.dtype))
+
+    def chain_logits(self, hidden_states, input_ids, k):
+        h = hidden_states[-1]
+        b, t, _ = h.shape
+        mask = window_mask(t, self.window, h.device)[None].expand(b, t, t)
+        state = self.augmented(h, h, mask)
+        out = []
+        for i in range(k):
+            # the token fed at step i is token t+1+i (teacher-forced); past the end, pad
+            tok = F.pad(input_ids[:, 1 + i :], (0, 1 + i), value=0)
+            state = self.step(tok, state, h, mask)
+            out.append(self.head_logits(min(i, self.num_heads - 1), state))
+        return torch.stack(out)
+
+    def forward(self, hidden_states, input_ids, target_logits):
+        t = input_ids.shape[1]
+        logits = self.chain_logits(hidden_states, input_ids, self.num_heads)
+        loss, parts = 0.0, {}
+        for i in range(self.num_heads):
+            if t - 2 - i <= 0:
+                break
+            ce = F.cross_entropy(logits[i, :, : t - 2 - i].float().reshape(-1, logits.shape[-1]), input_ids[:, 2 + i :].reshape(-1))
+            loss = loss + self.decay**i * ce
+            parts[f"ce{i}"] = float(ce.detach())
+        return loss, parts
+
+
+# ---------------------------------------------------------------------------------------------
+# EAGLE (Li et al. 2024): fc(concat(embed(x_{t+1}), f_t)) -> one decoder layer -> f_hat_{t+1}
+
+
+class EagleHead(nn.Module):
+    kind = "eagle"
+
+    def __init__(self, target_config, feature_layers: list[int] | None = None, noise: float = 0.2, ce_weight: float = 0.1,
+                 reg_weight: float = 1.0, unroll: int = 1, decay: float = 0.8):
+        super().__init__()
+        from transformers import LlamaConfig, LlamaModel
+
+        hidden = target_config.hidden_size
+        self.feature_layers = list(feature_layers) if feature_layers else None
+        self.noise, self.ce_weight, self.reg_weight, self.unroll, self.decay = noise, ce_weight, reg_weight, unroll, decay
+        # EAGLE-3: low/mid/high layer features fused into one
+        self.fuse = nn.Linear(len(self.feature_layers) * hidden, hidden, bias=False) if self.feature_layers else None
+        self.fc = nn.Linear(2 * hidden, hidden)
+        heads = target_config.num_attention_heads
+        self.layer_config = LlamaConfig(
+            vocab_size=1, hidden_size=hidden, intermediate_size=getattr(target_config, "intermediate_size", 4 * hidden),
+            num_hidden_layers=1, num_attention_heads=heads,
+            num_key_value_heads=getattr(target_config, "num_key_value_heads", heads),
+            head_dim=getattr(target_config, "head_dim", hidden // heads),
+            max_position_embeddings=getattr(target_config, "max_position_embeddings", 2048),
+            rope_parameters=getattr(target_config, "rope_parameters", None),
+            rms_norm_eps=getattr(target_config, "rms_norm_eps", 1e-6),
+            pad_token_id=None, bos_token_id=None, eos_token_id=None,
+        )
+        self.layer_config._attn_implementation = getattr(target_config, "_attn_implementation", None) or "sdpa"
+        self.decoder = LlamaModel(self.layer_config)
+        self.decoder.norm = nn.Identity()  # the output is a feature for the target's LM head, as f_t is
+        self._target = None
+
+    def attach(self, target, init_from_lm_head: bool = False):
+        self._target = _frozen(target)
+        return self
+
+    def hparams(self) -> dict:
+        return {"feature_layers": self.feature_layers, "unroll": self.unroll, "noise": self.noise, "ce_weight": self.ce_weight,
+                "reg_weight": self.reg_weight}
+
+    def features(self, hidden_states):
+        """The drafter's input feature per position: the last layer, or fused chosen layers."""
+        if self.fuse is None:
+            return hidden_states[-1]
+        return self.fuse(torch.cat([hidden_states[i] for i in self.feature_layers], dim=-1))
+
+    def entry(self, tokens, feats):
+        embed, _ = self._target
+        return self.fc(torch.cat([embed(tokens).to(feats.dtype), feats], dim=-1))
+
+    def run(self, x, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False):
+        out = self.decoder(inputs_embeds=x, attention_mask=attention_mask, position_ids=position_ids,
+                           past_key_values=past_key_values, use_cache=use_cache)
+        return out.last_hidden_state
+
+    def lm_logits(self, f):
+        _, lm_head = self._target
+        return lm_head(f.to(lm_head.weight.dtype))
+
+    def unrolled(self, hidden_states, input_ids, steps: int, noise: float = 0.0):
+        """Predicted features [steps, B, T-1, H]: entry s of step u predicts f_{s+u+1}.
+
+        Step 0 feeds the true features; step u feeds step u-1's prediction (EAGLE-3 training-time
+        test). A step-u entry from start s sits at position s+u and sees the true entries 0..s and
+        its own chain, which is the tree attention it gets at decode time.
+        """
+        f = self.features(hidden_states)
+        b, t, h = f.shape
+        n = t - 1
+        dev = f.device
+        feats = f[:, :n]
+        if noise:
+            feats = feats + (torch.rand_like(feats) - 0.5) * noise
+        s = torch.arange(n, device=dev)
+        causal = s[:, None] >= s[None, :]
+        entries, outs, blocks = [], [], []
+        prev = feats
+        for u in range(steps):
+            tok = F.pad(input_ids[:, 1 + u :], (0, u), value=0)[:, :n]  # token s+u+1
+            entries.append(self.entry(tok, prev))
+            m = len(entries)
+            mask = torch.zeros(m * n, m * n, dtype=torch.bool, device=dev)
+            for a in range(m):
+                for c in range(m):
+                    if c == 0:
+                        blk = causal if a == 0 else s[:, None] >= s[None, :]  # true entries 0..s
+                    else:
+                        blk = torch.eye(n, dtype=torch.bool, device=dev) if c <= a else torch.zeros(n, n, dtype=torch.bool, device=dev)
+                    mask[a * n : (a + 1) * n, c * n : (c + 1) * n] = blk
+            pos = torch.cat([s + a for a in range(m)])[None].expand(b, -1)
+            out = self.run(torch.cat(entries, dim=1), attention_mask=mask[None, None].expand(b, 1, -1, -1), position_ids=pos)
+            prev = out[:, (m - 1) * n :]
+            outs.append(prev)
+        return torch.stack(outs)
+
+    def chain_logits(self, hidden_states, input_ids, k):
+        fh = self.unrolled(hidden_states, input_ids, k)
+        return F.pad(self.lm_logits(fh), (0, 0, 0, 1))  # [k, B, T, V], last position padded
+
+    def forward(self, hidden_states, input_ids, target_logits):
+        fh = self.unrolled(hidden_states, input_ids, self.unroll, noise=self.noise)
+        f = hidden_states[-1]
+        t = input_ids.shape[1]
+        loss, parts = 0.0, {}
+        for u in range(self.unroll):
+            valid = t - 1 - u  # starts s with s+u+1 <= T-1
+            if valid <= 0:
+                break
+            pred = fh[u, :, :valid]
+            true = f[:, 1 + u : 1 + u + valid].to(pred.dtype)
+            reg = F.smooth_l1_loss(pred.float(), true.float())
+            p = F.softmax(target_logits[:, 1 + u : 1 + u + valid].float(), -1)
+            ce = -(p * F.log_softmax(self.lm_logits(pred).float(), -1)).sum(-1).mean()
+            loss = loss + self.decay**u * (self.reg_weight * reg + self.ce_weight * ce)
+            parts[f"reg{u}"], parts[f"ce{u}"] = float(reg.detach()), float(ce.detach())
+        return loss, parts
+
+
+# ---------------------------------------------------------------------------------------------
+# Build, train, save, load
+
+
+def build_heads(kind: str, target, hp: dict):
+    cfg = target.config
+    if kind == "medusa":
+        m = MedusaHeads(cfg.hidden_size, cfg.vocab_size, int(hp.get("num_heads", 4)), int(hp.get("num_layers", 1)))
+    elif kind == "clover":
+        m = CloverHeads(cfg.hidden_size, cfg.vocab_size, int(hp.get("num_heads", 4)), int(hp.get("attn_heads", cfg.num_attention_heads)),
+                        int(hp.get("window", 64)))
+    elif kind == "eagle":
+        layers = hp.get("feature_layers")
+        if layers == "eagle3" or (hp.get("eagle3") and not layers):
+            n = cfg.num_hidden_layers
+            layers = sorted({min(2, n), max(n // 2, 1), max(n - 3, 1)})
+        m = EagleHead(cfg, layers, float(hp.get("noise", 0.2)), float(hp.get("ce_weight", 0.1)), float(hp.get("reg_weight", 1.0)),
+                      int(hp.get("unroll", 7 if hp.get("eagle3") else 1)))
+    else:
+        raise UsageError(f"--kind must be one of {', '.join(KINDS)}, not {kind!r}")
+    return m
+
+
+def evaluate_heads(heads, target, heldout, k: int, batch: int = 8, top_k: int = 5) -> dict:
+    """Per-head top-1/top-k accuracy (against the data and the target's greedy choice) and tau."""
+    from specdec.train.draft import chain_tau
+
+    hits1 = torch.zeros(k)
+    hitsk = torch.zeros(k)
+    agree = torch.zeros(k)
+    count = torch.zeros(k)
+    matches = []
+    with torch.no_grad():
+        for i in range(0, len(heldout), batch):
+            ids = heldout[i : i + batch]["input_ids"]
+            out = target(input_ids=ids, output_hidden_states=True)
+            greedy = out.logits.argmax(-1)
+            logits = heads.chain_logits(out.hidden_states, ids, k).float()
+            t = ids.shape[1]
+            m = torch.zeros(ids.shape[0], t - 1 - k, k, dtype=torch.bool)
+            for j in range(k):
+                n = t - 2 - j
+                top = logits[j, :, :n].topk(top_k, -1).indices
+                data = ids[:, 2 + j :]
+                hits1[j] += (top[..., 0] == data).sum()
+                hitsk[j] += (top == data[..., None]).any(-1).sum()
+                agree[j] += (top[..., 0] == greedy[:, 1 + j : 1 + j + n]).sum()
+                count[j] += data.numel()
+                m[:, :, j] = (top[..., 0] == greedy[:, 1 + j : 1 + j + n])[:, : t - 1 - k]
+            matches.append(m)
+    # a round from position t accepts head j's token while heads 0..j all agree with the target
+    m = torch.cat(matches)  # [N, S, k]
+    reach = [torch.ones(m.shape[:2], dtype=torch.float64)]
+    for j in range(k):
+        reach.append(reach[-1] * m[..., j].double())
+    reach_mean = [float(r.mean()) for r in reach]
+    tau = {str(j): sum(reach_mean[: j + 1]) for j in range(1, k + 1)}
+    return {
+        "top1_accuracy": (hits1 / count).tolist(),
+        f"top{top_k}_accuracy": (hitsk / count).tolist(),
+        "top1_agreement_with_target": (agree / count).tolist(),
+        "expected_tau": tau,
+        "tau_method": "teacher-forced on held-out blocks, top-1 chain: tau(K) = mean_t sum_{i=0..K} prod_{j<i} "
+                      "1[head j's top-1 at t == target argmax at t+1+j]; counts the bonus token; a tree only adds to it",
+        "heldout_blocks": len(heldout),
+    }
+
+
+def train_heads(
+    kind: str,
+    target_dir: str | Path,
+    data_files: list[str | Path],
+    out_dir: str | Path,
+    cfg: TrainConfig,
+    resume: bool = False,
+    **hp,
+) -> dict:
+    """Train one head kind on the frozen target; writes the artifact, returns metrics."""
+    from specdec.train.data import load_blocks
+    from specdec.train.draft import load_target
+    from specdec.train.loop import make_accelerator
+
+    if kind not in KINDS:
+        raise UsageError(f"--kind must be one of {', '.join(KINDS)}, not {kind!r}")
+    hp = {**cfg.extra, **{k: v for k, v in hp.items() if v is not None}}
+    out_dir = Path(out_dir)
+    target, tokenizer = load_target(target_dir)
+    fp = tokenizer_fingerprint(tokenizer)
+    accelerator = make_accelerator(cfg)
+    train, held = load_blocks(data_files, tokenizer, cfg.seq_len, cfg.heldout, cfg.seed)
+    torch.manual_seed(cfg.seed)
+    heads = build_heads(kind, target, hp).attach(target, init_from_lm_head=bool(hp.get("init_from_lm_head", True)))
+    target.to(accelerator.device)
+
+    def loss_fn(model, batch):
+        ids = batch["input_ids"]
+        with torch.no_grad():
+            out = target(input_ids=ids, output_hidden_states=True)
+        return model(out.hidden_states, ids, out.logits)
+
+    result = run_training(cfg, heads, loss_fn, train, out_dir, resume=resume, accelerator=accelerator)
+    if not result.is_main:
+        return {}
+    heads = result.model.float().attach(target)
+    k = heads.num_heads if kind != "eagle" else int(hp.get("eval_depth", 5))
+    metrics = evaluate_heads(heads, target, held, min(k, cfg.seq_len - 3), batch=cfg.batch)
+    metrics.update(kind=kind, steps=result.steps, stopped=result.stopped, train_wall_s=round(result.wall_s, 3),
+                   loss_curve=result.losses, final_loss=result.losses[-1] if result.losses else None)
+    save_heads(heads, out_dir, fp, target.config)
+    save_config(cfg, out_dir, {"trainer": "heads", "kind": kind, "target": str(target_dir), "data": [str(f) for f in data_files], **hp})
+    write_json(out_dir / "metrics.json", metrics)
+    return metrics
+
+
+def save_heads(heads, out_dir: Path, fingerprint: dict, target_config) -> None:
+    from safetensors.torch import save_file
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().float().contiguous() for k, v in heads.state_dict().items()}, str(out_dir / "model.safetensors"))
+    write_json(out_dir / "config.json", {
+        "kind": heads.kind, "target": fingerprint, "hidden_size": target_config.hidden_size,
+        "vocab_size": target_config.vocab_size, "num_hidden_layers": target_config.num_hidden_layers, **heads.hparams(),
+    })
+
+
+def load_heads(artifact_dir: str | Path, target):
+    """A head module from its artifact, attached to ``target`` (weights through safetensors only)."""
+    from safetensors.torch import load_file
+
+    cfg = read_config(artifact_dir)
+    kind = cfg.get("kind")
+    if kind not in KINDS:
+        raise SpecdecError(f"{artifact_dir} is not a medusa/clover/eagle artifact (kind {kind!r})")
+    if cfg.get("hidden_size") != target.config.hidden_size or cfg.get("vocab_size") != target.config.vocab_size:
+        raise SpecdecError(f"{artifact_dir} was trained for a target with hidden size {cfg.get('hidden_size')} and "
+                           f"vocabulary {cfg.get('vocab_size')}; this target has {target.config.hidden_size} and {target.config.vocab_size}")
+    heads = build_heads(kind, target, cfg)
+    heads.load_state_dict(load_file(str(Path(artifact_dir) / "model.safetensors")))
+    p = next(target.parameters())
+    return heads.to(device=p.device, dtype=p.dtype).eval().requires_grad_(False).attach(target), cfg
+
+
+# ---------------------------------------------------------------------------------------------
+# Export
+
+
+def export_artifact(src: Path, dst: Path, to: str) -> Path:
+    """Write a head artifact in the public checkpoint conventions.
+
+    medusa --to hf: the Medusa repo layout (config.json with medusa_num_heads/medusa_num_layers,
+      medusa_lm_head.safetensors with keys ``{head}.{layer}.linear.{weight,bias}`` and ``{head}.{L}.weight``).
+    medusa --to vllm: vLLM's MedusaModel layout (``blocks.{head}.layers.{layer}.{weight,bias}``,
+      ``lm_heads.{head}.weight``; config num_heads / num_hidden_layers).
+    eagle --to hf|vllm: the EAGLE-1 layout (``fc.*``, ``layers.0.*`` of one Llama decoder layer, a
+      Llama config with num_hidden_layers 1); multi-layer (EAGLE-3) artifacts add ``fuse.weight``.
+    """
+    from safetensors.torch import load_file, save_file
+
+    src, dst = Path(src), Path(dst)
+    if to not in ("hf", "vllm"):
+        raise UsageError(f"--to must be hf or vllm, not {to!r}")
+    cfg = read_config(src)
+    kind = cfg.get("kind")
+    weights = load_file(str(src / "model.safetensors"))
+    dst.mkdir(parents=True, exist_ok=True)
+    if kind == "medusa":
+        n, layers = int(cfg["num_heads"]), int(cfg["num_layers"])
+        out = {}
+        for i in range(n):
+            for j in range(layers):
+                for p in ("weight", "bias"):
+                    w = weights[f"heads.{i}.{j}.linear.{p}"]
+                    out[f"{i}.{j}.linear.{p}" if to == "hf" else f"blocks.{i}.layers.{j}.{p}"] = w
+            out[f"{i}.{layers}.weight" if to == "hf" else f"lm_heads.{i}.weight"] = weights[f"heads.{i}.{layers}.weight"]
+        if to == "hf":
+            save_file(out, str(dst / "medusa_lm_head.safetensors"))
+            conf = {"medusa_num_heads": n, "medusa_num_layers": layers, "hidden_size": cfg["hidden_size"], "vocab_size": cfg["vocab_size"]}
+        else:
+            save_file(out, str(dst / "model.safetensors"))
+            conf = {"architectures": ["MedusaModel"], "model_type": "medusa", "num_heads": n, "num_hidden_layers": layers,
+                    "hidden_size": cfg["hidden_size"], "vocab_size": cfg["vocab_size"], "truncated_vocab_size": cfg["vocab_size"]}
+    elif kind == "eagle":
+        out = {}
+        for k, v in weights.items():
+            if k.startswith("decoder.layers."):
+                out["layers." + k[len("decoder.layers.") :]] = v
+            elif k.startswith(("fc.", "fuse.")):
+                out[k] = v
+        save_file(out, str(dst / "model.safetensors"))
+        conf = {"architectures": ["EagleLlamaForCausalLM" if to == "vllm" else "LlamaForCausalLM"], "model_type": "llama",
+                "num_hidden_layers": 1, "hidden_size": cfg["hidden_size"], "vocab_size": cfg["vocab_size"], "bias": True,
+                "eagle_feature_layers": cfg.get("feature_layers")}
+    else:
+        raise SpecdecError(f"export supports medusa and eagle artifacts; {src} is kind {kind!r} (no public convention)")
+    conf["specdec_target"] = cfg.get("target")
+    write_json(dst / "config.json", conf)
+    return dst
+
+
+def expected_tau_from_alpha(alpha: list[float]) -> list[float]:
+    """tau(K) = sum_{i=0..K} prod_{j<i} alpha_j for K = 1..len(alpha)."""
+    out, reach, total = [], 1.0, 1.0
+    for a in alpha:
+        reach *= a
+        total += reach
+        out.append(total)
+    return out
+
+
+__all__ = ["MedusaHeads", "CloverHeads", "EagleHead", "build_heads", "train_heads", "load_heads", "save_heads",
+           "evaluate_heads", "export_artifact", "KINDS", "math"]
