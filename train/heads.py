@@ -65,16 +65,20 @@ class MedusaHeads(nn.Module):
         return self.medusa_logits(hidden_states[-1])[:k]
 
     def forward(self, hidden_states, input_ids, target_logits):
-        logits = self.medusa_logits(hidden_states[-1])
-        t = input_ids.shape[1]
-        loss, parts = 0.0, {}
-        for i in range(self.num_heads):
-            if t - 2 - i <= 0:
-                break
-            ce = F.cross_entropy(logits[i, :, : t - 2 - i].float().reshape(-1, logits.shape[-1]), input_ids[:, 2 + i :].reshape(-1))
-            loss = loss + self.decay**i * ce
-            parts[f"ce{i}"] = float(ce.detach())
-        return loss, parts
+        return decayed_head_loss(self.medusa_logits(hidden_states[-1]), input_ids, self.decay)
+
+
+def decayed_head_loss(logits, input_ids, decay: float):
+    """sum_i decay^i * CE(head i at t, token t+2+i) (Medusa-1 weights); logits [heads, B, T, V]."""
+    t = input_ids.shape[1]
+    loss, parts = 0.0, {}
+    for i in range(logits.shape[0]):
+        if t - 2 - i <= 0:
+            break
+        ce = F.cross_entropy(logits[i, :, : t - 2 - i].float().reshape(-1, logits.shape[-1]), input_ids[:, 2 + i :].reshape(-1))
+        loss = loss + decay**i * ce
+        parts[f"ce{i}"] = float(ce.detach())
+    return loss, parts
 
 
 # ---------------------------------------------------------------------------------------------
@@ -177,16 +181,7 @@ class CloverHeads(nn.Module):
         return torch.stack(out)
 
     def forward(self, hidden_states, input_ids, target_logits):
-        t = input_ids.shape[1]
-        logits = self.chain_logits(hidden_states, input_ids, self.num_heads)
-        loss, parts = 0.0, {}
-        for i in range(self.num_heads):
-            if t - 2 - i <= 0:
-                break
-            ce = F.cross_entropy(logits[i, :, : t - 2 - i].float().reshape(-1, logits.shape[-1]), input_ids[:, 2 + i :].reshape(-1))
-            loss = loss + self.decay**i * ce
-            parts[f"ce{i}"] = float(ce.detach())
-        return loss, parts
+        return decayed_head_loss(self.chain_logits(hidden_states, input_ids, self.num_heads), input_ids, self.decay)
 
 
 # ---------------------------------------------------------------------------------------------
