@@ -221,14 +221,14 @@ def build_drafters_for_recipe(family_dir: Path, train_files: list[Path], budget_
         left = max(deadline - time.monotonic(), 0.0) / 60
         todo = [m for m in share if m not in results]
         minutes = max(0.75 * left * share[member] / sum(share[m] for m in todo), 0.05)
-        return load_config(RECIPES / recipe, {"steps": big, "seed": seed, "budget_minutes": minutes,
+        return load_config(RECIPES / recipe, {"steps": big, "seed": seed, "budget_minutes": minutes, "clock_schedule": True,
                                               "progress": sys.stderr.isatty()}, section=section)
 
     c = cfg("draft.yaml", "draft", "draft")
     arch = c.extra.get("arch", "layers=2,hidden=128,heads=4")
     # KD and CE-only get the same training minutes so their tau compares at equal training time
     c_ce = load_config(RECIPES / "draft.yaml", {"steps": big, "seed": seed, "budget_minutes": c.budget_minutes,
-                                                "progress": c.progress}, section="draft")
+                                                "clock_schedule": True, "progress": c.progress}, section="draft")
     results["draft"] = train_draft(target, train_files, family_dir / "draft", c, arch=arch,
                                    kd_weight=float(c.extra.get("kd_weight", 0.9)), temperature=float(c.extra.get("temperature", 1.0)))
     results["draft-ce"] = train_draft(target, train_files, family_dir / "draft-ce", c_ce, arch=arch, kd_weight=0.0)

@@ -8,8 +8,6 @@ AutoModelForCausalLM / AutoTokenizer load the folder like any Hugging Face check
 from __future__ import annotations
 
 import json
-import math
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -110,7 +108,7 @@ def heldout_loss(model, blocks, batch_size: int = 8, max_blocks: int = 64) -> fl
     losses = []
     n = min(len(blocks), max_blocks)
     for i in range(0, n, batch_size):
-        ids = blocks[i : min(i + batch_size, n)]["input_ids"]
+        ids = blocks[i : min(i + batch_size, n)]["input_ids"].to(model.device)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=ids.device.type == "cpu"):
             out = model(input_ids=ids, labels=ids)
         losses.append(out.loss.float().item())
@@ -127,57 +125,49 @@ def pretrain(
     batch_size: int = 16,
     seed: int = 0,
     max_steps: int | None = None,
-    progress=None,
+    progress: bool = True,
 ) -> dict:
-    """Next-token pretraining for a wall-clock budget; cosine schedule over the predicted steps."""
-    from accelerate import Accelerator
-    from torch.utils.data import DataLoader
+    """Next-token pretraining on ``run_training``: for ``max_steps`` steps, else for ``budget_s`` seconds
+    with a cosine schedule that follows the clock. ``progress`` shows run_training's progress bar."""
+    import tempfile
 
-    torch.manual_seed(seed)
-    acc = Accelerator(mixed_precision="bf16")
-    loader = DataLoader(train_blocks, batch_size=batch_size, shuffle=True, generator=torch.Generator().manual_seed(seed), drop_last=True)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
-    model, opt, loader = acc.prepare(model, opt, loader)
-    model.train()
-    start = time.perf_counter()
-    step, tokens, warmup = 0, 0, 50
-    est_total = max_steps or 10**9
-    curve = []
-    done = False
-    while not done:
-        for batch in loader:
-            elapsed = time.perf_counter() - start
-            if step >= 20 and max_steps is None:
-                est_total = max(step + 1, int(step * budget_s / max(elapsed, 1e-6)))
-            frac = min(step / max(est_total, 1), 1.0)
-            scale = min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
-            for g in opt.param_groups:
-                g["lr"] = lr * scale
-            ids = batch["input_ids"]
-            out = model(input_ids=ids, labels=ids)
-            acc.backward(out.loss)
-            acc.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            step += 1
-            tokens += ids.numel()
-            if step % 25 == 0:
-                curve.append((step, round(out.loss.item(), 4)))
-            if progress is not None:
-                progress(min(elapsed / budget_s, 1.0), f"target step {step} loss {out.loss.item():.3f}")
-            if (max_steps is not None and step >= max_steps) or (max_steps is None and elapsed >= budget_s):
-                done = True
-                break
-    model = acc.unwrap_model(model)
-    wall = time.perf_counter() - start
+    from specdec.train.loop import TrainConfig, run_training
+
+    seq_len = len(train_blocks[0]["input_ids"])
+    cfg = TrainConfig(
+        lr=lr,
+        steps=max_steps or 10**9,  # budget-only: the clock is what stops the run
+        batch=batch_size,
+        seq_len=seq_len,
+        warmup=50,
+        weight_decay=0.1,
+        betas=(0.9, 0.95),
+        clip=1.0,
+        seed=seed,
+        checkpoint_every=0,
+        save_final_checkpoint=False,  # the recipe saves the model itself; optimizer state is not needed
+        budget_minutes=0.0 if max_steps else budget_s / 60,
+        clock_schedule=True,
+        mixed_precision="bf16",
+        log_every=25,
+        progress=progress,
+    )
+
+    def loss_fn(model, batch):
+        return model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
+
+    with tempfile.TemporaryDirectory() as scratch:  # nothing is written there (no checkpoints)
+        res = run_training(cfg, model, loss_fn, train_blocks, scratch, label="target")
+    tokens = res.steps * batch_size * seq_len * res.accelerator.num_processes
+    curve = [(s, round(loss, 4)) for s, loss in enumerate(res.losses, 1) if s % 25 == 0]
     return {
-        "steps": step,
+        "steps": res.steps,
         "tokens_trained": tokens,
-        "train_wall_s": round(wall, 1),
-        "tokens_per_s": round(tokens / max(wall, 1e-6)),
-        "final_train_loss": curve[-1][1] if curve else None,
+        "train_wall_s": round(res.wall_s, 1),
+        "tokens_per_s": round(tokens / max(res.wall_s, 1e-6)),
+        "final_train_loss": round(res.losses[-1], 4) if res.losses else None,
         "loss_curve": curve,
-        "heldout_loss": round(heldout_loss(model, heldout_blocks), 4),
+        "heldout_loss": round(heldout_loss(res.model, heldout_blocks), 4),
     }
 
 

@@ -114,7 +114,6 @@ def build_target(cfg: RecipeConfig, corpus, out: Path, budget_s: float, force: b
         log(console, f"[dim]target: cached in {out}[/dim]")
         return json.loads((out / "metrics.json").read_text())
     import torch
-    from rich.progress import Progress
 
     from specdec.train.lm import TargetArch, build_model, pretrain, save_target, token_blocks, train_tokenizer
 
@@ -130,18 +129,16 @@ def build_target(cfg: RecipeConfig, corpus, out: Path, budget_s: float, force: b
     n_params = sum(p.numel() for p in model.parameters())
     remaining = max(budget_s - (time.perf_counter() - t0), 30.0)
     log(console, f"target: {n_params / 1e6:.2f}M parameters, {len(train_blocks)} blocks of {seq_len}, {remaining:.0f}s")
-    with Progress(console=console, transient=True) as progress:
-        task = progress.add_task("target", total=1.0)
-        stats = pretrain(
-            model,
-            train_blocks,
-            heldout_blocks,
-            budget_s=remaining,
-            lr=cfg.training.get("lr", 3e-3),
-            batch_size=cfg.training.get("batch_size", 16),
-            seed=cfg.seed,
-            progress=lambda frac, desc: progress.update(task, completed=frac, description=desc),
-        )
+    stats = pretrain(  # shows run_training's progress bar on stderr
+        model,
+        train_blocks,
+        heldout_blocks,
+        budget_s=remaining,
+        lr=cfg.training.get("lr", 3e-3),
+        batch_size=cfg.training.get("batch_size", 16),
+        seed=cfg.seed,
+        progress=console is not None,
+    )
     model = model.float().eval()
     metrics = {
         "parameters": n_params,

@@ -1,0 +1,505 @@
+"""Train masked-diffusion LMs: adapt an AR checkpoint (or start from a config), and dParallel distillation.
+
+A specdec dLLM is a stock Llama checkpoint plus a MASK token and config keys (``specdec_kind:
+dllm``, ``mask_token_id``, ``dllm_attention``, ``dllm_block_size``, ``token_shift``). Adapting an
+AR model keeps its token shift (the logit at i-1 predicts token i), so the network keeps doing
+what it was trained for and only learns to read MASK tokens and look ahead (Dream, Fast-dLLM v2).
+
+Both objectives train with specdec's one loop (``specdec.train.loop.run_training``); each has a
+collate function that draws its masks on the CPU (seeded) and a loss that only runs the model:
+- masked CE (LLaDA/MDLM): t ~ U(0,1), p = (1-eps) t + eps, answer tokens masked with prob p,
+  loss = sum(CE/p over masked) / (B*L), prompts never masked, each example also seen with the
+  complementary mask so every token is supervised once;
+- certainty forcing (dParallel): on the model's own responses, CE plus an entropy penalty on
+  masked tokens it already predicts correctly, which makes threshold decoders commit earlier.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import tempfile
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from specdec.decode.artifacts import SpecdecError, read_config, tokenizer_fingerprint, write_json
+from specdec.decode.diffusion import DiffusionGenerator, DllmSpec, dllm_attention, model_mask
+from specdec.decode.types import GenRequest
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@dataclass
+class DllmTrainConfig:
+    block_size: int = 32
+    attention: str = "block"  # "block" (block diffusion) or "bidirectional"
+    seq_len: int = 128
+    batch_size: int = 8
+    lr: float = 3e-4
+    weight_decay: float = 0.0
+    warmup_steps: int = 20
+    max_steps: int = 500
+    budget_minutes: float | None = None
+    eps: float = 1e-3
+    complementary: bool = True
+    mixed_precision: str = "bf16"  # autocast; bf16 is also faster than fp32 on CPUs with avx512_bf16
+    heldout_fraction: float = 0.05
+    eval_batches: int = 4
+    seed: int = 0
+    mask_token: str = "<|mask|>"
+    lora: bool = False
+    lora_rank: int = 128
+    lora_alpha: int = 128
+    certainty_forcing: bool = False
+    cf_prompts: int = 64  # prompts whose self-generated responses are distilled
+    cf_gen_length: int = 64
+    cf_temperature: float = 0.5  # entropy is measured on softmax(logits / T)
+    cf_entropy_weight: float = 2.0
+    progress: bool = True
+
+    def __post_init__(self):
+        if self.attention not in ("block", "bidirectional"):
+            raise SpecdecError(f"--attention must be block or bidirectional, not {self.attention!r}")
+        if self.block_size < 1 or self.seq_len < 2 or self.batch_size < 1:
+            raise SpecdecError("block size, sequence length and batch size must be positive")
+
+
+@dataclass
+class Example:
+    ids: list[int]  # prompt + answer (+ EOS padding), or a plain-text chunk
+    prompt_len: int  # 0 for plain text: a prompt/answer split is drawn each time it is used
+
+
+# --------------------------------------------------------------------------------------------
+# Data
+# --------------------------------------------------------------------------------------------
+
+
+def read_training_data(texts_or_files: Iterable[str | Path]) -> tuple[list[str], list[tuple[str, str]]]:
+    """Plain texts and (prompt, completion) pairs from literal strings, JSONL files or text files."""
+    from datasets import load_dataset
+
+    texts: list[str] = []
+    pairs: list[tuple[str, str]] = []
+    for item in texts_or_files:
+        path = _as_existing_file(item)
+        if path is None:
+            texts.append(str(item))
+            continue
+        if path.suffix in (".jsonl", ".json"):
+            for row in load_dataset("json", data_files=str(path), split="train"):
+                if row.get("prompt") is not None and row.get("completion") is not None:
+                    pairs.append((row["prompt"], row["completion"]))
+                elif row.get("text") or row.get("prompt"):
+                    texts.append(row.get("text") or row["prompt"])
+        else:
+            texts.extend(row["text"] for row in load_dataset("text", data_files=str(path), sample_by="document", split="train"))
+    return texts, pairs
+
+
+def _as_existing_file(item) -> Path | None:
+    if isinstance(item, Path):
+        if not item.is_file():
+            raise SpecdecError(f"no such data file: {item}")
+        return item
+    if "\n" in item or len(item) > 4096:
+        return None
+    try:
+        path = Path(item)
+        return path if path.is_file() else None
+    except OSError:
+        return None
+
+
+def encode_prompt(tokenizer, text: str) -> list[int]:
+    """How every dLLM prompt is tokenized (training, filter labels, bench): the tokenizer's defaults."""
+    return tokenizer(text)["input_ids"]
+
+
+def text_examples(tokenizer, texts: list[str], seq_len: int, eos_id: int) -> list[Example]:
+    stream: list[int] = []
+    for text in texts:
+        stream.extend(tokenizer(text, add_special_tokens=False)["input_ids"] + [eos_id])
+    return [Example(stream[i : i + seq_len], 0) for i in range(0, len(stream) - seq_len + 1, seq_len)]
+
+
+def pair_examples(tokenizer, pairs: list[tuple[str, str]], seq_len: int, eos_id: int) -> list[Example]:
+    """Prompt + completion + EOS, padded with EOS to seq_len: the model learns to fill the canvas tail with EOS."""
+    out = []
+    for prompt, completion in pairs:
+        p = encode_prompt(tokenizer, prompt)[-(seq_len // 2) :]
+        a = (tokenizer(completion, add_special_tokens=False)["input_ids"] + [eos_id])[: seq_len - len(p)]
+        out.append(Example(p + a + [eos_id] * (seq_len - len(p) - len(a)), len(p)))
+    return out
+
+
+def sample_batch(examples: list[Example], batch_size: int, rng: random.Random) -> tuple[Tensor, Tensor]:
+    rows = [examples[rng.randrange(len(examples))] for _ in range(batch_size)]
+    tokens = torch.tensor([ex.ids for ex in rows])
+    # Plain text gets a random prompt so answers start everywhere, as they do at decode time.
+    prompt_len = torch.tensor([ex.prompt_len or rng.randint(1, len(ex.ids) // 2) for ex in rows])
+    return tokens, prompt_len
+
+
+# --------------------------------------------------------------------------------------------
+# Objectives
+# --------------------------------------------------------------------------------------------
+
+
+def dllm_logits(model, tokens: Tensor, prompt_len: Tensor, spec: DllmSpec, valid: Tensor | None = None) -> Tensor:
+    """Logits aligned with tokens: row i predicts token i (the token shift undone)."""
+    valid = torch.ones_like(tokens, dtype=torch.bool) if valid is None else valid
+    allowed = dllm_attention(valid, prompt_len.to(tokens.device) - spec.shift, spec.attention, spec.block_size)
+    logits = model(input_ids=tokens, attention_mask=model_mask(model, allowed)).logits
+    if spec.token_shift:
+        logits = torch.cat([logits[:, :1], logits[:, :-1]], dim=1)  # position 0 is always prompt
+    return logits
+
+
+class MaskedDiffusionCollate:
+    """Examples -> a noised batch: the masks the loss needs, drawn on the CPU from a seeded generator."""
+
+    def __init__(self, spec: DllmSpec, cfg: DllmTrainConfig, seed: int):
+        self.spec, self.cfg = spec, cfg
+        self.rng, self.gen = random.Random(seed), torch.Generator().manual_seed(seed)
+
+    def __call__(self, rows: list[Example]) -> dict[str, Tensor]:
+        # LLaDA / MDLM masked CE with the 1/p weighting; Fast-dLLM v2 complementary masks.
+        cfg, gen = self.cfg, self.gen
+        tokens = torch.tensor([ex.ids for ex in rows])
+        # Plain text gets a random prompt so answers start everywhere, as they do at decode time.
+        prompt_len = torch.tensor([ex.prompt_len or self.rng.randint(1, len(ex.ids) // 2) for ex in rows])
+        b, length = tokens.shape
+        answer = torch.arange(length)[None] >= prompt_len[:, None]
+        p = (1 - cfg.eps) * torch.rand(b, generator=gen) + cfg.eps
+        masked = (torch.rand(b, length, generator=gen) < p[:, None]) & answer
+        views = [(masked, p)]
+        if cfg.complementary:
+            views.append((~masked & answer, (1 - p).clamp(min=cfg.eps)))
+        masks = torch.cat([m for m, _ in views])
+        targets = tokens.repeat(len(views), 1)
+        return {
+            "noisy": torch.where(masks, self.spec.mask_token_id, targets),
+            "targets": targets,
+            "prompt_len": prompt_len.repeat(len(views)),
+            "weight": masks / torch.cat([q for _, q in views])[:, None],
+            "answer_tokens": answer.sum() * len(views),
+        }
+
+
+def masked_diffusion_loss(model, batch: dict[str, Tensor], spec: DllmSpec) -> Tensor:
+    logits = dllm_logits(model, batch["noisy"], batch["prompt_len"], spec)
+    ce = F.cross_entropy(logits.float().transpose(1, 2), batch["targets"], reduction="none")
+    return (ce * batch["weight"]).sum() / batch["answer_tokens"]
+
+
+@torch.no_grad()
+def heldout_masked_ce(model, examples: list[Example], spec: DllmSpec, cfg: DllmTrainConfig) -> float | None:
+    """Mean CE per masked token on held-out examples, with fixed masks (comparable across runs)."""
+    if not examples:
+        return None
+    rng, gen = random.Random(1234), torch.Generator().manual_seed(1234)
+    total, count = 0.0, 0
+    model.eval()
+    for _ in range(cfg.eval_batches):
+        tokens, prompt_len = sample_batch(examples, cfg.batch_size, rng)
+        answer = torch.arange(tokens.shape[1])[None] >= prompt_len[:, None]
+        masked = (torch.rand(tokens.shape, generator=gen) < torch.rand(tokens.shape[0], 1, generator=gen)) & answer
+        noisy = torch.where(masked, spec.mask_token_id, tokens)
+        dev = _device(model)
+        logits = dllm_logits(model, noisy.to(dev), prompt_len, spec)
+        ce = F.cross_entropy(logits.float().transpose(1, 2), tokens.to(dev), reduction="none")
+        total += float((ce * masked.to(dev)).sum())
+        count += int(masked.sum())
+    model.train()
+    return total / max(count, 1)
+
+
+class CertaintyForcingCollate:
+    """Self-generated examples -> padded batch with the dParallel masks: clean earlier blocks, one block
+    half masked (plus its complement), later blocks fully masked."""
+
+    def __init__(self, spec: DllmSpec, cfg: DllmTrainConfig, seed: int):
+        self.spec, self.cfg = spec, cfg
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def __call__(self, rows: list[Example]) -> dict[str, Tensor]:
+        cfg, gen, eos = self.cfg, self.gen, self.spec.eos_token_id
+        width = max(len(ex.ids) for ex in rows)
+        tokens = torch.tensor([ex.ids + [eos] * (width - len(ex.ids)) for ex in rows])
+        valid = torch.tensor([[j < len(ex.ids) for j in range(width)] for ex in rows])
+        prompt_len = torch.tensor([ex.prompt_len for ex in rows])
+        b, n = tokens.shape
+        rel = torch.arange(n)[None] - prompt_len[:, None]
+        response = (rel >= 0) & valid
+        blk = rel.div(cfg.block_size, rounding_mode="floor")
+        n_blocks = (response.sum(1) + cfg.block_size - 1) // cfg.block_size
+        current = (torch.rand(b, generator=gen) * n_blocks).long()[:, None]
+        half = torch.rand(b, n, generator=gen) < 0.5
+        later = response & (blk > current)
+        in_current = response & (blk == current)
+        views = torch.cat([(in_current & half) | later, (in_current & ~half) | later])
+        targets = tokens.repeat(2, 1)
+        return {
+            "noisy": torch.where(views, self.spec.mask_token_id, targets),
+            "targets": targets,
+            "views": views,
+            "in_current": in_current.repeat(2, 1),
+            "valid": valid.repeat(2, 1),
+            "prompt_len": prompt_len.repeat(2),
+        }
+
+
+def certainty_forcing_loss(model, batch: dict[str, Tensor], spec: DllmSpec, cfg: DllmTrainConfig) -> Tensor:
+    # dParallel certainty forcing: CE + CE_rev + w * (H + H_rev) with H the entropy of correct predictions.
+    tokens, views = batch["targets"], batch["views"]
+    logits = dllm_logits(model, batch["noisy"], batch["prompt_len"], spec, batch["valid"]).float()
+    ce = F.cross_entropy(logits.transpose(1, 2), tokens, reduction="none")
+    correct = views & batch["in_current"] & (logits.argmax(-1) == tokens)
+    logp = torch.log_softmax(logits / cfg.cf_temperature, -1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    per_view = lambda x, m: (x * m).view(2, -1).sum(1) / m.view(2, -1).sum(1).clamp(min=1)  # noqa: E731
+    return per_view(ce, views).sum() + cfg.cf_entropy_weight * per_view(entropy, correct).sum()
+
+
+# --------------------------------------------------------------------------------------------
+# Training, on specdec's one loop
+# --------------------------------------------------------------------------------------------
+
+
+def loop_config(cfg: DllmTrainConfig):
+    """The dLLM hyper-parameters as a ``TrainConfig``: no checkpoints on disk, the cosine follows the clock
+    under a budget (the step cap is then only a safety net)."""
+    from specdec.train.loop import TrainConfig
+
+    return TrainConfig(
+        lr=cfg.lr, steps=cfg.max_steps, batch=cfg.batch_size, seq_len=cfg.seq_len, warmup=cfg.warmup_steps,
+        weight_decay=cfg.weight_decay, betas=(0.9, 0.999), clip=1.0, seed=cfg.seed, checkpoint_every=0,
+        save_final_checkpoint=False, budget_minutes=cfg.budget_minutes or 0.0, clock_schedule=True,
+        mixed_precision=cfg.mixed_precision, progress=cfg.progress,
+    )  # fmt: skip
+
+
+def fit(model, examples: list[Example], collate, loss_fn, cfg: DllmTrainConfig, label: str) -> tuple[object, dict]:
+    """Run the loop over ``examples`` (repeated up to one batch when there are fewer); returns (model, curve)."""
+    from specdec.train.loop import run_training
+
+    rows = examples * math.ceil(cfg.batch_size / max(len(examples), 1))
+    with tempfile.TemporaryDirectory() as scratch:  # nothing is written there (no checkpoints)
+        res = run_training(loop_config(cfg), model, loss_fn, rows, scratch, collate_fn=collate, label=label)
+    return res.model, curve_summary(res.losses, res.wall_s)
+
+
+def curve_summary(losses: list[float], seconds: float, points: int = 50) -> dict:
+    window = max(1, min(20, len(losses) // 5))
+    stride = max(1, len(losses) // points)
+    return {
+        "steps": len(losses),
+        "seconds": round(seconds, 2),
+        "loss_first": sum(losses[:window]) / window if losses else None,
+        "loss_last": sum(losses[-window:]) / window if losses else None,
+        "loss_min": min(losses) if losses else None,
+        "loss_curve": [[i, round(v, 5)] for i, v in enumerate(losses) if i % stride == 0],
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Building dLLMs
+# --------------------------------------------------------------------------------------------
+
+
+def convert_to_dllm(from_dir: str | Path | None, cfg: DllmTrainConfig, model_config: dict | None = None, tokenizer_dir: str | Path | None = None):
+    """(model, tokenizer, spec): an AR checkpoint (or a fresh model from a config) with a MASK token added.
+
+    A dLLM passed as from_dir is taken as is (continued training, certainty forcing).
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+    if from_dir is not None:
+        tokenizer = AutoTokenizer.from_pretrained(from_dir)
+        model = AutoModelForCausalLM.from_pretrained(from_dir, use_safetensors=True, dtype=torch.float32)
+        if read_config(from_dir).get("specdec_kind") == "dllm":
+            return model, tokenizer, spec_of(model)
+    else:
+        if model_config is None or tokenizer_dir is None:
+            raise SpecdecError("training a dLLM from scratch needs a model config and a tokenizer directory")
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        model = AutoModelForCausalLM.from_config(LlamaConfig(**model_config))
+    if tokenizer.eos_token_id is None:
+        tokenizer.add_special_tokens({"eos_token": "<|endoftext|>"})
+    if tokenizer.mask_token_id is None:
+        tokenizer.add_special_tokens({"mask_token": cfg.mask_token})
+    if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
+        model.resize_token_embeddings(len(tokenizer))  # new rows start at the mean embedding
+    model.config.update(
+        {
+            "specdec_kind": "dllm",
+            "mask_token_id": tokenizer.mask_token_id,
+            "dllm_attention": cfg.attention,
+            "dllm_block_size": cfg.block_size,
+            "token_shift": True,
+            "eos_token_id": tokenizer.eos_token_id,
+        }
+    )
+    model.config.use_cache = False
+    return model, tokenizer, spec_of(model)
+
+
+def spec_of(model) -> DllmSpec:
+    c = model.config
+    eos = c.eos_token_id[0] if isinstance(c.eos_token_id, list) else c.eos_token_id
+    return DllmSpec(c.mask_token_id, eos, c.dllm_attention, c.dllm_block_size, bool(c.token_shift))
+
+
+def wrap_lora(model, cfg: DllmTrainConfig):
+    from peft import LoraConfig, get_peft_model
+
+    # dParallel uses r = alpha = 128; a rank above the hidden size only wastes memory on tiny models.
+    rank = min(cfg.lora_rank, model.config.hidden_size)
+    return get_peft_model(model, LoraConfig(r=rank, lora_alpha=cfg.lora_alpha * rank // cfg.lora_rank, target_modules=LORA_TARGETS, lora_dropout=0.0))
+
+
+def self_generated_examples(model, tokenizer, spec: DllmSpec, prompts: list[str], cfg: DllmTrainConfig) -> list[Example]:
+    """dParallel trains on the model's own static one-token-per-step responses (EOS-padded to cf_gen_length)."""
+    generator = DiffusionGenerator(model, tokenizer, spec, "static", gen_length=cfg.cf_gen_length, block_size=cfg.block_size)
+    out = []
+    for i in range(0, len(prompts), cfg.batch_size):
+        encoded = [encode_prompt(tokenizer, p)[-cfg.seq_len // 2 :] for p in prompts[i : i + cfg.batch_size]]
+        results = generator.generate([GenRequest(ids, cfg.cf_gen_length) for ids in encoded])
+        for ids, r in zip(encoded, results):
+            out.append(Example(ids + r.token_ids + [spec.eos_token_id] * (cfg.cf_gen_length - len(r.token_ids)), len(ids)))
+    return out
+
+
+def train_dllm(
+    from_dir: str | Path | None,
+    texts_or_files: Iterable[str | Path],
+    out_dir: str | Path,
+    block_size: int = 32,
+    attention: str = "block",
+    max_steps: int = 500,
+    budget_minutes: float | None = None,
+    seed: int = 0,
+    certainty_forcing: bool = False,
+    lora: bool = False,
+    extra_examples: Iterable[tuple[str, str]] | None = None,
+    *,
+    model_config: dict | None = None,
+    tokenizer_dir: str | Path | None = None,
+    **overrides,
+) -> dict:
+    """Train a dLLM into ``out_dir`` and return its metrics (also written to metrics.json).
+
+    ``texts_or_files``: literal texts or paths (JSONL with prompt[+completion], or plain text);
+    ``extra_examples``: extra (prompt, completion) pairs such as list tasks. ``overrides`` set other
+    ``DllmTrainConfig`` fields. With ``certainty_forcing`` the source must be a dLLM and the data's
+    prompts are answered by the model itself, then distilled (``lora`` trains a LoRA and merges it).
+    """
+    known = {f.name for f in fields(DllmTrainConfig)}
+    if set(overrides) - known:
+        raise SpecdecError(f"unknown training option(s): {', '.join(sorted(set(overrides) - known))}")
+    cfg = DllmTrainConfig(
+        block_size=block_size, attention=attention, max_steps=max_steps, budget_minutes=budget_minutes, seed=seed,
+        certainty_forcing=certainty_forcing, lora=lora, **overrides,
+    )  # fmt: skip
+    torch.manual_seed(cfg.seed)
+    rng = random.Random(cfg.seed)
+    model, tokenizer, spec = convert_to_dllm(from_dir, cfg, model_config, tokenizer_dir)
+    if certainty_forcing and from_dir is not None and read_config(from_dir).get("specdec_kind") != "dllm":
+        raise SpecdecError("--certainty-forcing distils an existing dLLM: pass one as --from (train it with train-dllm first)")
+    texts, pairs = read_training_data(texts_or_files)
+    pairs += list(extra_examples or [])
+    examples = text_examples(tokenizer, texts, cfg.seq_len, spec.eos_token_id) + pair_examples(tokenizer, pairs, cfg.seq_len, spec.eos_token_id)
+    if not examples:
+        raise SpecdecError(f"no training examples: every text is shorter than --seq-len {cfg.seq_len} tokens and there are no prompt/completion pairs")
+    rng.shuffle(examples)
+    n_heldout = min(len(examples) // 2, max(1, int(len(examples) * cfg.heldout_fraction))) if len(examples) > 1 else 0
+    heldout, train = examples[:n_heldout], examples[n_heldout:]
+    ce_before = heldout_masked_ce(model, heldout, spec, cfg)
+
+    if certainty_forcing:
+        prompts = [p for p, _ in pairs] or [tokenizer.decode(ex.ids[: cfg.seq_len // 4]) for ex in train]
+        rng.shuffle(prompts)
+        own = self_generated_examples(model, tokenizer, spec, prompts[: cfg.cf_prompts], cfg)
+    if cfg.lora:
+        model = wrap_lora(model, cfg)
+    if certainty_forcing:
+        cf_loss = lambda m, batch: certainty_forcing_loss(m, batch, spec, cfg)  # noqa: E731
+        model, curve = fit(model, own, CertaintyForcingCollate(spec, cfg, cfg.seed), cf_loss, cfg, "certainty forcing")
+    else:
+        ce_loss = lambda m, batch: masked_diffusion_loss(m, batch, spec)  # noqa: E731
+        model, curve = fit(model, train, MaskedDiffusionCollate(spec, cfg, cfg.seed), ce_loss, cfg, "train-dllm")
+    if cfg.lora:
+        model = model.merge_and_unload()
+    metrics = {
+        "objective": "certainty_forcing" if certainty_forcing else "masked_ce",
+        "train_examples": len(train),
+        "heldout_examples": len(heldout),
+        "heldout_masked_ce_before": ce_before,
+        "heldout_masked_ce": heldout_masked_ce(model, heldout, spec, cfg),
+        **curve,
+    }
+    save_dllm(model, tokenizer, out_dir, cfg, metrics, source=from_dir)
+    return metrics
+
+
+def save_dllm(model, tokenizer, out_dir: str | Path, cfg: DllmTrainConfig, metrics: dict, source) -> None:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.config.use_cache = True
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    write_json(out / "metrics.json", metrics)
+    write_json(out / "train_config.json", {**asdict(cfg), "source": str(source) if source else None, "tokenizer": tokenizer_fingerprint(tokenizer)})
+
+
+# --------------------------------------------------------------------------------------------
+# The tiny-stdlib recipe hook
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RecipePlan:
+    """How the recipe spends its budget: most of it adapts the dLLM, the rest labels and fits the filter."""
+
+    dllm_share: float = 0.8
+    max_texts: int = 2000  # the budget allows ~1e5 training tokens; tokenizing the whole corpus would waste it
+    list_tasks: int = 3000
+    lr: float = 1e-3  # short budgets: a larger step than the 3e-4 default
+    filter_prompts: int = 32
+    filter_gen_length: int = 64  # the filter sees one 32-token block at a time; two blocks give enough labels
+
+
+def build_for_recipe(target_dir, family_dir, train_texts: list[str], budget_minutes: float, seed: int) -> dict:
+    """Build ``family_dir/dllm`` from the AR target and ``family_dir/filter``; returns both metrics.
+
+    The training mix is a sample of the recipe's stdlib text chunks plus generated list tasks, so
+    the list-task quality probes (the held-out split) exist offline.
+    """
+    from specdec.train.filter import train_filter
+    from specdec.train.listtasks import list_tasks
+
+    plan = RecipePlan()
+    family = Path(family_dir)
+    texts = list(train_texts)
+    random.Random(seed).shuffle(texts)
+    tasks = [(t.prompt, t.completion) for t in list_tasks(plan.list_tasks, seed=seed)]
+    dllm_metrics = train_dllm(
+        target_dir, texts[: plan.max_texts], family / "dllm", max_steps=100_000, budget_minutes=budget_minutes * plan.dllm_share,
+        seed=seed, extra_examples=tasks, lr=plan.lr, progress=False,
+    )  # fmt: skip
+    prompts = [t.prompt for t in list_tasks(plan.filter_prompts, seed=seed + 1)]
+    filter_metrics = train_filter(
+        family / "dllm", prompts, family / "filter", gen_length=plan.filter_gen_length,
+        budget_minutes=budget_minutes * (1 - plan.dllm_share), seed=seed,
+    )  # fmt: skip
+    return {"dllm": dllm_metrics, "filter": filter_metrics}
+
+
+def _device(model):
+    return next(model.parameters()).device

@@ -1,0 +1,382 @@
+"""The one training loop every specdec trainer shares (draft, acceptance head, medusa/clover/eagle,
+the recipe's target LM, dLLMs and certainty forcing, the Learn2PD filter).
+
+A trainer hands over a module whose trainable parameters are optimised, a ``loss_fn(model, batch)``
+that calls the module once and returns a scalar (or ``(scalar, {name: float})``), and a map-style
+dataset of dicts of tensors. The loop touches accelerate through Accelerator(), prepare(),
+accumulate(), backward(), save_state()/load_state() only.
+
+Exact resume: the data order is a pure function of (seed, epoch, micro-step), so a resumed run
+skips the micro-batches it already consumed and sees the same batches; model, optimizer, scheduler
+and RNG states come back from ``accelerator.load_state``; the loss curve so far is stored beside
+each checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import yaml
+
+from specdec.decode.artifacts import SpecdecError, UsageError, write_json
+
+
+@dataclass
+class TrainConfig:
+    lr: float = 1e-3
+    steps: int = 200  # optimizer steps
+    batch: int = 8  # sequences per process per micro-batch
+    seq_len: int = 128
+    grad_accum: int = 1
+    warmup: int = 10
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    clip: float = 1.0
+    seed: int = 0
+    checkpoint_every: int = 50  # 0 = only at the end
+    keep_checkpoints: int = 2
+    save_final_checkpoint: bool = True  # False with checkpoint_every 0: nothing is written (no resume)
+    budget_minutes: float = 0.0  # 0 = no wall-clock budget
+    # under a budget, the cosine follows the clock: progress = max(step / steps, elapsed / budget), so a
+    # run whose step cap is only a safety net still decays its learning rate by the time the budget ends
+    # (the budget, and so this clock, restarts on resume)
+    clock_schedule: bool = False
+    mixed_precision: str = "bf16"  # "no" | "bf16" | "fp16"
+    heldout: float = 0.1  # fraction of blocks held out for metrics
+    log_every: int = 10
+    progress: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)  # trainer-specific knobs from the recipe
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["betas"] = list(self.betas)
+        return d
+
+
+def load_config(path: str | Path | None = None, overrides: dict | None = None, section: str | None = None) -> TrainConfig:
+    """YAML recipe (optionally one section of it) then CLI overrides (None values are ignored).
+
+    Unknown keys are an error; a recipe's trainer-specific keys go under ``extra:``.
+    """
+    data: dict = {}
+    if path is not None:
+        try:
+            raw = yaml.safe_load(Path(path).read_text()) or {}
+        except (OSError, yaml.YAMLError) as exc:
+            raise UsageError(f"cannot read recipe {path}: {exc}") from exc
+        if not isinstance(raw, dict):
+            raise UsageError(f"recipe {path} must be a mapping")
+        data = dict(raw.get(section, raw)) if section and section in raw else dict(raw)
+        data.pop("command", None)
+    data.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    return config_from_dict(data, where=str(path) if path else "overrides")
+
+
+def config_from_dict(data: dict, where: str = "config") -> TrainConfig:
+    known = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise UsageError(f"unknown training config key(s) in {where}: {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+    cfg = TrainConfig()
+    for key, value in data.items():
+        default = getattr(cfg, key)
+        try:
+            if key == "betas":
+                value = tuple(float(v) for v in value)
+            elif key == "extra":
+                value = {**cfg.extra, **dict(value)}
+            elif isinstance(default, bool):
+                value = value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes")
+            elif isinstance(default, (int, float, str)):
+                value = type(default)(value)
+        except (TypeError, ValueError) as exc:
+            raise UsageError(f"bad value for {key} in {where}: {value!r}") from exc
+        setattr(cfg, key, value)
+    if cfg.mixed_precision not in ("no", "bf16", "fp16"):
+        raise UsageError(f"mixed_precision must be no, bf16 or fp16, not {cfg.mixed_precision!r}")
+    if cfg.steps < 1 or cfg.batch < 1 or cfg.grad_accum < 1:
+        raise UsageError("steps, batch and grad_accum must be >= 1")
+    return cfg
+
+
+def save_config(cfg: TrainConfig, out_dir: Path, extra: dict | None = None) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "training_config.yaml").write_text(yaml.safe_dump({**cfg.to_dict(), **(extra or {})}, sort_keys=True))
+
+
+# ---------------------------------------------------------------------------------------------
+# Data order
+
+
+class EpochBatches:
+    """Batches of one epoch for one process: a seeded permutation, sharded round-robin, with the
+    first ``skip`` micro-batches of this process dropped (resume)."""
+
+    def __init__(self, n: int, batch: int, rank: int, world: int, seed: int, epoch: int, skip: int = 0):
+        import torch
+
+        g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+        perm = torch.randperm(n, generator=g).tolist()
+        per_step = batch * world
+        self.batches = [
+            perm[i * per_step + rank * batch : i * per_step + (rank + 1) * batch] for i in range(n // per_step)
+        ][skip:]
+
+    def __iter__(self):
+        return iter(self.batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
+def micro_batches_per_epoch(n: int, batch: int, world: int) -> int:
+    return n // (batch * world)
+
+
+# ---------------------------------------------------------------------------------------------
+# The loop
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    losses: list[float]
+    stopped: str  # "steps" | "budget"
+    wall_s: float
+    model: Any  # the unwrapped module
+    accelerator: Any
+    logs: list[dict] = field(default_factory=list)
+
+    @property
+    def is_main(self) -> bool:
+        return self.accelerator.is_main_process
+
+
+def make_accelerator(cfg: TrainConfig):
+    import torch
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    # accelerate keeps one process-wide state; several trainings in one process (the family recipe,
+    # tests) may differ in precision and accumulation, so each run starts from a fresh one. The
+    # process group (PartialState) is kept.
+    AcceleratorState._reset_state(reset_partial_state=False)
+    GradientState._reset_state()
+    # cpu=True lets torchrun-style launches (accelerate launch --multi_gpu) form a gloo group on a
+    # machine without CUDA; with CUDA the accelerator picks the GPU as usual.
+    return Accelerator(
+        mixed_precision=cfg.mixed_precision,
+        gradient_accumulation_steps=cfg.grad_accum,
+        cpu=not torch.cuda.is_available(),
+    )
+
+
+def run_training(
+    cfg: TrainConfig,
+    model_to_train,
+    loss_fn: Callable,
+    dataset,
+    out_dir: str | Path,
+    resume: bool = False,
+    accelerator=None,
+    collate_fn: Callable | None = None,
+    label: str = "train",
+) -> TrainResult:
+    """Optimise ``model_to_train`` for ``cfg.steps`` optimizer steps (or until the budget).
+
+    Checkpoints go to ``out_dir/checkpoints/step-N``; with ``resume`` the latest one is restored.
+    ``collate_fn`` turns a list of dataset items into the batch ``loss_fn`` takes (default: stacking).
+    ``label`` names the progress bar.
+    Returns the unwrapped model (main and other processes alike) and the loss curve.
+    """
+    import torch
+    from accelerate.utils import set_seed
+    from torch.utils.data import DataLoader
+
+    out_dir = Path(out_dir)
+    accelerator = accelerator or make_accelerator(cfg)
+    set_seed(cfg.seed)
+    n = len(dataset)
+    world, rank = accelerator.num_processes, accelerator.process_index
+    per_epoch = micro_batches_per_epoch(n, cfg.batch, world)
+    if per_epoch == 0:
+        raise SpecdecError(
+            f"not enough training data: {n} blocks for batch {cfg.batch} x {world} process(es); "
+            "lower --batch/seq_len or add data"
+        )
+    params = [p for p in model_to_train.parameters() if p.requires_grad]
+    if not params:
+        raise SpecdecError("the model has no trainable parameters")
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+    # budget spent so far, as agreed by every process (the stop decision and a clock schedule must not
+    # differ between ranks, or the next collective hangs / the replicas drift apart)
+    clock = {"elapsed": 0.0}
+    budget_s = cfg.budget_minutes * 60
+    by_clock = (lambda: clock["elapsed"] / budget_s) if cfg.clock_schedule and budget_s > 0 else None
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup_cosine(cfg.warmup, cfg.steps, by_clock))
+    model, optimizer = accelerator.prepare(model_to_train, optimizer)
+    # the scheduler steps once per optimizer step whatever the process count (not prepared on purpose)
+    accelerator.register_for_checkpointing(scheduler)
+
+    ckpt_root = out_dir / "checkpoints"
+    step, losses, logs = 0, [], []
+    if resume:
+        latest = latest_checkpoint(ckpt_root)
+        if latest is None:
+            accelerator.print(f"no checkpoint under {ckpt_root}: starting from scratch", file=sys.stderr)
+        else:
+            accelerator.load_state(str(latest))
+            state = json.loads((latest / "trainer_state.json").read_text())
+            step, losses, logs = state["step"], state["losses"], state.get("logs", [])
+
+    consumed = step * cfg.grad_accum  # micro-batches per process
+    epoch, skip = divmod(consumed, per_epoch)
+    start = time.perf_counter()
+    stopped = "steps"
+    progress = _Progress(cfg.steps, step, enabled=cfg.progress and accelerator.is_main_process, budget_s=budget_s, label=label)
+    window: list[float] = []
+    model.train()
+    with progress:
+        while step < cfg.steps:
+            order = EpochBatches(n, cfg.batch, rank, world, cfg.seed, epoch, skip)
+            loader = DataLoader(dataset, batch_sampler=order, collate_fn=collate_fn, num_workers=0)
+            skip = 0
+            for batch in loader:
+                batch = _to_device(batch, accelerator.device)
+                with accelerator.accumulate(model):
+                    out = loss_fn(model, batch)
+                    loss, extra = (out if isinstance(out, tuple) else (out, {}))
+                    accelerator.backward(loss)
+                    if accelerator.sync_gradients and cfg.clip > 0:
+                        accelerator.clip_grad_norm_(params, cfg.clip)
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                window.append(float(loss.detach()))
+                if not accelerator.sync_gradients:
+                    continue
+                scheduler.step()
+                step += 1
+                mean = torch.tensor(sum(window) / len(window), device=accelerator.device)
+                step_loss = float(accelerator.reduce(mean, reduction="mean"))
+                window = []
+                losses.append(step_loss)
+                if step % max(cfg.log_every, 1) == 0 or step == cfg.steps:
+                    logs.append({"step": step, "loss": step_loss, "lr": scheduler.get_last_lr()[0], **{k: float(v) for k, v in extra.items()}})
+                progress.update(step, step_loss, clock["elapsed"])
+                if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < cfg.steps:
+                    _checkpoint(accelerator, ckpt_root, step, losses, logs, cfg.keep_checkpoints)
+                if step >= cfg.steps:
+                    break
+                if budget_s > 0:
+                    clock["elapsed"] = _synced_elapsed(accelerator, start)
+                    if clock["elapsed"] > budget_s:
+                        stopped = "budget"
+                        break
+            if stopped == "budget":
+                break
+            epoch += 1
+    if cfg.save_final_checkpoint:
+        _checkpoint(accelerator, ckpt_root, step, losses, logs, cfg.keep_checkpoints)
+    accelerator.wait_for_everyone()
+    unwrapped = accelerator.unwrap_model(model)
+    unwrapped.eval()
+    return TrainResult(step, losses, stopped, time.perf_counter() - start, unwrapped, accelerator, logs)
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    if not root.exists():
+        return None
+    done = [p for p in root.glob("step-*") if (p / "trainer_state.json").exists()]
+    return max(done, key=lambda p: int(p.name.split("-")[1]), default=None)
+
+
+def _checkpoint(accelerator, root: Path, step: int, losses: list, logs: list, keep: int) -> None:
+    path = root / f"step-{step}"
+    accelerator.save_state(str(path))
+    if accelerator.is_main_process:
+        # trainer_state.json is written last: a checkpoint without it is torn and ignored
+        write_json(path / "trainer_state.json", {"step": step, "losses": losses, "logs": logs})
+        done = sorted((p for p in root.glob("step-*") if p != path), key=lambda p: int(p.name.split("-")[1]))
+        for old in done[: max(0, len(done) - max(keep - 1, 0))]:
+            _rmtree(old)
+    accelerator.wait_for_everyone()
+
+
+def _rmtree(path: Path) -> None:
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _synced_elapsed(accelerator, start: float) -> float:
+    import torch
+
+    # the slowest process's clock: every process must take the same stop decision and learning rate
+    elapsed = torch.tensor([time.perf_counter() - start], device=accelerator.device)
+    return float(accelerator.gather(elapsed).max())
+
+
+def _warmup_cosine(warmup: int, total: int, clock: Callable[[], float] | None = None) -> Callable[[int], float]:
+    """Linear warmup, then cosine from 1 to 0.1 over the steps (or over the budget's clock when given)."""
+
+    def f(step: int) -> float:
+        if warmup and step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, total - warmup)
+        if clock is not None:
+            progress = max(progress, clock())
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+    return f
+
+
+def _to_device(batch, device):
+    if hasattr(batch, "to"):
+        return batch.to(device)
+    if isinstance(batch, dict):
+        return {k: _to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_to_device(v, device) for v in batch)
+    return batch
+
+
+class _Progress:
+    """A rich progress bar on stderr (main process only); silent when disabled."""
+
+    def __init__(self, total: int, done: int, enabled: bool, budget_s: float = 0.0, label: str = "train"):
+        self.enabled, self.total, self.budget_s = enabled, total, budget_s
+        if enabled:
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            # under a budget the step cap is often only a safety net: the bar shows the share of the
+            # run done (steps or clock, whichever is further) and the step count as text
+            count = TextColumn("step {task.fields[step]}") if budget_s else MofNCompleteColumn()
+            self.bar = Progress(
+                TextColumn(label), BarColumn(), count, TextColumn("loss {task.fields[loss]}"),
+                TimeElapsedColumn(), console=Console(stderr=True), transient=False,
+            )
+            self.task = self.bar.add_task(label, total=1.0 if budget_s else total, completed=self._done(done, 0.0), loss="-", step=done)
+
+    def __enter__(self):
+        if self.enabled:
+            self.bar.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.enabled:
+            self.bar.__exit__(*exc)
+
+    def _done(self, step: int, elapsed: float) -> float:
+        return min(1.0, max(step / self.total, elapsed / self.budget_s)) if self.budget_s else step
+
+    def update(self, step: int, loss: float, elapsed: float = 0.0) -> None:
+        if self.enabled:
+            self.bar.update(self.task, completed=self._done(step, elapsed), loss=f"{loss:.4f}", step=step)
