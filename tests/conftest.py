@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
-import pytest
-import torch
+import os
+import shutil
+
+# Triton kernels read TRITON_INTERPRET when their module is imported, possibly while another test
+# module is collected: set it before anything imports them (CPU machines only run the interpreter).
+if shutil.which("nvidia-smi") is None:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 
 def tiny_llama(vocab: int = 96, hidden: int = 48, layers: int = 3, seed: int = 0, heads: int = 4, kv_heads: int = 2, max_pos: int = 512):

@@ -8,6 +8,7 @@ from conftest import ByteTokenizer, make_prompts, tiny_llama
 
 from specdec.decode.cache import KVState
 from specdec.decode.drafters import (
+    Drafter,
     ModelDrafter,
     NgramDrafter,
     NoDrafter,
@@ -143,10 +144,9 @@ def test_tree_attention_matrix():
     assert anc[0, 2].tolist() == [True, False, True, False, False]
 
 
-class _OracleTree:
+class _OracleTree(Drafter):
     """A tree drafter whose first branch is wrong and second right: tests non-prefix KV gathers."""
 
-    needs_hidden = False
     default_k = 4
 
     def __init__(self, target):
