@@ -32,9 +32,14 @@ class JobSummary:
     pos_drafted: list = field(default_factory=list)
     pos_accepted: list = field(default_factory=list)
     wall_s: float = 0.0
+    diffusion_steps: int = 0  # per-row denoising steps (diffusion decoding only)
 
     def add(self, stats: dict) -> None:
         self.ok += 1
+        if "strategy" in stats:  # diffusion: its rows share batch forwards, so count steps, not calls
+            self.new_tokens += stats.get("decoded_tokens", 0)
+            self.diffusion_steps += stats.get("steps", 0)
+            return
         self.new_tokens += stats.get("new_tokens", 0)
         self.target_calls += stats.get("target_calls", 0)
         self.drafted += stats.get("drafted_tokens", 0)
@@ -48,6 +53,11 @@ class JobSummary:
     @property
     def tau(self) -> float:
         return self.new_tokens / self.target_calls if self.target_calls else 0.0
+
+    def rate_label(self) -> str:
+        if self.diffusion_steps:
+            return f"steps/token {self.diffusion_steps / max(self.new_tokens, 1):.2f}"
+        return f"tau {self.tau:.2f}"
 
     @property
     def acceptance_by_position(self) -> list[float]:
@@ -281,7 +291,7 @@ class _progress:
         task = self.bar.add_task("", total=self.total)
 
         def advance(n, summary: JobSummary):
-            self.bar.update(task, advance=n, description=f"tau {summary.tau:.2f} failed {summary.failed}")
+            self.bar.update(task, advance=n, description=f"{summary.rate_label()} failed {summary.failed}")
 
         return advance
 
@@ -298,7 +308,11 @@ def print_summary(summary: JobSummary, console) -> None:
     console.print(
         f"records ok {summary.ok}, failed {summary.failed}, skipped (already done) {summary.skipped}; "
         f"{summary.new_tokens} tokens in {summary.wall_s:.2f}s ({tps:.1f} tokens/s); "
-        f"tau {summary.tau:.3f} tokens per target call (bonus token included)"
+        + (
+            f"{summary.diffusion_steps / max(summary.new_tokens, 1):.3f} denoising steps per token"
+            if summary.diffusion_steps
+            else f"tau {summary.tau:.3f} tokens per target call (bonus token included)"
+        )
     )
     if summary.drafted:
         console.print(f"acceptance by position: {summary.acceptance_by_position}")

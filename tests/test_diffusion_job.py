@@ -42,4 +42,8 @@ def test_decode_routes_a_dllm_to_diffusion_decoding(dllm_dir, tmp_path):
         for o in (got[0], got[3]):
             assert o["stats"]["strategy"] == strategy.split("+")[0] and o["stats"]["steps"] >= 1
         outs[strategy] = [got[0]["completion"], got[3]["completion"]]
+        # The summary counts diffusion tokens and reports steps per token, not a speculative tau.
+        decoded = got[0]["stats"]["decoded_tokens"] + got[3]["stats"]["decoded_tokens"]
+        assert f"{decoded} tokens in" in " ".join(res.output.split()), res.output
+        assert "denoising steps per token" in res.output
     assert outs["freedave"] == outs["static"]  # lossless strategy, through the whole job
