@@ -94,37 +94,42 @@ class HeadTreeDrafter(Drafter):
         self._reset_tree(batch)
         if self.tree == "static":
             tree = self._grow_static(batch, depth)
+            max_depth = len(self._template(depth, batch.device))  # known without a host sync
         else:
             tree = self._grow_dynamic(batch, depth)
-        return Proposal(tokens=tree.tokens, parents=tree.parents, max_depth=int(tree.depth.max().item()))
+            max_depth = int(tree.depth.max().item())
+        return Proposal(tokens=tree.tokens, parents=tree.parents, max_depth=max_depth)
 
-    def _template(self, depth: int, device):
-        key = (self.tree_tokens, self.top_k, depth)
+    def _template(self, depth: int, device) -> list[tuple]:
+        """Per depth of the static template: (parents, unique parents, inverse, ranks, top-k width).
+
+        All template constants, computed once per shape so growing a tree costs no host syncs.
+        """
+        key = (self.tree_tokens, self.top_k, depth, str(device))
         if self._tpl_key != key:
             tpl = TreeTemplate.best_first(self.tree_tokens, self.top_k, depth)
             t = tpl.tensors(device)
-            self._tpl = (t["parents"][0], t["ranks"], t["depth"][0, 1:])
-            self._tpl_key = key
+            parents, ranks, depths = t["parents"][0], t["ranks"], t["depth"][0, 1:]
+            plan = []
+            for d in range(1, int(depths.max().item()) + 1):
+                nodes = (depths == d).nonzero().squeeze(-1)
+                par = parents[nodes]  # template indices (== tree indices: templates are depth-sorted)
+                uniq, inv = torch.unique(par, return_inverse=True)
+                plan.append((par, uniq, inv, ranks[nodes], int(ranks[nodes].max().item()) + 1))
+            self._tpl, self._tpl_key = plan, key
         return self._tpl
 
     def _grow_static(self, batch, depth: int) -> Tree:
-        parents, ranks, depths = self._template(depth, batch.device)
         bsz = len(batch.seqs)
         tree = Tree.empty(bsz, batch.device)
-        for d in range(1, int(depths.max().item()) + 1):
-            nodes = (depths == d).nonzero().squeeze(-1)
-            par = parents[nodes]  # template indices (== tree indices: templates are depth-sorted)
-            uniq, inv = torch.unique(par, return_inverse=True)
-            expand = uniq[None].expand(bsz, -1)
-            logp = self._child_logprobs(tree, expand, d - 1, batch)  # [B, u, V]
-            k = int(ranks[nodes].max().item()) + 1
+        for d, (par, uniq, inv, r, k) in enumerate(self._template(depth, batch.device), start=1):
+            logp = self._child_logprobs(tree, uniq[None].expand(bsz, -1), d - 1, batch)  # [B, u, V]
             top_lp, top_tok = logp.topk(k, dim=-1)
-            r = ranks[nodes]
             tok = top_tok[:, inv, r]
-            lp = top_lp[:, inv, r]
+            lp = top_lp[:, inv, r].double()
             par_b = par[None].expand(bsz, -1)
-            base = torch.where(par_b >= 0, tree.score.gather(1, par_b.clamp(min=0)) if tree.size else torch.zeros_like(lp, dtype=torch.float64), torch.zeros_like(lp, dtype=torch.float64))
-            tree.add(tok, par_b, torch.full_like(tok, d), base + lp.double())
+            base = tree.score.gather(1, par_b.clamp(min=0)).masked_fill(par_b < 0, 0.0) if tree.size else torch.zeros_like(lp)
+            tree.add(tok, par_b, torch.full_like(tok, d), base + lp)
         return tree
 
     def _grow_dynamic(self, batch, depth: int) -> Tree:
@@ -145,10 +150,10 @@ class HeadTreeDrafter(Drafter):
                 best = score.topk(min(k, m * k), dim=-1).indices
                 frontier = idx[best]
                 f_score = score.gather(1, best)
-        return _best_subtree(tree, self.tree_tokens)
+        return _best_subtree(tree, self.tree_tokens, depth)
 
 
-def _best_subtree(tree: Tree, n: int) -> Tree:
+def _best_subtree(tree: Tree, n: int, depth: int) -> Tree:
     """Keep each row's n best-scoring nodes, topologically ordered; a node whose parent was not kept
     (only possible on exact score ties) becomes padding (parent -2)."""
     bsz, total = tree.tokens.shape
@@ -162,10 +167,9 @@ def _best_subtree(tree: Tree, n: int) -> Tree:
     new_index.scatter_(1, keep, torch.arange(n, device=keep.device)[None].expand(bsz, n))
     old_par = tree.parents.gather(1, keep)
     parents = torch.where(old_par >= 0, new_index.gather(1, old_par.clamp(min=0)), old_par)
-    for i in range(n):  # a dropped parent drops its subtree
-        p = parents[:, i]
-        dead = (p >= 0) & (parents.gather(1, p.clamp(min=0)[:, None]).squeeze(1) == -2)
-        parents[:, i] = torch.where(dead | (p == -2), torch.full_like(p, -2), p)
+    for _ in range(depth):  # a dropped parent drops its subtree, one level per pass
+        dead = (parents >= 0) & (parents.gather(1, parents.clamp(min=0)) == -2)
+        parents = parents.masked_fill(dead, -2)
     return Tree(tree.tokens.gather(1, keep), parents, tree.depth.gather(1, keep), tree.score.gather(1, keep))
 
 

@@ -45,6 +45,7 @@ class DecodeOptions:
     # token trees
     tree: str = "static"
     tree_tokens: int | None = None
+    top_k: int | None = None  # children per expanded node (static: per head/depth; dynamic: frontier width)
     # n-gram drafter
     max_ngram: int = 3
     # diffusion decoding

@@ -130,3 +130,21 @@ def test_heads_train_loss_falls_and_artifact_loads(workdir, kind):
         for to in ("hf", "vllm"):
             dst = export_artifact(out, workdir / f"{kind}-{to}", to)
             assert (dst / "config.json").exists()
+
+
+def test_best_subtree_keeps_best_nodes_in_topological_order_and_drops_orphans():
+    from specdec.decode.heads import Tree, _best_subtree
+
+    # root children a(0) b(1); a's children c(2) d(3); c's child e(4). Scores are cumulative log-probs;
+    # e is artificially better than its parent c so that keeping 3 nodes orphans it.
+    tree = Tree(
+        tokens=torch.tensor([[10, 11, 12, 13, 14]]),
+        parents=torch.tensor([[-1, -1, 0, 0, 2]]),
+        depth=torch.tensor([[1, 1, 2, 2, 3]]),
+        score=torch.tensor([[-0.1, -3.0, -2.0, -0.5, -0.2]], dtype=torch.float64),
+    )
+    best = _best_subtree(tree, 3, depth=3)
+    assert best.tokens.tolist() == [[10, 13, 14]]  # a, d, e by (depth, index)
+    assert best.parents.tolist() == [[-1, 0, -2]]  # e's parent c was not kept: padding
+    full = _best_subtree(tree, 5, depth=3)
+    assert full.tokens.tolist() == [[10, 11, 12, 13, 14]] and full.parents.tolist() == [[-1, -1, 0, 0, 2]]
