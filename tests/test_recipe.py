@@ -49,6 +49,17 @@ def test_shipped_prompts_come_from_heldout_files():
         assert r["prompt"] and r["id"]
 
 
+def test_list_task_probes_are_held_out_and_match_the_shipped_file(tmp_path):
+    from specdec.train.listtasks import list_tasks
+    from specdec.train.recipe import write_list_task_probes
+
+    rows = [json.loads(line) for line in write_list_task_probes(tmp_path / "l.jsonl").read_text().splitlines()]
+    shipped = os.path.join(os.path.dirname(__file__), "..", "examples", "list_tasks.jsonl")
+    assert rows == [json.loads(line) for line in open(shipped)]  # examples/list_tasks.jsonl is what the recipe writes
+    train = {t.prompt for t in list_tasks(3000, seed=0)}
+    assert len(rows) == 48 and all(r["answer"] and r["prompt"] not in train for r in rows)
+
+
 def test_recipe_list_command():
     res = CliRunner().invoke(app, ["recipe", "list"])
     assert res.exit_code == 0 and "tiny-stdlib" in res.output
@@ -64,6 +75,7 @@ def test_tiny_budget_recipe_end_to_end(tmp_path):
     fam = tmp_path / "home" / "tiny-stdlib"
     metrics = json.loads((fam / "target" / "metrics.json").read_text())
     assert metrics["tokens_trained"] > 0 and metrics["heldout_loss"] < 8.3  # below uniform over 4096 tokens
+    assert len((fam / "list_tasks.jsonl").read_text().splitlines()) == 48
     src = tmp_path / "in.jsonl"
     src.write_text("".join(line for line in open(fam / "prompts.jsonl").readlines()[:2]))
     for drafter in ["ar", "ngram"]:

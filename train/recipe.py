@@ -65,6 +65,7 @@ def run_recipe(name: str, budget_minutes: float | None = None, force: bool = Fal
         report["target"] = build_target(cfg, corpus, fam / "target", cfg.shares["target"] * budget_s, force, console)
     if "prompts" in want:
         write_prompts(corpus, fam / "target", fam / "prompts.jsonl")
+        write_list_task_probes(fam / "list_tasks.jsonl")
     data = write_training_text(corpus, fam / "data" / "train.jsonl")
     if "drafters" in want:
         report["drafters"] = _stage(
@@ -222,6 +223,15 @@ def write_prompts(corpus, target_dir: Path, out: Path, per_category: int = 16) -
     tok = AutoTokenizer.from_pretrained(target_dir)
     prompts = held_out_prompts(corpus, tok, per_category)
     out.write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    return out
+
+
+def write_list_task_probes(out: Path, n: int = 48, seed: int = 0) -> Path:
+    """Held-out list tasks (copy / reverse / sort) with answers: the dLLM's offline quality probes."""
+    from specdec.train.listtasks import list_tasks
+
+    tasks = list_tasks(n, seed=seed, split="heldout")
+    out.write_text("".join(json.dumps(t.record(i)) + "\n" for i, t in enumerate(tasks)))
     return out
 
 
