@@ -344,3 +344,15 @@ def test_recipe_hook_builds_family(workdir, tmp_path):
     assert res["draft-ce"]["kd_weight"] == 0.0 and res["draft"]["kd_weight"] > 0
     for member in res:
         assert (tmp_path / member / "metrics.json").exists()
+
+
+def test_acceptance_labelling_stops_at_its_deadline(draft_model):
+    from specdec.train.acceptance import build_features
+
+    from datasets import Dataset
+
+    blocks = Dataset.from_dict({"input_ids": torch.randint(3, 90, (24, 9)).tolist()}).with_format("torch")
+    full_h, full_y = build_features(draft_model, draft_model, blocks, 1.0, 0.15, seed=0, batch=8)
+    assert full_h.shape[0] == full_y.shape[0] == 24 * 8  # every judged position of every block
+    late_h, late_y = build_features(draft_model, draft_model, blocks, 1.0, 0.15, seed=0, batch=8, deadline=0.0)
+    assert late_h.shape[0] == 8 * 8 and torch.equal(late_y, full_y[: 8 * 8])  # one batch, then the deadline stops it

@@ -10,6 +10,8 @@ computed once and the loop trains only the head.
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from pathlib import Path
 
 from specdec.decode.artifacts import SpecdecError, UsageError, check_fingerprint, read_config, tokenizer_fingerprint, write_json
@@ -111,14 +113,22 @@ def judged_hidden(draft, ids, tokens):
     return out.hidden_states[-1][:, t:]
 
 
-def build_features(draft, target, blocks, temperature: float, target_frac: float, seed: int, batch: int = 8):
-    """(hidden [N, H], label [N]) over every judged position of ``blocks``."""
+def build_features(draft, target, blocks, temperature: float, target_frac: float, seed: int, batch: int = 8, deadline: float | None = None):
+    """(hidden [N, H], label [N]) over the judged positions of ``blocks``.
+
+    With a ``deadline`` (a ``time.perf_counter()`` value) labelling stops at the first batch boundary
+    after it, so a budgeted run spends its minutes on training rather than labelling the whole corpus.
+    """
+    import time
+
     import torch
 
     g = torch.Generator().manual_seed(seed)
     feats, labels = [], []
     with torch.no_grad():
         for i in range(0, len(blocks), batch):
+            if deadline is not None and feats and time.perf_counter() > deadline:
+                break
             ids = blocks[i : i + batch]["input_ids"]
             q = torch.softmax(draft(input_ids=ids).logits.float()[:, :-1] / temperature, -1)
             p = torch.softmax(target(input_ids=ids).logits.float()[:, :-1] / temperature, -1)
@@ -190,9 +200,16 @@ def train_acceptance(
     if draft.config.vocab_size != target.config.vocab_size:
         raise SpecdecError(f"draft {draft_dir} has vocabulary size {draft.config.vocab_size}, the target {target.config.vocab_size}")
     accelerator = make_accelerator(cfg)
+    start = time.perf_counter()
     train_blocks, held_blocks = load_blocks(data_files, tokenizer, cfg.seq_len, cfg.heldout, cfg.seed)
-    h_train, y_train = build_features(draft, target, train_blocks, temperature, target_token_frac, cfg.seed)
-    h_held, y_held = build_features(draft, target, held_blocks, temperature, target_token_frac, cfg.seed + 1)
+    budget_s = cfg.budget_minutes * 60
+    # under a budget: at most 40% of it labels training positions, 10% labels held-out ones
+    h_train, y_train = build_features(draft, target, train_blocks, temperature, target_token_frac, cfg.seed,
+                                      deadline=start + 0.4 * budget_s if budget_s else None)
+    h_held, y_held = build_features(draft, target, held_blocks, temperature, target_token_frac, cfg.seed + 1,
+                                    deadline=time.perf_counter() + 0.1 * budget_s if budget_s else None)
+    if budget_s:  # the training loop gets what is left
+        cfg = dataclasses.replace(cfg, budget_minutes=max(budget_s - (time.perf_counter() - start), 0.2 * budget_s) / 60)
     hidden = draft.config.hidden_size
     torch.manual_seed(cfg.seed)
     head = AcceptanceHead(hidden, num_layers)
