@@ -289,17 +289,20 @@ class EagleDrafter(HeadTreeDrafter):
 
     def __init__(self, heads, target, **kw):
         super().__init__(heads, target, **kw)
-        if heads.feature_layers:
-            from specdec.decode.artifacts import SpecdecError
-
-            raise SpecdecError("this EAGLE artifact uses multi-layer features (EAGLE-3); the engine passes only the "
-                               "last hidden state to drafters")
+        # EAGLE-3 artifacts read several target layers (fused by the head); the engine returns them
+        self.hidden_layers = tuple(heads.feature_layers) if heads.feature_layers else None
         self.view = _EagleView(heads)
+
+    def _features(self, seg: Segment) -> torch.Tensor:
+        """The drafter's input feature per slot: the last hidden state, or the fused EAGLE-3 layers."""
+        if self.hidden_layers is None:
+            return seg.hidden
+        return self.heads.fuse(torch.cat(seg.hidden_layers, dim=-1).to(self.heads.fuse.weight.dtype))
 
     def begin(self, batch, seg: Segment) -> None:
         self.state = KVState(self.view, len(batch.seqs), batch.device)
         nxt = torch.cat([seg.input_ids[:, 1:], batch.root[:, None]], 1)  # entry t = (token t+1, f_t)
-        fh = self.state.forward(nxt, seg.input_valid, features=seg.hidden)
+        fh = self.state.forward(nxt, seg.input_valid, features=self._features(seg))
         self.state.commit_prefix(nxt.shape[1], seg.input_valid)
         self.f_root = fh[:, -1]
 
@@ -309,7 +312,8 @@ class EagleDrafter(HeadTreeDrafter):
         acc = torch.tensor(seg.accepted, device=nxt.device)
         rows = torch.arange(nxt.shape[0], device=nxt.device)
         nxt[rows, acc] = batch.root  # the token after each row's last kept slot is its new root
-        feats = seg.hidden.gather(1, seg.keep_index[..., None].expand(-1, -1, seg.hidden.shape[-1]))
+        f = self._features(seg)
+        feats = f.gather(1, seg.keep_index[..., None].expand(-1, -1, f.shape[-1]))
         fh = self.state.forward(nxt, seg.keep_valid, features=feats)
         self.state.commit_prefix(nxt.shape[1], seg.keep_valid)
         self.f_root = fh[rows, acc]

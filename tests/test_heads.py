@@ -148,3 +148,30 @@ def test_best_subtree_keeps_best_nodes_in_topological_order_and_drops_orphans():
     assert best.parents.tolist() == [[-1, 0, -2]]  # e's parent c was not kept: padding
     full = _best_subtree(tree, 5, depth=3)
     assert full.tokens.tolist() == [[10, 11, 12, 13, 14]] and full.parents.tolist() == [[-1, -1, 0, 0, 2]]
+
+
+@pytest.mark.parametrize("bs", [1, 3])
+def test_eagle3_drafter_reads_fused_layers_and_stays_lossless(target, bs):
+    """EAGLE-3 artifacts: the engine hands the drafter the chosen layers; its root feature equals
+    the training-time chain's first step, and greedy decoding equals ar."""
+    from specdec.decode.heads import EagleDrafter
+
+    heads = _heads("eagle", target, feature_layers=[1, 2])
+    roots = []
+
+    class Spy(EagleDrafter):
+        def begin(self, batch, seg):
+            super().begin(batch, seg)
+            roots.append((batch.root.clone(), self.f_root.clone()))
+
+    drafter = Spy(heads, target, tree="static", tree_tokens=8, top_k=2)
+    assert drafter.hidden_layers == (1, 2)
+    prompts = make_prompts(bs, seed=21)
+    out = _generate(target, drafter, prompts)
+    assert [r.token_ids for r in out] == [r.token_ids for r in _generate(target, None, prompts)]
+    root, f_root = roots[0]
+    for row, prompt in enumerate(prompts):
+        ids = torch.tensor([prompt + [int(root[row])]])
+        with torch.no_grad():
+            chain = heads.unrolled(target(input_ids=ids, output_hidden_states=True).hidden_states, ids, 1)
+        assert torch.allclose(f_root[row], chain[0, 0, len(prompt) - 1], atol=1e-7)
