@@ -168,9 +168,14 @@ def dedupe_siblings(tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor
 
 class NgramDrafter(Drafter):
     """Prompt lookup (HF prompt_lookup_num_tokens): match the last n tokens (n = max..min) against
-    the row's earlier text and propose what followed the most recent match."""
+    the row's earlier text and propose what followed the most recent match.
 
-    default_k = 8
+    A recent match's continuation runs into the end of the text after ``len(seq) - start`` tokens;
+    the draft then continues periodically (the text since the match is assumed to repeat, so its
+    own draft tokens follow), which keeps drafts K long inside loops and lists.
+    """
+
+    default_k = 12
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
@@ -183,7 +188,12 @@ class NgramDrafter(Drafter):
             first = suffix[0]
             for i in range(len(seq) - n - 1, -1, -1):
                 if seq[i] == first and seq[i : i + n] == suffix:
-                    return seq[i + n : i + n + k]
+                    start = i + n
+                    draft = seq[start : start + k]
+                    period = len(seq) - start
+                    while len(draft) < k:
+                        draft.append(draft[len(draft) - period])
+                    return draft
         return []
 
     def propose(self, batch) -> Proposal | None:

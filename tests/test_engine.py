@@ -188,3 +188,12 @@ def test_no_drafter_counts():
     model = tiny_llama(layers=1, hidden=32)
     res = SpecEngine(model, ByteTokenizer(), NoDrafter()).generate([GenRequest([5, 6, 7], 6)])[0]
     assert res.stats["drafted_tokens"] == 0 and res.stats["target_calls"] == len(res.token_ids)
+
+
+def test_ngram_lookup_prefers_recent_matches_and_extends_periodically():
+    d = NgramDrafter(max_ngram=3)
+    # the most recent match of (5, 1, 2) leaves 5 tokens before the end; the draft repeats them
+    assert d._lookup([1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2], 8) == [3, 4, 5, 1, 2, 3, 4, 5]
+    assert d._lookup([9, 1, 2, 6, 1, 2, 7, 8, 1, 2], 3) == [7, 8, 1]  # most recent (1, 2), not the first
+    assert d._lookup([5, 5, 5], 4) == [5, 5, 5, 5]
+    assert d._lookup([1, 2, 3], 4) == []  # nothing repeats: no draft
