@@ -275,7 +275,8 @@ class ModelDrafter(Drafter):
         self.state = KVState(self.model, len(batch.seqs), batch.device)
         self.fed = [0] * len(batch.seqs)
 
-    def _feed_pending(self, batch) -> torch.Tensor:
+    def _feed_pending(self, batch, hidden: bool = False):
+        """Feed every row's not-yet-fed tokens; the last position's logits (and hidden state if asked)."""
         pending = [seq[f:] for seq, f in zip(batch.seqs, self.fed)]
         width = max(map(len, pending))
         ids = torch.zeros(len(pending), width, dtype=torch.long)
@@ -284,10 +285,10 @@ class ModelDrafter(Drafter):
             ids[r, width - len(p) :] = torch.tensor(p, dtype=torch.long)
             valid[r, width - len(p) :] = True
         ids, valid = ids.to(batch.device), valid.to(batch.device)
-        out = self.state.forward(ids, valid)
+        out = self.state.forward(ids, valid, hidden=hidden)
         self.state.commit_prefix(width, valid)
         self.fed = [len(seq) for seq in batch.seqs]
-        return out.logits[:, -1]
+        return (out.logits[:, -1], out.hidden_states[-1][:, -1]) if hidden else out.logits[:, -1]
 
     def _pick(self, logits: torch.Tensor, batch) -> tuple[torch.Tensor, torch.Tensor | None]:
         if batch.sampling.greedy:

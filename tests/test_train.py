@@ -257,17 +257,23 @@ def test_acceptance_labels_hand_built():
     assert float(weighted_bce(z, torch.tensor([1.0]), 6.0)) == pytest.approx(0.6931, rel=1e-3)
 
 
-def test_judged_hidden_matches_incremental(draft_model):
-    from specdec.train.acceptance import judged_hidden
+def test_acceptance_features_from_one_causal_forward_match_incremental(draft_model):
+    """Training labels every position from one forward; decoding sees one prefix at a time."""
+    from specdec.decode.adaptive import N_STATS, acceptance_features
 
     ids = torch.randint(3, 90, (2, 7))
-    tokens = torch.randint(3, 90, (2, 6))
+    tokens = torch.randint(3, 90, (2, 6))  # tokens[:, j-1] is proposed after ids[:, :j]
     with torch.no_grad():
-        h = judged_hidden(draft_model, ids, tokens)
+        out = draft_model(input_ids=ids, output_hidden_states=True)
+        feats = acceptance_features(out.hidden_states[-1][:, :-1], out.logits[:, :-1], tokens)
+        assert feats.shape == (2, 6, draft_model.config.hidden_size + N_STATS)
         for j in (1, 4, 6):
-            seq = torch.cat([ids[:, :j], tokens[:, j - 1 : j]], 1)
-            ref = draft_model(input_ids=seq, output_hidden_states=True).hidden_states[-1][:, -1]
-            assert torch.allclose(h[:, j - 1], ref, atol=1e-9)
+            o = draft_model(input_ids=ids[:, :j], output_hidden_states=True)
+            ref = acceptance_features(o.hidden_states[-1][:, -1], o.logits[:, -1], tokens[:, j - 1])
+            assert torch.allclose(feats[:, j - 1], ref, atol=1e-6)
+    q = torch.softmax(out.logits[:, :-1].float(), -1)
+    assert torch.allclose(feats[..., -3], q.gather(-1, tokens[..., None]).squeeze(-1))  # q(x)
+    assert torch.allclose(feats[..., -2], q.max(-1).values)
 
 
 def test_train_acceptance_artifact(workdir):

@@ -1,7 +1,9 @@
 """train-acceptance: the SpecDec++ acceptance head on a draft's last hidden state.
 
-The head predicts P(draft token accepted | earlier drafts accepted) from the draft's hidden state
-at the position where the drafted token is the input (so the head sees the token it judges).
+The head predicts P(draft token accepted | earlier drafts accepted) from what the draft knows when
+it proposes the token: its last hidden state at the position that produced q, and three statistics
+of q there (q(x) of the proposed token, max q, entropy). The stop decision therefore needs no draft
+forward of the token itself: a round that stops costs exactly the forwards of a fixed-length round.
 Training label (SpecDec++, Huang et al. 2024): min(1, p(x)/q(x)) on the draft's own sampled
 token x (15% of positions use a token of the target instead); soft-label BCE with the reject class
 up-weighted (x6 in the paper's code). Draft and target are frozen, so the features and labels are
@@ -15,6 +17,7 @@ import time
 from pathlib import Path
 
 from specdec.decode.artifacts import SpecdecError, UsageError, check_fingerprint, read_config, tokenizer_fingerprint, write_json
+from specdec.decode.adaptive import FEATURES, N_STATS, acceptance_features
 from specdec.train.loop import TrainConfig, run_training, save_config
 
 
@@ -90,29 +93,6 @@ def weighted_bce(logits, labels, reject_weight: float):
     return -(labels * F.logsigmoid(logits) + reject_weight * (1 - labels) * F.logsigmoid(-logits)).mean()
 
 
-def judged_hidden(draft, ids, tokens):
-    """The draft's last hidden state at each judged token, in one forward.
-
-    ids [B, T] is the text; tokens [B, T-1] the token judged at position j = 1..T-1 (proposed after
-    ids[:, :j]). The forward runs on [ids, tokens] where tokens[j-1] sits at position j and sees
-    ids[:, :j] and itself only, exactly what the drafter sees at decode time.
-    """
-    import torch
-
-    bsz, t = ids.shape
-    n = t - 1
-    length = t + n
-    seq = torch.cat([ids, tokens], dim=1)
-    pos = torch.cat([torch.arange(t), torch.arange(1, t)])[None].expand(bsz, -1)
-    mask = torch.zeros(length, length, dtype=torch.bool)
-    mask[:t, :t] = torch.ones(t, t, dtype=torch.bool).tril()
-    for j in range(1, t):
-        mask[t + j - 1, :j] = True
-        mask[t + j - 1, t + j - 1] = True
-    out = draft(input_ids=seq, attention_mask=mask[None, None].expand(bsz, 1, -1, -1), position_ids=pos, output_hidden_states=True)
-    return out.hidden_states[-1][:, t:]
-
-
 def build_features(draft, target, blocks, temperature: float, target_frac: float, seed: int, batch: int = 8, deadline: float | None = None):
     """(hidden [N, H], label [N]) over the judged positions of ``blocks``.
 
@@ -130,11 +110,14 @@ def build_features(draft, target, blocks, temperature: float, target_frac: float
             if deadline is not None and feats and time.perf_counter() > deadline:
                 break
             ids = blocks[i : i + batch]["input_ids"]
-            q = torch.softmax(draft(input_ids=ids).logits.float()[:, :-1] / temperature, -1)
+            out = draft(input_ids=ids, output_hidden_states=True)
+            q_logits = out.logits.float()[:, :-1]  # position t proposes token t+1
+            q = torch.softmax(q_logits / temperature, -1)
             p = torch.softmax(target(input_ids=ids).logits.float()[:, :-1] / temperature, -1)
             tokens, _ = propose_tokens(p, q, target_frac, g)
             labels.append(acceptance_labels(p, q, tokens).flatten())
-            feats.append(judged_hidden(draft, ids, tokens).float().reshape(-1, draft.config.hidden_size))
+            f = acceptance_features(out.hidden_states[-1][:, :-1], q_logits, tokens)
+            feats.append(f.reshape(-1, f.shape[-1]))
     return torch.cat(feats), torch.cat(labels)
 
 
@@ -212,7 +195,7 @@ def train_acceptance(
         cfg = dataclasses.replace(cfg, budget_minutes=max(budget_s - (time.perf_counter() - start), 0.2 * budget_s) / 60)
     hidden = draft.config.hidden_size
     torch.manual_seed(cfg.seed)
-    head = AcceptanceHead(hidden, num_layers)
+    head = AcceptanceHead(hidden + N_STATS, num_layers)
 
     def loss_fn(model, batch):
         return weighted_bce(model(batch["h"]).float(), batch["y"], reject_weight)
@@ -233,7 +216,7 @@ def train_acceptance(
     write_json(out_dir / "config.json", {
         "kind": "acceptance", "target": fp,
         "draft": {"path": str(Path(draft_dir).resolve()), "fingerprint": dcfg.get("specdec_target", fp), "hidden_size": hidden},
-        "hidden_size": hidden, "num_layers": num_layers, "reject_weight": reject_weight,
+        "hidden_size": hidden, "features": FEATURES, "input_size": hidden + N_STATS, "num_layers": num_layers, "reject_weight": reject_weight,
         "target_token_frac": target_token_frac, "temperature": temperature,
     })
     save_config(cfg, out_dir, {"trainer": "acceptance", "target": str(target_dir), "draft": str(draft_dir), "data": [str(f) for f in data_files]})
@@ -248,6 +231,9 @@ def load_acceptance_head(acceptance_dir: str | Path):
     cfg = read_config(acceptance_dir)
     if cfg.get("kind") != "acceptance":
         raise SpecdecError(f"{acceptance_dir} is not an acceptance artifact (kind {cfg.get('kind')!r})")
-    head = AcceptanceHead(int(cfg["hidden_size"]), int(cfg.get("num_layers", 3)))
+    if cfg.get("features") != FEATURES:
+        raise SpecdecError(f"{acceptance_dir} is an acceptance head of an older format (it reads the hidden state of the "
+                           f"drafted token itself); retrain it with `specdec train-acceptance`")
+    head = AcceptanceHead(int(cfg["input_size"]), int(cfg.get("num_layers", 3)))
     head.load_state_dict(load_file(str(Path(acceptance_dir) / "model.safetensors")))
     return head.eval().requires_grad_(False), cfg
