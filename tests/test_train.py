@@ -362,3 +362,24 @@ def test_acceptance_labelling_stops_at_its_deadline(draft_model):
     assert full_h.shape[0] == full_y.shape[0] == 24 * 8  # every judged position of every block
     late_h, late_y = build_features(draft_model, draft_model, blocks, 1.0, 0.15, seed=0, batch=8, deadline=0.0)
     assert late_h.shape[0] == 8 * 8 and torch.equal(late_y, full_y[: 8 * 8])  # one batch, then the deadline stops it
+
+
+def test_weighted_bce_optimum_is_undone_by_log_w():
+    """The saved acceptance head adds log w to its bias: that recovers y from the weighted optimum."""
+    import math
+
+    from specdec.train.acceptance import weighted_bce
+
+    for y in (0.2, 0.5, 0.9):
+        z = torch.zeros(1, requires_grad=True)
+        opt = torch.optim.LBFGS([z], lr=0.5, max_iter=200)
+
+        def closure():
+            opt.zero_grad()
+            loss = weighted_bce(z, torch.tensor([y]), 6.0)
+            loss.backward()
+            return loss
+
+        opt.step(closure)
+        assert torch.sigmoid(z + math.log(6.0)).item() == pytest.approx(y, abs=1e-4)
+        assert torch.sigmoid(z).item() < y  # uncorrected, it leans low

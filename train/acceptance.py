@@ -13,6 +13,7 @@ computed once and the loop trains only the head.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from pathlib import Path
 
@@ -205,12 +206,17 @@ def train_acceptance(
         return {}
     head = result.model.float()
     with torch.no_grad():
+        # weighted BCE's optimum is odds(s) = odds(y) / w; the saved head adds log w back (calibrated)
+        head.out.bias += math.log(reject_weight)
         pred = torch.sigmoid(head(h_held))
+        raw = torch.sigmoid(head(h_held) - math.log(reject_weight))
     metrics = calibration(pred, y_held)
+    metrics["uncorrected_brier"] = float(((raw - y_held) ** 2).mean())
     metrics.update(kind="acceptance", steps=result.steps, stopped=result.stopped, train_wall_s=round(result.wall_s, 3),
                    loss_curve=result.losses, heldout_positions=len(y_held), train_positions=len(y_train),
-                   note="Brier against the soft labels min(1, p/q) on held-out draft samples; the reject class is "
-                        "up-weighted in training, so predictions lean low by design")
+                   note="Brier against the soft labels min(1, p/q) on held-out draft samples. Training up-weights the "
+                        "reject class by w; the saved head's output bias includes + log w, which undoes that shift "
+                        "(uncorrected_brier is the head without it)")
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file({k: v.detach().contiguous() for k, v in head.state_dict().items()}, str(out_dir / "model.safetensors"))
     write_json(out_dir / "config.json", {
