@@ -1,6 +1,8 @@
 """``specdec bench``: every method on the same prompts, in one process, after warm-up.
 
-Speedup is tokens/s of a method over tokens/s of ``ar`` measured in the same run. tau counts the
+Speedup is tokens/s of a method over tokens/s of ``ar`` measured in the same run: with
+``--repeats R`` the methods are timed round-robin R times and the speedup is the median over rounds
+of the ratio to that round's ``ar``, so a shared machine's drifting speed affects every method alike. tau counts the
 bonus token (tokens per target forward). Beside every speedup: the distinct-4-gram ratio of the
 outputs (repetition inflates speedups) and the ideal speedup S = tau / (c_round + v) from measured
 forward costs, where c_round is the drafting cost of one round and v the cost of the verification
@@ -75,11 +77,18 @@ def run_bench(cfg: BenchConfig, console=None) -> dict:
     methods = list(cfg.methods)
     if "ar" not in methods:
         methods.insert(0, "ar")
-    runs: dict[str, Run] = {}
+    runners = {}
     for spec in methods:
         if console is not None:
             console.print(f"[bold]bench[/bold] {spec}")
-        runs[spec] = _run_method(spec, model, tok, prompts, base, cfg)
+        runners[spec] = _prepare_method(spec, model, tok, prompts, base, cfg)  # builds and warms up
+    # Round-robin: every repeat times each method once, so drift of a shared machine's speed hits all
+    # methods alike; speedups are taken per round against that round's ar, then the median.
+    passes: dict[str, list] = {spec: [] for spec in methods}
+    for _ in range(max(1, cfg.repeats)):
+        for spec in methods:
+            passes[spec].append(runners[spec]())
+    runs = {spec: _collect(passes[spec], runners[spec]) for spec in methods}
     costs = _ForwardCosts(model, prompts)
     entries = [_entry(spec, runs[spec], runs["ar"], categories, costs, model, tok, base, cfg) for spec in methods]
     return {"config": asdict(cfg) | {"target": str(target_path), "prompts": len(prompts)}, "methods": entries}
@@ -88,9 +97,10 @@ def run_bench(cfg: BenchConfig, console=None) -> dict:
 # -- running one method -----------------------------------------------------------------------
 
 
-def _run_method(spec: str, model, tok, prompts, base: DecodeOptions, cfg: BenchConfig) -> Run:
+def _prepare_method(spec: str, model, tok, prompts, base: DecodeOptions, cfg: BenchConfig):
+    """Build the method and warm it up; returns a callable timing one pass over all prompts."""
     if spec.startswith("hf-"):
-        return _run_peer(spec, model, tok, prompts, base, cfg)
+        return _prepare_peer(spec, model, tok, prompts, base, cfg)
     from specdec.decode.engine import SpecEngine
     from specdec.decode.verify import Sampling
 
@@ -105,8 +115,8 @@ def _run_method(spec: str, model, tok, prompts, base: DecodeOptions, cfg: BenchC
     warm = prompts[: cfg.warmup]
     for i in range(0, len(warm), bs):
         engine.generate([GenRequest(p, min(16, opts.max_new_tokens)) for p in warm[i : i + bs]])
-    walls, outputs, stats = [], [], []
-    for _ in range(max(1, cfg.repeats)):
+
+    def one_pass() -> tuple:
         timed.reset()
         outputs, stats = [], []
         start = time.perf_counter()
@@ -117,8 +127,16 @@ def _run_method(spec: str, model, tok, prompts, base: DecodeOptions, cfg: BenchC
             for r in res:
                 outputs.append(r.token_ids)
                 stats.append({**r.stats, "wall_s": wall / len(res)})
-        walls.append(time.perf_counter() - start)
-    return Run(outputs, stats, statistics.median(walls), walls, timed.seconds, timed.calls)
+        return outputs, stats, time.perf_counter() - start, timed.seconds, timed.calls
+
+    return one_pass
+
+
+def _collect(passes: list[tuple], runner) -> Run:
+    """One Run from a method's timed passes: outputs and stats of the last, every pass's wall time."""
+    outputs, stats, _, propose_s, rounds = passes[-1]
+    walls = [p[2] for p in passes]
+    return Run(outputs, stats, statistics.median(walls), walls, propose_s, rounds)
 
 
 class _TimedPropose:
@@ -137,7 +155,7 @@ class _TimedPropose:
         return out
 
 
-def _run_peer(spec: str, model, tok, prompts, base: DecodeOptions, cfg: BenchConfig) -> Run:
+def _prepare_peer(spec: str, model, tok, prompts, base: DecodeOptions, cfg: BenchConfig):
     """transformers' own generate: hf-generate (plain), hf-lookup (prompt lookup), hf-assisted:DRAFT."""
     import torch
 
@@ -162,8 +180,8 @@ def _run_peer(spec: str, model, tok, prompts, base: DecodeOptions, cfg: BenchCon
 
     for p in prompts[: cfg.warmup]:
         one(p, 16)
-    walls = []
-    for _ in range(max(1, cfg.repeats)):
+
+    def one_pass() -> tuple:
         outputs, stats = [], []
         start = time.perf_counter()
         for p in prompts:
@@ -171,8 +189,9 @@ def _run_peer(spec: str, model, tok, prompts, base: DecodeOptions, cfg: BenchCon
             toks = one(p, base.max_new_tokens)
             outputs.append(toks)
             stats.append({"new_tokens": len(toks), "wall_s": time.perf_counter() - t0})
-        walls.append(time.perf_counter() - start)
-    return Run(outputs, stats, statistics.median(walls), walls)
+        return outputs, stats, time.perf_counter() - start, 0.0, 0
+
+    return one_pass
 
 
 # -- measuring forward costs --------------------------------------------------------------------
@@ -252,7 +271,9 @@ def _entry(spec, run: Run, ar: Run, categories, costs, model, tok, base, cfg) ->
     total = sum(len(o) for o in run.outputs)
     ar_total = sum(len(o) for o in ar.outputs)
     entry["tokens_per_s"] = round(total / run.wall, 2)
-    entry["speedup"] = round((total / run.wall) / (ar_total / ar.wall), 3)
+    # per round against the same round's ar (the rounds interleave methods), then the median
+    entry["speedup"] = round(statistics.median(ar_w / w for w, ar_w in zip(run.walls, ar.walls)) * (total / ar_total), 3)
+    entry["walls_s"] = [round(w, 4) for w in run.walls]
     entry.update(_ideal(spec, run, entry, costs, model, tok, base))
     cats = sorted(set(categories))
     if len(cats) > 1 or cats != ["all"]:

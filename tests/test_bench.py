@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from typer.testing import CliRunner
 
 from specdec.cli.main import app
@@ -24,7 +25,7 @@ def test_bench_report(tiny_family, tmp_path):
     draft = str(tiny_family / "draft")
     res = CliRunner().invoke(app, [
         "bench", "--in", str(prompts), "--target", str(tiny_family / "target"), "--max-new-tokens", "12",
-        "--methods", f"ngram,recycle,{draft}+k=3,hf-lookup,hf-assisted:{draft}", "--warmup", "1",
+        "--methods", f"ngram,recycle,{draft}+k=3,hf-lookup,hf-assisted:{draft}", "--warmup", "1", "--repeats", "2",
         "--json", str(report_path), "--plot", str(plot_path),
     ])
     assert res.exit_code == 0, res.output
@@ -37,6 +38,10 @@ def test_bench_report(tiny_family, tmp_path):
         assert set(m["by_category"]) == {"code", "data"}
         assert 0 < m["distinct4"] <= 1
     assert methods["ar"]["speedup"] == 1.0 and methods["ar"]["tau"] == 1.0
+    assert all(len(m["walls_s"]) == 2 for m in methods.values())  # two round-robin passes each
+    ng, ar = methods["ngram"]["walls_s"], methods["ar"]["walls_s"]
+    ratios = sorted(a / w for a, w in zip(ar, ng))
+    assert methods["ngram"]["speedup"] == pytest.approx(sum(ratios) / 2, rel=1e-2)  # median of per-round ratios
     assert methods["recycle"]["tau"] >= 1.0 and methods["recycle"]["acceptance_by_position"]
     assert methods["recycle"]["ideal_speedup"] > 0 and methods["recycle"]["efficiency"] > 0
     assert methods["hf-lookup"]["tau"] is None  # peers do not report target calls
