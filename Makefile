@@ -31,7 +31,7 @@ test-fast: $(STAMP)
 
 bench: $(STAMP)
 	mkdir -p out
-	$(BIN)/specdec bench --in examples/prompts.jsonl --methods ar,ngram,recycle,draft,hf-lookup,hf-assisted:draft --json out/bench.json --plot out/bench.png
+	$(BIN)/specdec bench --in examples/prompts.jsonl --methods ar,ngram,recycle,draft+k=2,eagle,hf-lookup,hf-assisted:draft --repeats 3 --json out/bench.json --plot out/bench.png
 
 clean:
 	rm -rf $(VENV) out *.egg-info
