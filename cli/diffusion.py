@@ -38,6 +38,9 @@ def train_dllm_command(
     list_tasks: Annotated[int, typer.Option(help="Add this many generated list tasks (copy/reverse/sort) to the mix.")] = 0,
     certainty_forcing: Annotated[bool, typer.Option("--certainty-forcing", help="dParallel certainty-forcing distillation of --from (a dLLM).")] = False,
     lora: Annotated[bool, typer.Option("--lora", help="Train a LoRA (merged into the saved model).")] = False,
+    cf_prompts: Annotated[int, typer.Option(help="Certainty forcing: code prompts cut from --data whose own answers are distilled.")] = 256,
+    gen_length: Annotated[int, typer.Option(help="Certainty forcing: answer length of the self-generated decodes (decode at this length).")] = 128,
+    lr: Annotated[Optional[float], typer.Option(help="Peak learning rate (default 3e-4).")] = None,
     seed: Annotated[int, typer.Option(help="Random seed.")] = 0,
 ) -> None:
     from specdec.decode.artifacts import SpecdecError
@@ -52,6 +55,7 @@ def train_dllm_command(
         metrics = train_dllm(
             from_dir, data, out, block_size=block_size, attention=attention, max_steps=max_steps, budget_minutes=budget_minutes,
             seed=seed, certainty_forcing=certainty_forcing, lora=lora, extra_examples=extra, model_config=model_config, tokenizer_dir=tokenizer,
+            cf_prompts=cf_prompts, cf_gen_length=gen_length, **({} if lr is None else {"lr": lr}),
         )  # fmt: skip
     except (SpecdecError, OSError, json.JSONDecodeError) as exc:
         raise _fail(exc) from None
@@ -63,13 +67,14 @@ def train_dllm_command(
 
 def train_filter_command(
     dllm: Annotated[Path, typer.Option("--dllm", help="The dLLM the filter is for.")],
-    data: Annotated[Path, typer.Option("--data", help="prompts.jsonl: one {\"prompt\": ...} per line.")],
+    data: Annotated[Path, typer.Option("--data", help="prompts.jsonl: one {\"prompt\": ...} per line (texts with --code-prompts).")],
     out: Annotated[Path, typer.Option("--out", help="Output directory for the filter.")],
     gen_length: Annotated[int, typer.Option(help="Answer length of the labelling decodes.")] = 128,
     block_size: Annotated[int, typer.Option(help="Decode block size (the filter's width).")] = 32,
     hidden: Annotated[int, typer.Option(help="0: logistic regression; >0: MLP hidden size.")] = 0,
     max_steps: Annotated[int, typer.Option(help="Optimizer steps at most.")] = 2000,
     budget_minutes: Annotated[Optional[float], typer.Option(help="Stop after this many minutes.")] = None,
+    code_prompts: Annotated[int, typer.Option(help="Cut this many code prompts (64-256 tokens, as the held-out prompts) from --data's texts instead of using them as prompts.")] = 0,
     seed: Annotated[int, typer.Option(help="Random seed.")] = 0,
     trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code", help="Allow LLaDA/Dream-style remote code.")] = False,
 ) -> None:
@@ -78,6 +83,8 @@ def train_filter_command(
 
     try:
         prompts = read_prompts(data)
+        if code_prompts:
+            prompts = cut_code_prompts(dllm, prompts, code_prompts, seed)
         metrics = train_filter(
             dllm, prompts, out, gen_length=gen_length, block_size=block_size, hidden=hidden, max_steps=max_steps,
             budget_minutes=budget_minutes, seed=seed, trust_remote_code=trust_remote_code,
@@ -101,6 +108,18 @@ def read_prompts(path: Path) -> list[str]:
     prompts = [row["prompt"] for row in load_dataset("json", data_files=str(path), split="train") if row.get("prompt")]
     if not prompts:
         raise SpecdecError(f"{path} has no records with a prompt")
+    return prompts
+
+
+def cut_code_prompts(dllm: Path, texts: list[str], n: int, seed: int) -> list[str]:
+    from transformers import AutoTokenizer
+
+    from specdec.decode.artifacts import SpecdecError
+    from specdec.train.dllm import code_prompts
+
+    prompts = code_prompts(AutoTokenizer.from_pretrained(dllm), texts, n, seed)
+    if not prompts:
+        raise SpecdecError("no code prompts could be cut from --data: it needs Python source texts")
     return prompts
 
 

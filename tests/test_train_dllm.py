@@ -14,7 +14,15 @@ from specdec.cli.diffusion import register
 from specdec.decode.artifacts import artifact_kind
 from specdec.decode.diffusion import DiffusionGenerator, load_dllm, load_filter
 from specdec.decode.types import GenRequest
-from specdec.train.dllm import train_dllm
+from specdec.train.dllm import (
+    CertaintyForcingCollate,
+    DllmTrainConfig,
+    Example,
+    certainty_terms,
+    code_prompts,
+    self_generated_examples,
+    train_dllm,
+)
 from specdec.train.filter import train_filter
 from specdec.train.listtasks import OPERATIONS, WORDS, first_line_matches, list_tasks
 
@@ -107,10 +115,119 @@ def test_certainty_forcing_lora_reduces_its_loss(dllm, tmp_path):
         out, [], tmp_path / "cf", block_size=8, max_steps=40, certainty_forcing=True, lora=True, extra_examples=task_pairs(16),
         lora_rank=8, cf_prompts=16, cf_gen_length=16, **FAST,
     )  # fmt: skip
-    assert metrics["objective"] == "certainty_forcing"
+    assert metrics["objective"] == "certainty_forcing" and metrics["self_generated"] == 16
     assert metrics["loss_last"] < metrics["loss_first"]
     model, _, _ = load_dllm(tmp_path / "cf")  # LoRA merged: a plain dLLM again
     assert not any("lora" in name for name, _ in model.named_parameters())
+    assert model.config.dllm_training == ["masked_ce", "certainty_forcing"]
+
+
+def cf_rows() -> list[Example]:
+    # prompts of 3 and 5 tokens; answers of 3 blocks of 4, 1 block + 2 tokens, 2 blocks
+    return [Example(list(range(3 + 12)), 3), Example(list(range(5 + 6)), 5), Example(list(range(4 + 8)), 4)]
+
+
+@pytest.mark.parametrize("attention", ["bidirectional", "block"])
+def test_certainty_forcing_views_are_complementary_over_the_current_block(attention):
+    from specdec.decode.diffusion import DllmSpec
+
+    mask = 99
+    spec = DllmSpec(mask, eos_token_id=1, attention=attention, block_size=4)
+    collate = CertaintyForcingCollate(spec, DllmTrainConfig(block_size=4), seed=0)
+    rows = cf_rows()
+    currents = set()
+    for _ in range(20):
+        batch = collate(rows)
+        sup, noisy, targets, valid = batch["supervised"], batch["noisy"], batch["targets"], batch["valid"]
+        a, b = sup.chunk(2)
+        assert not (a & b).any(), "the two views supervise disjoint tokens"
+        for r, ex in enumerate(rows):
+            covered = (a | b)[r].nonzero()[:, 0].tolist()
+            rel = [j - ex.prompt_len for j in covered]
+            block = rel[0] // 4
+            currents.add((r, block))
+            # every answer token of exactly one block (the current one) is supervised once
+            assert rel == list(range(4 * block, min(4 * block + 4, len(ex.ids) - ex.prompt_len)))
+            for view in (r, r + len(rows)):
+                is_mask = noisy[view] == mask
+                width = min(len(ex.ids), noisy.shape[1])
+                before = torch.arange(width) < ex.prompt_len + 4 * block
+                after = torch.arange(width) >= ex.prompt_len + 4 * block + 4
+                assert not is_mask[:width][before].any(), "prompt and earlier blocks are clean"
+                assert torch.equal(is_mask[:width] & ~after, sup[view, :width]), "inside the current block MASK = supervised"
+                if attention == "block":  # later blocks cannot reach the current one: hidden or cut off
+                    assert not valid[view, :width][after].any()
+                else:
+                    assert is_mask[:width][after].all(), "later blocks are fully masked"
+            assert torch.equal(noisy[~(noisy == mask)], targets[~(noisy == mask)])
+    assert len(currents) > len(rows), "the current block varies"
+
+
+def test_certainty_terms_entropy_counts_only_correct_masked_tokens():
+    torch.manual_seed(0)
+    logits, targets = torch.randn(4, 6, 10), torch.randint(0, 10, (4, 6))
+    supervised = torch.rand(4, 6) < 0.6
+    logits[0, :3] = 0.0
+    logits[0, torch.arange(3), targets[0, :3]] = 5.0  # certainly correct there
+    supervised[0, :3] = True
+    ce, entropy = certainty_terms(logits, targets, supervised, temperature=0.5)
+    correct = supervised & (logits.argmax(-1) == targets)
+    p = torch.softmax(logits / 0.5, -1)
+    h = -(p * p.log()).sum(-1)
+    for v, rows in enumerate((slice(0, 2), slice(2, 4))):
+        assert torch.isclose(entropy[v], h[rows][correct[rows]].mean())
+        expected_ce = torch.nn.functional.cross_entropy(logits[rows][supervised[rows]], targets[rows][supervised[rows]])
+        assert torch.isclose(ce[v], expected_ce)
+    # wrong or unsupervised predictions do not enter the entropy term, whatever their distribution
+    noisy = logits + 3 * torch.randn_like(logits) * (~correct)[..., None]
+    noisy[~correct] = noisy[~correct].scatter(-1, targets[~correct][:, None], -1e4)
+    assert torch.allclose(certainty_terms(noisy, targets, supervised, 0.5)[1], entropy)
+
+
+def test_self_generated_examples_are_static_greedy_decodes(dllm):
+    out, _ = dllm
+    model, tokenizer, spec = load_dllm(out)
+    cfg = DllmTrainConfig(block_size=8, cf_gen_length=24, cf_decode_batch=3)
+    prompts = [t.prompt for t in list_tasks(5, seed=4)]
+    own = self_generated_examples(model, tokenizer, spec, prompts, cfg)
+    static = DiffusionGenerator(model, tokenizer, spec, "static", gen_length=24, block_size=8)
+    by_prompt = {tuple(ex.ids[: ex.prompt_len]): ex.ids[ex.prompt_len :] for ex in own}
+    assert len(own) == 5
+    for prompt in prompts:
+        ids = tokenizer(prompt)["input_ids"]
+        (r,) = static.generate([GenRequest(ids, 24)])
+        answer = by_prompt[tuple(ids)]
+        assert answer[: len(r.token_ids)] == r.token_ids
+        if r.finish_reason == "stop":  # the EOS-filled block ends the example
+            assert set(answer[len(r.token_ids) :]) == {spec.eos_token_id} and len(answer) % 8 == 0
+        else:
+            assert len(answer) == 24
+
+
+def python_text(seed: int) -> str:
+    lines = ["import os", ""]
+    for k in range(12):
+        lines += [f"def f{seed}_{k}(a, b):", "    x = a + b", "    return x", ""]
+        lines += [f"class C{k}:", f'    """Holds {k}', '    and more."""', ""]
+        lines += [f"TABLE{k} = [", "    1, 2, 3,", "]", ""]
+    return "\n".join(lines)
+
+
+def test_code_prompts_end_at_anchors_within_the_length_range():
+    from specdec.train.recipe import _ANCHORS
+
+    tokenizer = word_tokenizer()
+    texts = [python_text(i) for i in range(4)]
+    prompts = code_prompts(tokenizer, texts, 9, seed=0, min_tokens=10, max_tokens=60)
+    assert prompts == code_prompts(tokenizer, texts, 9, seed=0, min_tokens=10, max_tokens=60)
+    assert len(prompts) == 9
+    kinds = []
+    for prompt in prompts:
+        assert 10 <= len(tokenizer(prompt)["input_ids"]) <= 60
+        lines = prompt.splitlines()
+        kind = next(k for k, pat in _ANCHORS.items() if pat.match(lines[-1]) or (k == "code" and pat.match(lines[-2])))
+        kinds.append(kind)
+    assert kinds[:3] == list(_ANCHORS), "the three kinds take turns"
 
 
 def test_cli_train_dllm_and_errors(tmp_path, ar_dir):
@@ -124,6 +241,12 @@ def test_cli_train_dllm_and_errors(tmp_path, ar_dir):
     assert artifact_kind(tmp_path / "d") == "dllm"
     bad = runner.invoke(app, ["train-filter", "--dllm", str(ar_dir), "--data", str(data), "--out", str(tmp_path / "f")])
     assert bad.exit_code == 1 and "not a specdec dLLM" in bad.output
+    texts = tmp_path / "texts.jsonl"
+    texts.write_text("\n".join(json.dumps({"prompt": python_text(i)}) for i in range(3)) + "\n")
+    args = ["train-filter", "--dllm", str(tmp_path / "d"), "--data", str(texts), "--out", str(tmp_path / "f"), "--gen-length", "8", "--block-size", "8"]
+    result = runner.invoke(app, [*args, "--code-prompts", "2", "--max-steps", "3"])
+    assert result.exit_code == 0, result.output
+    assert json.loads((tmp_path / "f" / "metrics.json").read_text())["prompts"] == 2
 
 
 def test_bench_reports_every_method(dllm, tmp_path):

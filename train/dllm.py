@@ -10,8 +10,11 @@ collate function that draws its masks on the CPU (seeded) and a loss that only r
 - masked CE (LLaDA/MDLM): t ~ U(0,1), p = (1-eps) t + eps, answer tokens masked with prob p,
   loss = sum(CE/p over masked) / (B*L), prompts never masked, each example also seen with the
   complementary mask so every token is supervised once;
-- certainty forcing (dParallel): on the model's own responses, CE plus an entropy penalty on
-  masked tokens it already predicts correctly, which makes threshold decoders commit earlier.
+- certainty forcing (dParallel): on the model's own static one-token-per-step greedy responses,
+  CE plus an entropy penalty on masked tokens it already predicts correctly, which makes
+  threshold decoders commit earlier. The responses answer code prompts cut from the training
+  texts the way the recipe cuts its held-out prompts, at the length and block size the model is
+  decoded with, so the distillation sees the distribution it is judged on.
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ from __future__ import annotations
 import math
 import random
 import tempfile
-from dataclasses import asdict, dataclass, fields
+import time
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Iterable
 
@@ -56,8 +60,12 @@ class DllmTrainConfig:
     lora_rank: int = 128
     lora_alpha: int = 128
     certainty_forcing: bool = False
-    cf_prompts: int = 64  # prompts whose self-generated responses are distilled
-    cf_gen_length: int = 64
+    cf_prompts: int = 256  # code prompts (cut from the training texts) whose own responses are distilled
+    cf_pair_prompts: int = 64  # plus this many prompts of prompt/completion pairs (list tasks)
+    cf_prompt_tokens: tuple[int, int] = (64, 256)  # code prompt length range, as the recipe's held-out prompts
+    cf_gen_length: int = 128  # the length and block size the model is benchmarked at
+    cf_decode_batch: int = 16
+    cf_generation_share: float = 0.5  # under a budget, self-generation stops after this share of it
     cf_temperature: float = 0.5  # entropy is measured on softmax(logits / T)
     cf_entropy_weight: float = 2.0
     progress: bool = True
@@ -136,6 +144,32 @@ def pair_examples(tokenizer, pairs: list[tuple[str, str]], seq_len: int, eos_id:
         a = (tokenizer(completion, add_special_tokens=False)["input_ids"] + [eos_id])[: seq_len - len(p)]
         out.append(Example(p + a + [eos_id] * (seq_len - len(p) - len(a)), len(p)))
     return out
+
+
+def code_prompts(tokenizer, texts: list[str], n: int, seed: int, min_tokens: int = 64, max_tokens: int = 256) -> list[str]:
+    """``n`` prompts cut from training texts as the recipe cuts its held-out prompts (examples/prompts.jsonl):
+    a prefix of ``min_tokens``..``max_tokens`` tokens ending at a function header and its first body line,
+    a docstring opening or a data literal, the three kinds in turn."""
+    from specdec.train.recipe import _ANCHORS, _prefix  # one definition of the prompt distribution
+
+    order = list(range(len(texts)))
+    random.Random(seed).shuffle(order)
+    per_kind = math.ceil(n / len(_ANCHORS))
+    found: dict[str, list[str]] = {kind: [] for kind in _ANCHORS}
+    for i in order:
+        lines = texts[i].splitlines(keepends=True)
+        used_until = -1
+        for j, line in enumerate(lines):
+            for kind, pattern in _ANCHORS.items():
+                if len(found[kind]) >= per_kind or j <= used_until or not pattern.match(line):
+                    continue
+                text = _prefix(lines, j + (2 if kind == "code" else 1), tokenizer, min_tokens, max_tokens)
+                if text is not None:
+                    found[kind].append(text)
+                    used_until = j + 40  # spread prompts over the text
+        if all(len(v) >= per_kind for v in found.values()):
+            break
+    return [found[kind][i] for i in range(per_kind) for kind in _ANCHORS if i < len(found[kind])][:n]
 
 
 def sample_batch(examples: list[Example], batch_size: int, rng: random.Random) -> tuple[Tensor, Tensor]:
@@ -221,8 +255,14 @@ def heldout_masked_ce(model, examples: list[Example], spec: DllmSpec, cfg: DllmT
 
 
 class CertaintyForcingCollate:
-    """Self-generated examples -> padded batch with the dParallel masks: clean earlier blocks, one block
-    half masked (plus its complement), later blocks fully masked."""
+    """Self-generated examples -> padded batch with dParallel's semi-autoregressive masks.
+
+    Per row one response block is the *current* block: earlier blocks (and the prompt) stay clean,
+    the current block is masked at ratio 0.5 in the first view and with the complementary mask in
+    the second, later blocks are fully masked in both. Only the current block's masked tokens are
+    supervised (as in dParallel's code): decoding never predicts a block with MASKs before it.
+    With block attention nothing after the current block can reach it, so later blocks are cut off.
+    """
 
     def __init__(self, spec: DllmSpec, cfg: DllmTrainConfig, seed: int):
         self.spec, self.cfg = spec, cfg
@@ -240,31 +280,42 @@ class CertaintyForcingCollate:
         blk = rel.div(cfg.block_size, rounding_mode="floor")
         n_blocks = (response.sum(1) + cfg.block_size - 1) // cfg.block_size
         current = (torch.rand(b, generator=gen) * n_blocks).long()[:, None]
-        half = torch.rand(b, n, generator=gen) < 0.5
-        later = response & (blk > current)
         in_current = response & (blk == current)
-        views = torch.cat([(in_current & half) | later, (in_current & ~half) | later])
+        later = response & (blk > current)
+        half = torch.rand(b, n, generator=gen) < 0.5
+        if self.spec.attention == "block":
+            valid &= ~later
+            keep = int(valid.nonzero()[:, 1].max()) + 1
+            tokens, valid, in_current, later, half = (t[:, :keep] for t in (tokens, valid, in_current, later, half))
+        supervised = torch.cat([in_current & half, in_current & ~half])
+        later = later.repeat(2, 1)
         targets = tokens.repeat(2, 1)
         return {
-            "noisy": torch.where(views, self.spec.mask_token_id, targets),
+            "noisy": torch.where(supervised | later, self.spec.mask_token_id, targets),
             "targets": targets,
-            "views": views,
-            "in_current": in_current.repeat(2, 1),
+            "supervised": supervised,
             "valid": valid.repeat(2, 1),
             "prompt_len": prompt_len.repeat(2),
         }
 
 
-def certainty_forcing_loss(model, batch: dict[str, Tensor], spec: DllmSpec, cfg: DllmTrainConfig) -> Tensor:
-    # dParallel certainty forcing: CE + CE_rev + w * (H + H_rev) with H the entropy of correct predictions.
-    tokens, views = batch["targets"], batch["views"]
-    logits = dllm_logits(model, batch["noisy"], batch["prompt_len"], spec, batch["valid"]).float()
-    ce = F.cross_entropy(logits.transpose(1, 2), tokens, reduction="none")
-    correct = views & batch["in_current"] & (logits.argmax(-1) == tokens)
-    logp = torch.log_softmax(logits / cfg.cf_temperature, -1)
+def certainty_terms(logits: Tensor, targets: Tensor, supervised: Tensor, temperature: float, views: int = 2) -> tuple[Tensor, Tensor]:
+    """Per view (rows are view-major): mean CE over the supervised tokens, and mean entropy of
+    softmax(logits / temperature) over the supervised tokens whose argmax is already the target."""
+    ce = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
+    correct = supervised & (logits.argmax(-1) == targets)
+    logp = torch.log_softmax(logits / temperature, -1)
     entropy = -(logp.exp() * logp).sum(-1)
-    per_view = lambda x, m: (x * m).view(2, -1).sum(1) / m.view(2, -1).sum(1).clamp(min=1)  # noqa: E731
-    return per_view(ce, views).sum() + cfg.cf_entropy_weight * per_view(entropy, correct).sum()
+    per_view = lambda x, m: (x * m).view(views, -1).sum(1) / m.view(views, -1).sum(1).clamp(min=1)  # noqa: E731
+    return per_view(ce, supervised), per_view(entropy, correct)
+
+
+def certainty_forcing_loss(model, batch: dict[str, Tensor], spec: DllmSpec, cfg: DllmTrainConfig) -> Tensor:
+    # dParallel certainty forcing: CE + CE_rev + w * (H + H_rev). The entropy term sharpens only what is
+    # already right, so threshold rules commit it early without pushing wrong guesses to certainty.
+    logits = dllm_logits(model, batch["noisy"], batch["prompt_len"], spec, batch["valid"]).float()
+    ce, entropy = certainty_terms(logits, batch["targets"], batch["supervised"], cfg.cf_temperature)
+    return ce.sum() + cfg.cf_entropy_weight * entropy.sum()
 
 
 # --------------------------------------------------------------------------------------------
@@ -364,16 +415,39 @@ def wrap_lora(model, cfg: DllmTrainConfig):
     return get_peft_model(model, LoraConfig(r=rank, lora_alpha=cfg.lora_alpha * rank // cfg.lora_rank, target_modules=LORA_TARGETS, lora_dropout=0.0))
 
 
-def self_generated_examples(model, tokenizer, spec: DllmSpec, prompts: list[str], cfg: DllmTrainConfig) -> list[Example]:
-    """dParallel trains on the model's own static one-token-per-step responses (EOS-padded to cf_gen_length)."""
+def self_generated_examples(model, tokenizer, spec: DllmSpec, prompts: list[str], cfg: DllmTrainConfig, deadline: float | None = None) -> list[Example]:
+    """dParallel trains on the model's own responses: static one-token-per-step greedy decodes at
+    ``cf_gen_length`` and ``block_size``, in batches of similar prompt lengths (less left padding).
+
+    A response that stopped keeps its EOS-filled block, as decoding leaves it (later blocks are never
+    decoded). With a ``deadline`` (time.monotonic()) no new batch starts after it; one batch always runs.
+    """
     generator = DiffusionGenerator(model, tokenizer, spec, "static", gen_length=cfg.cf_gen_length, block_size=cfg.block_size)
+    limit = getattr(model.config, "max_position_embeddings", 1 << 30) - cfg.cf_gen_length
+    encoded = sorted((encode_prompt(tokenizer, p)[-limit:] for p in prompts), key=len)
+    was_training = model.training
+    model.eval()
     out = []
-    for i in range(0, len(prompts), cfg.batch_size):
-        encoded = [encode_prompt(tokenizer, p)[-cfg.seq_len // 2 :] for p in prompts[i : i + cfg.batch_size]]
-        results = generator.generate([GenRequest(ids, cfg.cf_gen_length) for ids in encoded])
-        for ids, r in zip(encoded, results):
-            out.append(Example(ids + r.token_ids + [spec.eos_token_id] * (cfg.cf_gen_length - len(r.token_ids)), len(ids)))
+    for i in range(0, len(encoded), cfg.cf_decode_batch):
+        if out and deadline is not None and time.monotonic() > deadline:
+            break
+        batch = encoded[i : i + cfg.cf_decode_batch]
+        for ids, r in zip(batch, generator.generate([GenRequest(ids, cfg.cf_gen_length) for ids in batch])):
+            answer = r.token_ids
+            if r.finish_reason == "stop":
+                end = min(cfg.cf_gen_length, math.ceil((len(answer) + 1) / cfg.block_size) * cfg.block_size)
+                answer = answer + [spec.eos_token_id] * (end - len(answer))
+            out.append(Example(ids + answer, len(ids)))
+    model.train(was_training)
     return out
+
+
+def distillation_prompts(tokenizer, texts: list[str], pairs: list[tuple[str, str]], cfg: DllmTrainConfig) -> list[str]:
+    """Code prompts cut from the training texts, then prompts of prompt/completion pairs (shuffled)."""
+    pair_prompts = [p for p, _ in pairs]
+    random.Random(cfg.seed).shuffle(pair_prompts)
+    lo, hi = cfg.cf_prompt_tokens
+    return code_prompts(tokenizer, texts, cfg.cf_prompts, cfg.seed, lo, hi) + pair_prompts[: cfg.cf_pair_prompts]
 
 
 def train_dllm(
@@ -397,8 +471,11 @@ def train_dllm(
 
     ``texts_or_files``: literal texts or paths (JSONL with prompt[+completion], or plain text);
     ``extra_examples``: extra (prompt, completion) pairs such as list tasks. ``overrides`` set other
-    ``DllmTrainConfig`` fields. With ``certainty_forcing`` the source must be a dLLM and the data's
-    prompts are answered by the model itself, then distilled (``lora`` trains a LoRA and merges it).
+    ``DllmTrainConfig`` fields. With ``certainty_forcing`` the source must be a dLLM: it answers code
+    prompts cut from the texts (and some pair prompts) with static one-token-per-step greedy decoding,
+    then is distilled on those answers (``lora`` trains a LoRA and merges it). Under a budget the
+    self-generation counts against it. The saved config lists the objectives the model went through
+    (``dllm_training``).
     """
     known = {f.name for f in fields(DllmTrainConfig)}
     if set(overrides) - known:
@@ -422,15 +499,22 @@ def train_dllm(
     heldout, train = examples[:n_heldout], examples[n_heldout:]
     ce_before = heldout_masked_ce(model, heldout, spec, cfg)
 
+    distilled: dict = {}
     if certainty_forcing:
-        prompts = [p for p, _ in pairs] or [tokenizer.decode(ex.ids[: cfg.seq_len // 4]) for ex in train]
-        rng.shuffle(prompts)
-        own = self_generated_examples(model, tokenizer, spec, prompts[: cfg.cf_prompts], cfg)
+        started = time.monotonic()
+        prompts = distillation_prompts(tokenizer, texts, pairs, cfg)
+        if not prompts:
+            raise SpecdecError("certainty forcing needs prompts: no code prompts could be cut from the data and there are no prompt/completion pairs")
+        deadline = None if cfg.budget_minutes is None else started + 60 * cfg.budget_minutes * cfg.cf_generation_share
+        own = self_generated_examples(model, tokenizer, spec, prompts, cfg, deadline)
+        generation_s = time.monotonic() - started
+        distilled = {"self_generated": len(own), "prompts_offered": len(prompts), "generation_seconds": round(generation_s, 2)}
     if cfg.lora:
         model = wrap_lora(model, cfg)
     if certainty_forcing:
         cf_loss = lambda m, batch: certainty_forcing_loss(m, batch, spec, cfg)  # noqa: E731
-        model, curve = fit(model, own, CertaintyForcingCollate(spec, cfg, cfg.seed), cf_loss, cfg, "certainty forcing")
+        fit_cfg = cfg if cfg.budget_minutes is None else replace(cfg, budget_minutes=max(0.05, cfg.budget_minutes - generation_s / 60))
+        model, curve = fit(model, own, CertaintyForcingCollate(spec, cfg, cfg.seed), cf_loss, fit_cfg, "certainty forcing")
     else:
         ce_loss = lambda m, batch: masked_diffusion_loss(m, batch, spec)  # noqa: E731
         model, curve = fit(model, train, MaskedDiffusionCollate(spec, cfg, cfg.seed), ce_loss, cfg, "train-dllm")
@@ -442,8 +526,10 @@ def train_dllm(
         "heldout_examples": len(heldout),
         "heldout_masked_ce_before": ce_before,
         "heldout_masked_ce": heldout_masked_ce(model, heldout, spec, cfg),
+        **distilled,
         **curve,
     }
+    model.config.update({"dllm_training": [*getattr(model.config, "dllm_training", []), metrics["objective"]]})
     save_dllm(model, tokenizer, out_dir, cfg, metrics, source=from_dir)
     return metrics
 
