@@ -17,37 +17,56 @@ from pathlib import Path
 
 import torch
 
-from specdec.decode.cache import KVState
-from specdec.decode.drafters import Drafter, Proposal, Segment, TreeTemplate, tree_attention_from_parents
+from specdec.decode.drafters import Drafter, Proposal, Segment, TreeTemplate
 
 DEFAULTS = {"medusa": (24, 4), "clover": (24, 4), "eagle": (32, 5)}  # (tree tokens, depth)
 
 
 @dataclass
 class Tree:
-    """Nodes grown so far, per row: tokens/parents/depth/score [B, n]; parent -1 = the root."""
+    """Nodes grown so far, per row: tokens/parents/depth/score [B, n]; parent -1 = the root;
+    anc [B, n, n]: node i's ancestors and itself (kept as nodes are added, so neither the drafter's
+    tree attention nor the engine's needs a transitive closure)."""
 
     tokens: torch.Tensor
     parents: torch.Tensor
     depth: torch.Tensor
     score: torch.Tensor
+    anc: torch.Tensor
 
     @staticmethod
     def empty(bsz: int, device) -> "Tree":
         z = torch.zeros(bsz, 0, device=device)
-        return Tree(z.long(), z.long(), z.long(), z.double())
+        return Tree(z.long(), z.long(), z.long(), z.double(), torch.zeros(bsz, 0, 0, dtype=torch.bool, device=device))
 
     @property
     def size(self) -> int:
         return self.tokens.shape[1]
 
     def add(self, tokens, parents, depth, score) -> torch.Tensor:
+        bsz, n = tokens.shape
         start = self.size
+        dev = tokens.device
+        inherited = self.anc.gather(1, parents.clamp(min=0)[..., None].expand(bsz, n, start)) & (parents >= 0)[..., None]
+        own = torch.eye(n, dtype=torch.bool, device=dev).expand(bsz, n, n)
+        self.anc = torch.cat([
+            torch.cat([self.anc, torch.zeros(bsz, start, n, dtype=torch.bool, device=dev)], 2),
+            torch.cat([inherited, own], 2),
+        ], 1)  # fmt: skip
         self.tokens = torch.cat([self.tokens, tokens], 1)
         self.parents = torch.cat([self.parents, parents], 1)
         self.depth = torch.cat([self.depth, depth], 1)
         self.score = torch.cat([self.score, score.double()], 1)
-        return torch.arange(start, self.size, device=tokens.device)
+        return torch.arange(start, self.size, device=dev)
+
+    def proposal(self, max_depth: int) -> Proposal:
+        """The tree as the engine verifies it: ancestor matrix and depths with the root at slot 0."""
+        bsz, n = self.tokens.shape
+        attn = torch.zeros(bsz, n + 1, n + 1, dtype=torch.bool, device=self.tokens.device)
+        attn[:, :, 0] = True
+        attn[:, 1:, 1:] = self.anc
+        depth = torch.cat([torch.zeros_like(self.depth[:, :1]), self.depth], 1)
+        return Proposal(tokens=self.tokens, parents=self.parents, tree_attn=attn, depth=depth, max_depth=max_depth)
 
 
 class HeadTreeDrafter(Drafter):
@@ -98,7 +117,7 @@ class HeadTreeDrafter(Drafter):
         else:
             tree = self._grow_dynamic(batch, depth)
             max_depth = int(tree.depth.max().item())
-        return Proposal(tokens=tree.tokens, parents=tree.parents, max_depth=max_depth)
+        return tree.proposal(max_depth)
 
     def _template(self, depth: int, device) -> list[tuple]:
         """Per depth of the static template: (parents, unique parents, inverse, ranks, top-k width).
@@ -170,7 +189,8 @@ def _best_subtree(tree: Tree, n: int, depth: int) -> Tree:
     for _ in range(depth):  # a dropped parent drops its subtree, one level per pass
         dead = (parents >= 0) & (parents.gather(1, parents.clamp(min=0)) == -2)
         parents = parents.masked_fill(dead, -2)
-    return Tree(tree.tokens.gather(1, keep), parents, tree.depth.gather(1, keep), tree.score.gather(1, keep))
+    anc = tree.anc.gather(1, keep[..., None].expand(bsz, n, total)).gather(2, keep[:, None, :].expand(bsz, n, n))
+    return Tree(tree.tokens.gather(1, keep), parents, tree.depth.gather(1, keep), tree.score.gather(1, keep), anc)
 
 
 def _last_kept_hidden(seg: Segment) -> torch.Tensor:
@@ -264,34 +284,63 @@ class CloverDrafter(HeadTreeDrafter):
         return torch.log_softmax(self.heads.head_logits(head, state).float(), -1)
 
 
-class _EagleView(torch.nn.Module):
-    """What KVState drives: entries (token, feature) -> predicted features, with the layer's cache."""
+def _additive(visible: torch.Tensor, dtype) -> torch.Tensor:
+    """[B, 1, T, S] additive attention mask (CPU attention converts a bool mask on every call)."""
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, torch.finfo(dtype).min)[:, None]
 
-    def __init__(self, eagle):
-        super().__init__()
-        self.eagle = eagle
-        self.config = eagle.layer_config
 
-    @property
-    def dtype(self):
-        return next(self.eagle.parameters()).dtype
+class _SlotCache:
+    """The EAGLE layer's keys/values per row: committed entries on a shared slot axis with per-row
+    holes and positions (as ``KVState``), then, during a round, scratch slots where tree node i
+    lives at slot ``length + i``. Nodes are never committed: the next commit overwrites them."""
 
-    def forward(self, input_ids, attention_mask=None, position_ids=None, past_key_values=None, use_cache=True,
-                output_hidden_states=False, features=None):
-        x = self.eagle.entry(input_ids, features)
-        return self.eagle.run(x, attention_mask=attention_mask, position_ids=position_ids, past_key_values=past_key_values, use_cache=use_cache)
+    def __init__(self, bsz: int, kv_heads: int, head_dim: int, dtype, device):
+        self.k = torch.zeros(bsz, kv_heads, 0, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+        self.length = 0
+        self.valid = torch.zeros(bsz, 0, dtype=torch.bool, device=device)
+        self.pos = torch.zeros(bsz, dtype=torch.long, device=device)
+
+    def reserve(self, n: int) -> None:
+        """Room for n slots after the committed ones (grows by doubling: amortised copies)."""
+        cap = self.k.shape[2]
+        if self.length + n > cap:
+            grow = max(self.length + n, 2 * cap, 256) - cap
+            pad = torch.zeros(*self.k.shape[:2], grow, self.k.shape[3], dtype=self.k.dtype, device=self.k.device)
+            self.k, self.v = torch.cat([self.k, pad], 2), torch.cat([self.v, pad], 2)
+
+    def write(self, slots: torch.Tensor, width: int):
+        """A ``DraftLayer`` store: this segment's keys go to ``slots`` [B, T] (absolute); attention
+        reads the first ``width`` slots."""
+
+        def store(k, v):
+            idx = slots[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
+            self.k.scatter_(2, idx, k)
+            self.v.scatter_(2, idx, v)
+            return self.k[:, :, :width], self.v[:, :, :width]
+
+        return store
+
+    def commit(self, valid: torch.Tensor) -> None:
+        self.length += valid.shape[1]
+        self.valid = torch.cat([self.valid, valid], 1)
+        self.pos = self.pos + valid.long().sum(-1)
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        self.k, self.v = self.k[rows], self.v[rows]
+        self.valid, self.pos = self.valid[rows], self.pos[rows]
 
 
 class EagleDrafter(HeadTreeDrafter):
     """EAGLE: a one-layer feature drafter with its own KV cache of true (token, feature) entries for
-    committed text; tree nodes are entries (token, parent's predicted feature) evaluated with tree
-    attention and never committed."""
+    committed text. A tree node is the entry (its token, its parent's predicted feature); each level
+    runs only the nodes it expands, attending to the committed entries and to their ancestors'
+    scratch slots (tree attention), so a round costs one small layer call per level."""
 
     def __init__(self, heads, target, **kw):
         super().__init__(heads, target, **kw)
         # EAGLE-3 artifacts read several target layers (fused by the head); the engine returns them
         self.hidden_layers = tuple(heads.feature_layers) if heads.feature_layers else None
-        self.view = _EagleView(heads)
 
     def _features(self, seg: Segment) -> torch.Tensor:
         """The drafter's input feature per slot: the last hidden state, or the fused EAGLE-3 layers."""
@@ -299,12 +348,27 @@ class EagleDrafter(HeadTreeDrafter):
             return seg.hidden
         return self.heads.fuse(torch.cat(seg.hidden_layers, dim=-1).to(self.heads.fuse.weight.dtype))
 
+    def _commit(self, tokens: torch.Tensor, valid: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
+        """Append true entries (holes where ``valid`` is False); their predicted features [B, T, H]."""
+        c = self.cache
+        b, t = tokens.shape
+        dev = tokens.device
+        pos = c.pos[:, None] + (valid.long().cumsum(-1) - 1).clamp_(min=0)
+        own = torch.ones(t, t, dtype=torch.bool, device=dev).tril_() & valid[:, None, :]
+        own |= torch.eye(t, dtype=torch.bool, device=dev)  # a hole still sees itself: no empty softmax row
+        mask = _additive(torch.cat([c.valid[:, None, :].expand(b, t, c.length), own], -1), c.k.dtype)
+        c.reserve(t)
+        slots = torch.arange(c.length, c.length + t, device=dev)[None].expand(b, t)
+        out = self.heads.run(self.heads.entry(tokens, feats), mask, pos, c.write(slots, c.length + t))
+        c.commit(valid)
+        return out
+
     def begin(self, batch, seg: Segment) -> None:
-        self.state = KVState(self.view, len(batch.seqs), batch.device)
+        layer = self.heads.layer
+        p = next(self.heads.parameters())
+        self.cache = _SlotCache(len(batch.seqs), layer.kv_heads, layer.head_dim, p.dtype, p.device)
         nxt = torch.cat([seg.input_ids[:, 1:], batch.root[:, None]], 1)  # entry t = (token t+1, f_t)
-        fh = self.state.forward(nxt, seg.input_valid, features=self._features(seg))
-        self.state.commit_prefix(nxt.shape[1], seg.input_valid)
-        self.f_root = fh[:, -1]
+        self.f_root = self._commit(nxt, seg.input_valid, self._features(seg))[:, -1]
 
     def observe(self, batch, seg: Segment) -> None:
         ids = seg.input_ids.gather(1, seg.keep_index)  # [root, accepted path...]
@@ -314,43 +378,31 @@ class EagleDrafter(HeadTreeDrafter):
         nxt[rows, acc] = batch.root  # the token after each row's last kept slot is its new root
         f = self._features(seg)
         feats = f.gather(1, seg.keep_index[..., None].expand(-1, -1, f.shape[-1]))
-        fh = self.state.forward(nxt, seg.keep_valid, features=feats)
-        self.state.commit_prefix(nxt.shape[1], seg.keep_valid)
-        self.f_root = fh[rows, acc]
+        self.f_root = self._commit(nxt, seg.keep_valid, feats)[rows, acc]
 
     def select_rows(self, rows: torch.Tensor) -> None:
-        self.state.select_rows(rows)
+        self.cache.select_rows(rows)
         self.f_root = self.f_root[rows]
 
     def _reset_tree(self, batch) -> None:
-        self._fh = None  # [B, n, H] predicted feature per expanded node
-        self._expanded = torch.zeros(len(batch.seqs), 0, dtype=torch.long, device=batch.device)
+        self._fh = self.f_root.new_zeros(self.f_root.shape[0], 0, self.f_root.shape[-1])  # [B, n, H] predicted feature per tree node (zeros until expanded)
 
     def _child_logprobs(self, tree, nodes, level, batch):
         bsz, m = nodes.shape
-        hsz = self.f_root.shape[-1]
         if level == 0:
             return torch.log_softmax(self.heads.lm_logits(self.f_root).float(), -1)[:, None].expand(bsz, m, -1)
-        if self._fh is None or self._fh.shape[1] < tree.size:
-            pad = tree.size - (0 if self._fh is None else self._fh.shape[1])
-            extra = torch.zeros(bsz, pad, hsz, dtype=self.f_root.dtype, device=self.f_root.device)
-            self._fh = extra if self._fh is None else torch.cat([self._fh, extra], 1)
-        # the segment: every expanded node so far plus this level's (their ancestors are all in it)
-        self._expanded = torch.cat([self._expanded, nodes], 1)
-        seg_nodes = self._expanded
-        s = seg_nodes.shape[1]
-        par = tree.parents.gather(1, seg_nodes)
+        c, n = self.cache, tree.size
+        if self._fh.shape[1] < n:
+            self._fh = torch.cat([self._fh, self._fh.new_zeros(bsz, n - self._fh.shape[1], self._fh.shape[2])], 1)
+        par = tree.parents.gather(1, nodes)
         fh_with_root = torch.cat([self.f_root[:, None], self._fh], 1)
-        feats = fh_with_root.gather(1, (par + 1)[..., None].expand(-1, -1, hsz))
-        toks = tree.tokens.gather(1, seg_nodes)
-        local = torch.where(par[..., None] == seg_nodes[:, None, :], 1, 0)
-        local_par = torch.where(par >= 0, local.argmax(-1), torch.full_like(par, -1))
-        anc, _ = tree_attention_from_parents(local_par)
-        offsets = tree.depth.gather(1, seg_nodes) - 1
-        out = self.state.forward(toks, None, tree_attn=anc[:, 1:, 1:], depth=offsets, features=feats)
-        self.state.commit_prefix(0, torch.zeros(bsz, 0, dtype=torch.bool, device=toks.device))  # drop the tree
-        fh = out[:, s - m :]
-        self._fh.scatter_(1, nodes[..., None].expand(-1, -1, hsz), fh)
+        feats = fh_with_root.gather(1, (par + 1)[..., None].expand(-1, -1, fh_with_root.shape[-1]))
+        toks = tree.tokens.gather(1, nodes)
+        pos = c.pos[:, None] + tree.depth.gather(1, nodes) - 1
+        visible = torch.cat([c.valid[:, None, :].expand(bsz, m, c.length), tree.anc.gather(1, nodes[..., None].expand(bsz, m, n))], -1)
+        c.reserve(n)
+        fh = self.heads.run(self.heads.entry(toks, feats), _additive(visible, c.k.dtype), pos, c.write(c.length + nodes, c.length + n))
+        self._fh.scatter_(1, nodes[..., None].expand(-1, -1, fh.shape[-1]), fh)
         return torch.log_softmax(self.heads.lm_logits(fh).float(), -1)
 
 

@@ -72,32 +72,47 @@ def test_tree_sampling_runs(target, kind):
 
 def test_eagle_unrolled_matches_decode_tree(target):
     """The training-time unrolled chain equals what the drafter computes on a chain-shaped tree."""
+    from specdec.decode.drafters import Segment
+    from specdec.decode.heads import EagleDrafter, Tree
+
     heads = _heads("eagle", target)
     ids = torch.tensor([make_prompts(1, seed=4)[0][:12]])
+    s = 5
     with torch.no_grad():
         hs = target(input_ids=ids, output_hidden_states=True).hidden_states
         chain = heads.unrolled(hs, ids, 3)  # [3, 1, T-1, H]
-    # decode side: commit entries 0..s, then the chain of data tokens as a tree
-    from specdec.decode.heads import EagleDrafter, Tree, _EagleView
-    from specdec.decode.cache import KVState
-
-    s = 5
-    view = _EagleView(heads)
-    state = KVState(view, 1, ids.device)
-    with torch.no_grad():
-        fh = state.forward(ids[:, 1 : s + 2], features=hs[-1][:, : s + 1])
-        state.commit_prefix(s + 1, torch.ones(1, s + 1, dtype=torch.bool))
-        assert torch.allclose(fh[:, s], chain[0, :, s], atol=1e-9)
+        # decode side: the prefill commits entries 0..s, then the data tokens grow as a chain-shaped tree
         drafter = EagleDrafter(heads, target, tree="static")
-        drafter.state, drafter.f_root = state, fh[:, s]
-        drafter._reset_tree(None if False else SimpleNamespace(seqs=[0], device=ids.device))
+        batch = SimpleNamespace(seqs=[ids[0, : s + 1].tolist()], device=ids.device, root=ids[:, s + 1])
+        valid = torch.ones(1, s + 1, dtype=torch.bool)
+        drafter.begin(batch, Segment(ids[:, : s + 1], valid, None, hs[-1][:, : s + 1]))
+        assert torch.allclose(drafter.f_root, chain[0, :, s], atol=1e-9)
+        drafter._reset_tree(batch)
         tree = Tree.empty(1, ids.device)
         tree.add(ids[:, s + 2 : s + 3], torch.tensor([[-1]]), torch.tensor([[1]]), torch.zeros(1, 1))
-        drafter._child_logprobs(tree, torch.tensor([[0]]), 1, None)
+        drafter._child_logprobs(tree, torch.tensor([[0]]), 1, batch)
         assert torch.allclose(drafter._fh[:, 0], chain[1, :, s], atol=1e-9)
+        # a sibling the chain never sees must not disturb it (tree attention over scratch slots)
+        tree.add(ids[:, 3:4], torch.tensor([[-1]]), torch.tensor([[1]]), torch.zeros(1, 1))
         tree.add(ids[:, s + 3 : s + 4], torch.tensor([[0]]), torch.tensor([[2]]), torch.zeros(1, 1))
-        drafter._child_logprobs(tree, torch.tensor([[1]]), 2, None)
-        assert torch.allclose(drafter._fh[:, 1], chain[2, :, s], atol=1e-9)
+        drafter._child_logprobs(tree, torch.tensor([[1]]), 1, batch)
+        drafter._child_logprobs(tree, torch.tensor([[2]]), 2, batch)
+        assert torch.allclose(drafter._fh[:, 2], chain[2, :, s], atol=1e-9)
+        assert not torch.allclose(drafter._fh[:, 1], drafter._fh[:, 0])
+
+
+def test_tree_ancestors_track_parents():
+    from specdec.decode.drafters import tree_attention_from_parents
+    from specdec.decode.heads import Tree
+
+    tree = Tree.empty(2, torch.device("cpu"))
+    tree.add(torch.tensor([[4, 5], [6, 7]]), torch.tensor([[-1, -1], [-1, -1]]), torch.ones(2, 2, dtype=torch.long), torch.zeros(2, 2))
+    tree.add(torch.tensor([[8, 9], [1, 2]]), torch.tensor([[1, 1], [0, 1]]), torch.full((2, 2), 2), torch.zeros(2, 2))
+    tree.add(torch.tensor([[3], [3]]), torch.tensor([[3], [2]]), torch.full((2, 1), 3), torch.zeros(2, 1))
+    expected, depth = tree_attention_from_parents(tree.parents)
+    prop = tree.proposal(3)
+    assert torch.equal(prop.tree_attn, expected)
+    assert torch.equal(prop.depth, depth)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -137,17 +152,17 @@ def test_best_subtree_keeps_best_nodes_in_topological_order_and_drops_orphans():
 
     # root children a(0) b(1); a's children c(2) d(3); c's child e(4). Scores are cumulative log-probs;
     # e is artificially better than its parent c so that keeping 3 nodes orphans it.
-    tree = Tree(
-        tokens=torch.tensor([[10, 11, 12, 13, 14]]),
-        parents=torch.tensor([[-1, -1, 0, 0, 2]]),
-        depth=torch.tensor([[1, 1, 2, 2, 3]]),
-        score=torch.tensor([[-0.1, -3.0, -2.0, -0.5, -0.2]], dtype=torch.float64),
-    )
+    tree = Tree.empty(1, torch.device("cpu"))
+    tree.add(torch.tensor([[10, 11]]), torch.tensor([[-1, -1]]), torch.tensor([[1, 1]]), torch.tensor([[-0.1, -3.0]]))
+    tree.add(torch.tensor([[12, 13]]), torch.tensor([[0, 0]]), torch.tensor([[2, 2]]), torch.tensor([[-2.0, -0.5]]))
+    tree.add(torch.tensor([[14]]), torch.tensor([[2]]), torch.tensor([[3]]), torch.tensor([[-0.2]]))
     best = _best_subtree(tree, 3, depth=3)
     assert best.tokens.tolist() == [[10, 13, 14]]  # a, d, e by (depth, index)
     assert best.parents.tolist() == [[-1, 0, -2]]  # e's parent c was not kept: padding
+    assert best.anc[0].tolist() == [[True, False, False], [True, True, False], [True, False, True]]  # e: a and itself
     full = _best_subtree(tree, 5, depth=3)
     assert full.tokens.tolist() == [[10, 11, 12, 13, 14]] and full.parents.tolist() == [[-1, -1, 0, 0, 2]]
+    assert torch.equal(full.anc, tree.anc)
 
 
 @pytest.mark.parametrize("bs", [1, 3])

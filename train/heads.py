@@ -188,35 +188,116 @@ class CloverHeads(nn.Module):
 # EAGLE (Li et al. 2024): fc(concat(embed(x_{t+1}), f_t)) -> one decoder layer -> f_hat_{t+1}
 
 
+class _RMSNorm(nn.Module):
+    def __init__(self, hidden: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden))
+        self.eps = eps
+
+    def forward(self, x):
+        x32 = x.float()
+        return self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+class DraftLayer(nn.Module):
+    """One pre-norm Llama decoder layer (RoPE attention + SwiGLU), the EAGLE drafter's body.
+
+    Parameter names follow the Llama checkpoint layout (``self_attn.q_proj``, ``mlp.gate_proj``, ...)
+    so exports need no renaming. Written out here, rather than borrowed from transformers, because
+    the drafter runs it once per tree level: per-call overhead is what a tree costs on small
+    models, and the decode side writes tree nodes' keys straight into its own slot cache
+    (``store``) instead of re-running the expanded tree every level.
+    """
+
+    def __init__(self, hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int, eps: float):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.input_layernorm = _RMSNorm(hidden, eps)
+        self.post_attention_layernorm = _RMSNorm(hidden, eps)
+        self.self_attn = nn.Module()
+        self.self_attn.q_proj = nn.Linear(hidden, heads * head_dim, bias=False)
+        self.self_attn.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
+        self.self_attn.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
+        self.self_attn.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
+        self.mlp = nn.Module()
+        self.mlp.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.mlp.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.mlp.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self._fused_cache: dict = {}
+
+    def forward(self, x, cos, sin, mask, store=None):
+        """x [B, T, H]; cos/sin [B, T, D] of each token's position; mask [B, 1, T, S] (bool, True =
+        attend) over the keys; ``store(k, v)`` puts this segment's keys/values [B, kvh, T, D] into a
+        cache and returns all S keys/values (None: the segment attends to itself only, S = T)."""
+        b, t, _ = x.shape
+        a, d = self.self_attn, self.head_dim
+        qkv = F.linear(self.input_layernorm(x), self._fused("qkv", a.q_proj, a.k_proj, a.v_proj)).view(b, t, -1, d).transpose(1, 2)
+        q, k, v = qkv.split([self.heads, self.kv_heads, self.kv_heads], dim=1)
+        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        if store is not None:
+            k, v = store(k, v)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.heads != self.kv_heads)
+        x = x + a.o_proj(out.transpose(1, 2).reshape(b, t, self.heads * d))
+        gate, up = F.linear(self.post_attention_layernorm(x), self._fused("gate_up", self.mlp.gate_proj, self.mlp.up_proj)).chunk(2, -1)
+        return x + self.mlp.down_proj(F.silu(gate) * up)
+
+    def _fused(self, name: str, *linears) -> torch.Tensor:
+        """The linears' weights stacked into one matrix (one matmul instead of several). Cached while
+        the weights neither change nor need gradients: decoding calls this layer once per tree level."""
+        ws = [m.weight for m in linears]
+        if torch.is_grad_enabled() and any(w.requires_grad for w in ws):
+            return torch.cat(ws)
+        key = tuple((w.data_ptr(), w._version, w.dtype) for w in ws)
+        hit = self._fused_cache.get(name)
+        if hit is None or hit[0] != key:
+            hit = self._fused_cache[name] = (key, torch.cat(ws))
+        return hit[1]
+
+
+def _rope(x, cos, sin):
+    """Rotary embedding, half-split convention (Llama): x [B, h, T, D], cos/sin [B, T, D]."""
+    cos, sin = cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+def rope_theta(config) -> float:
+    params = getattr(config, "rope_parameters", None) or {}
+    return float(params.get("rope_theta") or getattr(config, "rope_theta", None) or 10000.0)
+
+
 class EagleHead(nn.Module):
     kind = "eagle"
 
     def __init__(self, target_config, feature_layers: list[int] | None = None, noise: float = 0.2, ce_weight: float = 0.1,
                  reg_weight: float = 1.0, unroll: int = 1, decay: float = 0.8):
         super().__init__()
-        from transformers import LlamaConfig, LlamaModel
-
         hidden = target_config.hidden_size
+        heads = target_config.num_attention_heads
         self.feature_layers = list(feature_layers) if feature_layers else None
         self.noise, self.ce_weight, self.reg_weight, self.unroll, self.decay = noise, ce_weight, reg_weight, unroll, decay
         # EAGLE-3: low/mid/high layer features fused into one
         self.fuse = nn.Linear(len(self.feature_layers) * hidden, hidden, bias=False) if self.feature_layers else None
         self.fc = nn.Linear(2 * hidden, hidden)
-        heads = target_config.num_attention_heads
-        self.layer_config = LlamaConfig(
-            vocab_size=1, hidden_size=hidden, intermediate_size=getattr(target_config, "intermediate_size", 4 * hidden),
-            num_hidden_layers=1, num_attention_heads=heads,
-            num_key_value_heads=getattr(target_config, "num_key_value_heads", heads),
-            head_dim=getattr(target_config, "head_dim", hidden // heads),
-            max_position_embeddings=getattr(target_config, "max_position_embeddings", 2048),
-            rope_parameters=getattr(target_config, "rope_parameters", None),
-            rms_norm_eps=getattr(target_config, "rms_norm_eps", 1e-6),
-            pad_token_id=None, bos_token_id=None, eos_token_id=None,
-        )
-        self.layer_config._attn_implementation = getattr(target_config, "_attn_implementation", None) or "sdpa"
-        self.decoder = LlamaModel(self.layer_config)
-        self.decoder.norm = nn.Identity()  # the output is a feature for the target's LM head, as f_t is
+        head_dim = getattr(target_config, "head_dim", None) or hidden // heads
+        self.decoder = nn.Module()  # keeps the ``decoder.layers.0.*`` checkpoint names
+        self.decoder.layers = nn.ModuleList([DraftLayer(
+            hidden, getattr(target_config, "intermediate_size", 4 * hidden), heads,
+            getattr(target_config, "num_key_value_heads", None) or heads, head_dim, getattr(target_config, "rms_norm_eps", 1e-6),
+        )])
+        # the output is a feature for the target's LM head, as f_t is: no final norm
+        max_pos = int(getattr(target_config, "max_position_embeddings", 2048)) + 64  # + room for tree depth
+        inv_freq = 1.0 / rope_theta(target_config) ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+        freqs = torch.outer(torch.arange(max_pos, dtype=torch.float64), inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.register_buffer("rope_cos", emb.cos().float(), persistent=False)
+        self.register_buffer("rope_sin", emb.sin().float(), persistent=False)
         self._target = None
+
+    @property
+    def layer(self) -> DraftLayer:
+        return self.decoder.layers[0]
 
     def attach(self, target, init_from_lm_head: bool = False):
         self._target = _frozen(target)
@@ -236,10 +317,12 @@ class EagleHead(nn.Module):
         embed, _ = self._target
         return self.fc(torch.cat([embed(tokens).to(feats.dtype), feats], dim=-1))
 
-    def run(self, x, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False):
-        out = self.decoder(inputs_embeds=x, attention_mask=attention_mask, position_ids=position_ids,
-                           past_key_values=past_key_values, use_cache=use_cache)
-        return out.last_hidden_state
+    def rope(self, position_ids):
+        """(cos, sin) [B, T, D] for position ids [B, T]."""
+        return self.rope_cos[position_ids], self.rope_sin[position_ids]
+
+    def run(self, x, mask, position_ids, store=None):
+        return self.layer(x, *self.rope(position_ids), mask, store)
 
     def lm_logits(self, f):
         _, lm_head = self._target
@@ -261,7 +344,7 @@ class EagleHead(nn.Module):
             feats = feats + (torch.rand_like(feats) - 0.5) * noise
         s = torch.arange(n, device=dev)
         causal = s[:, None] >= s[None, :]
-        entries, outs, blocks = [], [], []
+        entries, outs = [], []
         prev = feats
         for u in range(steps):
             tok = F.pad(input_ids[:, 1 + u :], (0, u), value=0)[:, :n]  # token s+u+1
@@ -269,14 +352,11 @@ class EagleHead(nn.Module):
             m = len(entries)
             mask = torch.zeros(m * n, m * n, dtype=torch.bool, device=dev)
             for a in range(m):
-                for c in range(m):
-                    if c == 0:
-                        blk = causal if a == 0 else s[:, None] >= s[None, :]  # true entries 0..s
-                    else:
-                        blk = torch.eye(n, dtype=torch.bool, device=dev) if c <= a else torch.zeros(n, n, dtype=torch.bool, device=dev)
-                    mask[a * n : (a + 1) * n, c * n : (c + 1) * n] = blk
+                mask[a * n : (a + 1) * n, :n] = causal  # true entries 0..s
+                for c in range(1, a + 1):
+                    mask[a * n : (a + 1) * n, c * n : (c + 1) * n] = torch.eye(n, dtype=torch.bool, device=dev)
             pos = torch.cat([s + a for a in range(m)])[None].expand(b, -1)
-            out = self.run(torch.cat(entries, dim=1), attention_mask=mask[None, None].expand(b, 1, -1, -1), position_ids=pos)
+            out = self.run(torch.cat(entries, dim=1), mask[None, None].expand(b, 1, -1, -1), pos)
             prev = out[:, (m - 1) * n :]
             outs.append(prev)
         return torch.stack(outs)
@@ -441,7 +521,9 @@ def load_heads(artifact_dir: str | Path, target):
         raise SpecdecError(f"{artifact_dir} was trained for a target with hidden size {cfg.get('hidden_size')} and "
                            f"vocabulary {cfg.get('vocab_size')}; this target has {target.config.hidden_size} and {target.config.vocab_size}")
     heads = build_heads(kind, target, cfg)
-    heads.load_state_dict(load_file(str(Path(artifact_dir) / "model.safetensors")))
+    weights = load_file(str(Path(artifact_dir) / "model.safetensors"))
+    weights.pop("decoder.embed_tokens.weight", None)  # EAGLE artifacts written with a transformers LlamaModel body
+    heads.load_state_dict(weights)
     p = next(target.parameters())
     return heads.to(device=p.device, dtype=p.dtype).eval().requires_grad_(False).attach(target), cfg
 
