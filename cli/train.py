@@ -110,11 +110,13 @@ def train_draft_cmd(
 
 def train_acceptance_cmd(
     target: Target,
-    draft: Annotated[Path, typer.Option("--draft", help="The draft artifact the head reads.")],
+    draft: Annotated[Path, typer.Option("--draft", help="The draft artifact the heads read.")],
     data: Data,
     out: Out,
     recipe: Recipe = None,
-    reject_weight: Annotated[Optional[float], typer.Option("--reject-weight", help="BCE weight of the reject class.")] = None,
+    reject_weight: Annotated[Optional[float], typer.Option("--reject-weight", help="BCE weight of the reject class (sampling head).")] = None,
+    greedy_reject_weight: Annotated[Optional[float], typer.Option("--greedy-reject-weight", help="BCE weight of the reject class (greedy head).")] = None,
+    greedy_sequences: Annotated[Optional[int], typer.Option("--greedy-sequences", help="Most greedy continuations of the target to label for the greedy head.")] = None,
     max_steps: MaxSteps = None,
     budget_minutes: Budget = None,
     resume: Resume = False,
@@ -125,16 +127,33 @@ def train_acceptance_cmd(
     checkpoint_every: CkptEvery = None,
     mixed_precision: Precision = None,
 ) -> None:
-    """Train a SpecDec++ acceptance head on the draft's hidden states."""
+    """Train SpecDec++ acceptance heads (sampling and greedy) on the draft's hidden states."""
     from specdec.train.acceptance import train_acceptance
 
     cfg = _run(_config, recipe, "draft.yaml", "acceptance", max_steps=max_steps, budget_minutes=budget_minutes, batch=batch,
                seq_len=seq_len, lr=lr, seed=seed, checkpoint_every=checkpoint_every, mixed_precision=mixed_precision)
-    metrics = _run(train_acceptance, target, draft, data, out, cfg,
-                   reject_weight=reject_weight if reject_weight is not None else float(cfg.extra.get("reject_weight", 6.0)),
-                   target_token_frac=float(cfg.extra.get("target_token_frac", 0.15)),
-                   temperature=float(cfg.extra.get("temperature", 1.0)), resume=resume)
-    _report(metrics, out, ("brier", "brier_constant_baseline", "ece", "steps"))
+    knobs = acceptance_knobs(cfg.extra)
+    if reject_weight is not None:
+        knobs["reject_weight"] = reject_weight
+    if greedy_reject_weight is not None:
+        knobs["greedy_reject_weight"] = greedy_reject_weight
+    if greedy_sequences is not None:
+        knobs["greedy_sequences"] = greedy_sequences
+    metrics = _run(train_acceptance, target, draft, data, out, cfg, resume=resume, **knobs)
+    if metrics:
+        typer.echo("sampling head: " + _fmt({k: metrics["sampling"][k] for k in ("brier", "brier_constant_baseline", "ece")}), err=True)
+        typer.echo("greedy head:   " + _fmt({k: metrics["greedy"][k] for k in ("brier", "brier_constant_baseline", "ece")}), err=True)
+        typer.echo("greedy default policy: " + _fmt(metrics["policy_simulation"]["chosen"]), err=True)
+    _report(metrics, out, ("steps",))
+
+
+def acceptance_knobs(extra: dict) -> dict:
+    """train_acceptance keyword arguments from a recipe section's ``extra``."""
+    return {"reject_weight": float(extra.get("reject_weight", 6.0)),
+            "target_token_frac": float(extra.get("target_token_frac", 0.15)),
+            "temperature": float(extra.get("temperature", 1.0)),
+            "greedy_reject_weight": float(extra.get("greedy_reject_weight", 1.0)),
+            "greedy_sequences": int(extra.get("greedy_sequences", 1024))}
 
 
 def train_heads_cmd(
@@ -230,8 +249,7 @@ def build_drafters_for_recipe(family_dir: Path, train_files: list[Path], budget_
     results["draft-ce"] = train_draft(target, train_files, family_dir / "draft-ce", c_ce, arch=arch, kd_weight=0.0)
     a = cfg("draft.yaml", "acceptance", "acceptance")
     results["acceptance"] = train_acceptance(target, family_dir / "draft", train_files, family_dir / "acceptance", a,
-                                             reject_weight=float(a.extra.get("reject_weight", 6.0)),
-                                             target_token_frac=float(a.extra.get("target_token_frac", 0.15)))
+                                             **acceptance_knobs(a.extra))
     for kind in ("medusa", "clover", "eagle"):
         results[kind] = train_heads(kind, target, train_files, family_dir / kind, cfg("heads.yaml", kind, kind))
     return results

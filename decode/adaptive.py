@@ -9,10 +9,19 @@ rows stop independently (a chain Proposal with per-row ``lengths``) and drafting
 row has stopped. Rows that stopped keep drafting alongside the others (their extra tokens are
 outside their length), which keeps one KV slot per draft step for the whole batch; the inherited
 ModelDrafter.observe rollback stays correct because a row never accepts beyond its length.
+
+An artifact holds two heads, because "accepted" means two different things: with sampling (T > 0)
+token x is accepted with probability min(1, p(x)/q(x)); greedily (T = 0) the draft's argmax is
+accepted iff it is the target's argmax. The drafter picks the head, and the stop policy, from the
+decode mode of each round.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,6 +31,7 @@ from specdec.decode.drafters import ModelDrafter, Proposal
 
 FEATURES = "prev-hidden+q-stats"  # recorded in the artifact; decode refuses heads that read anything else
 N_STATS = 3
+HEAD_MODES = ("sampling", "greedy")  # greedy: T = 0, label 1[argmax q == argmax p]
 
 
 def acceptance_features(hidden, logits, tokens):
@@ -33,60 +43,141 @@ def acceptance_features(hidden, logits, tokens):
     return torch.cat([hidden.float(), stats], -1)
 
 
-class AdaptiveDrafter(ModelDrafter):
-    def __init__(self, model, head, stop_threshold: float = 0.3, min_draft: int = 2, max_draft: int = 20):
-        super().__init__(model)
-        if not 0 < stop_threshold < 1 or min_draft < 1 or max_draft < min_draft:
+def greedy_features(hidden, logits):
+    """(argmax tokens, ``acceptance_features`` of them) in fewer ops, for the per-step greedy path: with
+    x = argmax q, q(x) = max q = exp(max logit - logsumexp), entropy = logsumexp - E_q[logit]."""
+    logits = logits.float()
+    top, tokens = logits.max(-1)
+    lse = torch.logsumexp(logits, -1)
+    q_max = torch.exp(top - lse)
+    entropy = lse - (torch.exp(logits - lse[..., None]) * logits).sum(-1)
+    return tokens, torch.cat([hidden.float(), torch.stack([q_max, q_max, entropy], -1)], -1)
+
+
+@dataclass(frozen=True)
+class StopPolicy:
+    """Stop a row's round when 1 - prod P_i > stop_threshold, with min_draft <= drafts <= max_draft."""
+
+    stop_threshold: float = 0.3  # SpecDec++'s default
+    min_draft: int = 2
+    max_draft: int = 20
+
+    def __post_init__(self):
+        if not 0 < self.stop_threshold < 1 or self.min_draft < 1 or self.max_draft < self.min_draft:
             raise ValueError("need 0 < stop_threshold < 1 and 1 <= min_draft <= max_draft")
-        self.head = head
-        self.stop_threshold = stop_threshold
-        self.min_draft, self.max_draft = min_draft, max_draft
-        self.default_k = max_draft  # the engine bounds drafting by the room left in the context
+
+
+class AdaptiveDrafter(ModelDrafter):
+    """``head`` judges sampled drafts (T > 0) and, without a ``greedy_head``, greedy ones too.
+
+    ``stop_threshold``/``min_draft``/``max_draft`` are the policy of sampling rounds; greedy rounds
+    use ``greedy_policy`` (default: the same).
+    """
+
+    def __init__(self, model, head, stop_threshold: float = 0.3, min_draft: int = 2, max_draft: int = 20,
+                 greedy_head=None, greedy_policy: StopPolicy | None = None, on_greedy_fallback=None):
+        super().__init__(model)
+        sampling = StopPolicy(stop_threshold, min_draft, max_draft)
+        self.policies = {"sampling": sampling, "greedy": greedy_policy or sampling}
+        self.heads = {"sampling": head, "greedy": greedy_head if greedy_head is not None else head}
+        self.has_greedy_head = greedy_head is not None
+        self._on_greedy_fallback = on_greedy_fallback  # called once when a greedy round must use the sampling head
+        self.stop_threshold, self.min_draft, self.max_draft = stop_threshold, min_draft, max_draft
+        self.default_k = max(p.max_draft for p in self.policies.values())  # the engine bounds it by the room left
+        self._dtypes = {m: _dtype(h) for m, h in self.heads.items()}
+        # the head runs once per drafted token: a head that offers ``fast()`` (AcceptanceHead) is called
+        # through a plain function of its current weights, without nn.Module call overhead
+        self._scorers = {m: h.fast() if hasattr(h, "fast") else h for m, h in self.heads.items()}
         self.last_lengths: torch.Tensor | None = None  # per-row lengths of the last proposal (for stats/tests)
 
+    @property
+    def head(self):
+        return self.heads["sampling"]
+
     def propose(self, batch) -> Proposal | None:
-        kmax = min(self.max_draft, batch.num_draft)
+        mode = "greedy" if batch.sampling.greedy else "sampling"
+        if mode == "greedy" and not self.has_greedy_head and self._on_greedy_fallback is not None:
+            self._on_greedy_fallback()
+            self._on_greedy_fallback = None
+        policy, score, dtype = self.policies[mode], self._scorers[mode], self._dtypes[mode]
+        kmax = min(policy.max_draft, batch.num_draft)
         if kmax <= 0:
             return None
-        kmin = min(self.min_draft, kmax)
+        kmin = min(policy.min_draft, kmax)
+        # stop when prod P_i < 1 - threshold, tracked as a sum of log-sigmoids on the host: the head's
+        # output comes to the host once per step (the stop decision needs that sync anyway) and the
+        # rule costs no further tensor ops
+        log_floor = math.log1p(-policy.stop_threshold)
         logits, h = self._feed_pending(batch, hidden=True)
         bsz = logits.shape[0]
-        lengths = torch.zeros(bsz, dtype=torch.long, device=logits.device)  # 0 = still drafting
-        keep_going = torch.ones(bsz, dtype=torch.float64, device=logits.device)  # prod_i P_i
-        tokens, probs = [], []
+        log_keep = [0.0] * bsz  # log prod_i P_i per row
+        lengths = [0] * bsz  # 0 = still drafting
+        open_rows = bsz
+        tokens, probs, waiting = [], [], []
         n = 0
         while True:
-            tok, q = self._pick(logits, batch)
+            if mode == "greedy":
+                tok, feats = greedy_features(h, logits)
+                q = None
+            else:
+                tok, q = self._pick(logits, batch)
+                feats = acceptance_features(h, logits, tok)
             tokens.append(tok)
             probs.append(q)
             n += 1
-            feats = acceptance_features(h, logits, tok).to(_dtype(self.head))
-            keep_going = keep_going * torch.sigmoid(self.head(feats).double())
-            stop = ((1 - keep_going) > self.stop_threshold) & (n >= kmin) | (n >= kmax)
-            lengths = torch.where(stop & (lengths == 0), torch.full_like(lengths, n), lengths)
-            if bool((lengths > 0).all()):  # one host sync per draft step: the stop decision
+            waiting.append(feats)
+            if n >= kmin:  # the first decision: judge every token so far in one head call
+                feats = waiting[0][None] if len(waiting) == 1 else torch.stack(waiting)
+                waiting = []
+                for zs in score(feats.to(dtype)).tolist():
+                    for r, z in enumerate(zs):
+                        log_keep[r] += _log_sigmoid(z)
+                for r in range(bsz):
+                    if not lengths[r] and (n >= kmax or log_keep[r] < log_floor):
+                        lengths[r] = n
+                        open_rows -= 1
+            if open_rows == 0:
                 break
             out = self.state.forward(tok[:, None], hidden=True)
             self.state.commit_prefix(1, torch.ones_like(tok[:, None], dtype=torch.bool))
             logits, h = out.logits[:, -1], out.hidden_states[-1][:, -1]
         self._drafted = n - 1  # drafts d1..d_{n-1} sit in the draft cache, as after a fixed-length round
-        self.last_lengths = lengths
+        self.last_lengths = torch.tensor(lengths, dtype=torch.long, device=logits.device)
         draft_probs = None if probs[0] is None else torch.stack(probs, 1)
-        return Proposal(tokens=torch.stack(tokens, 1), lengths=lengths, draft_probs=draft_probs)
+        return Proposal(tokens=torch.stack(tokens, 1), lengths=self.last_lengths, draft_probs=draft_probs)
+
+
+def _log_sigmoid(z: float) -> float:
+    return -math.log1p(math.exp(-z)) if z >= 0 else z - math.log1p(math.exp(z))
 
 
 def _dtype(module) -> torch.dtype:
     return next(module.parameters()).dtype
 
 
+def resolve_policies(artifact_policy: dict, options) -> dict[str, StopPolicy]:
+    """The stop policy per decode mode: the artifact's chosen default (``config.json`` ``policy``; SpecDec++'s
+    0.3 / 2 / 20 for artifacts without one), each field overridden by the user's option when given."""
+    user = {f: getattr(options, f, None) for f in ("stop_threshold", "min_draft", "max_draft")}
+    out = {}
+    for mode in HEAD_MODES:
+        base = {**dataclasses.asdict(StopPolicy()), **{k: v for k, v in (artifact_policy.get(mode) or {}).items() if k in user}}
+        base.update({k: v for k, v in user.items() if v is not None})
+        out[mode] = StopPolicy(float(base["stop_threshold"]), int(base["min_draft"]), int(base["max_draft"]))
+    return out
+
+
 def build_adaptive(acceptance_dir: Path, draft_model, options, tokenizer=None) -> AdaptiveDrafter:
-    """Factory for ``--acceptance DIR``: options has stop_threshold, min_draft, max_draft.
+    """Factory for ``--acceptance DIR``: options has stop_threshold, min_draft, max_draft (None: the
+    artifact's default policy for the decode mode).
 
     The acceptance artifact's target fingerprint is checked against ``tokenizer`` (or
-    ``options.tokenizer``) when one is given, and its hidden size against the draft's.
+    ``options.tokenizer``) when one is given, and its hidden size against the draft's. An artifact
+    of the one-head format (a sampling head only) still loads; greedy rounds then use its sampling
+    head and say so once on stderr.
     """
     from specdec.decode.artifacts import SpecdecError, check_fingerprint, read_config, tokenizer_fingerprint
-    from specdec.train.acceptance import load_acceptance_head
+    from specdec.train.acceptance import load_acceptance_heads
 
     cfg = read_config(acceptance_dir)
     if cfg.get("kind") != "acceptance":
@@ -100,12 +191,25 @@ def build_adaptive(acceptance_dir: Path, draft_model, options, tokenizer=None) -
             f"acceptance head {acceptance_dir} was trained on a draft with hidden size {cfg.get('hidden_size')}, "
             f"this draft has {hidden}"
         )
-    head, _ = load_acceptance_head(acceptance_dir)
-    head.to(device=next(draft_model.parameters()).device, dtype=next(draft_model.parameters()).dtype)
+    heads, _ = load_acceptance_heads(acceptance_dir)
+    param = next(draft_model.parameters())
+    for head in heads.values():
+        head.to(device=param.device, dtype=param.dtype)
+    policies = resolve_policies(cfg.get("policy") or {}, options)
+    sampling = policies["sampling"]
+
+    def fallback():
+        print(f"note: acceptance head {acceptance_dir} has no greedy head (one-head format): greedy rounds use its "
+              f"sampling head, whose P(accept) is not the probability that the target's argmax agrees; retrain it "
+              f"with `specdec train-acceptance` for a greedy head", file=sys.stderr)
+
     return AdaptiveDrafter(
         draft_model,
-        head,
-        stop_threshold=float(getattr(options, "stop_threshold", 0.3)),
-        min_draft=int(getattr(options, "min_draft", 2)),
-        max_draft=int(getattr(options, "max_draft", 20)),
+        heads["sampling"],
+        stop_threshold=sampling.stop_threshold,
+        min_draft=sampling.min_draft,
+        max_draft=sampling.max_draft,
+        greedy_head=heads.get("greedy"),
+        greedy_policy=policies["greedy"],
+        on_greedy_fallback=fallback,
     )

@@ -39,9 +39,10 @@ class DecodeOptions:
     stop: list = field(default_factory=list)
     # adaptive draft length (SpecDec++)
     acceptance: str | None = None
-    stop_threshold: float = 0.3
-    min_draft: int = 2
-    max_draft: int = 20
+    # None: the acceptance artifact's default policy for the decode mode (decode/adaptive.resolve_policies)
+    stop_threshold: float | None = None
+    min_draft: int | None = None
+    max_draft: int | None = None
     # token trees
     tree: str = "static"
     tree_tokens: int | None = None

@@ -1,4 +1,5 @@
-"""SpecDec++ adaptive drafting: exactness against AR and independent per-row lengths."""
+"""SpecDec++ adaptive drafting: exactness against AR, independent per-row lengths, the greedy head
+(labels, choice by decode mode, artifact formats, default policy) and the per-step fast paths."""
 
 from __future__ import annotations
 
@@ -7,7 +8,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from specdec.decode.adaptive import FEATURES, N_STATS, AdaptiveDrafter, acceptance_features, build_adaptive
+from specdec.decode.adaptive import (
+    FEATURES,
+    N_STATS,
+    AdaptiveDrafter,
+    StopPolicy,
+    acceptance_features,
+    build_adaptive,
+    greedy_features,
+    resolve_policies,
+)
 from specdec.decode.engine import SpecEngine
 from specdec.decode.types import GenRequest
 from specdec.decode.verify import Sampling
@@ -49,10 +59,13 @@ def _generate(target, drafter, prompts, max_new=24, sampling=None, seed=0):
 
 
 @pytest.mark.parametrize("bs", [1, 3])
-def test_adaptive_greedy_equals_ar(target, draft_model, bs):
+@pytest.mark.parametrize("greedy_head", [False, True])
+def test_adaptive_greedy_equals_ar(target, draft_model, bs, greedy_head):
     prompts = make_prompts(bs, seed=bs)
     ar = _generate(target, None, prompts)
-    drafter = Recording(draft_model, _head(draft_model.config.hidden_size), stop_threshold=0.7, min_draft=2, max_draft=8)
+    hidden = draft_model.config.hidden_size
+    extra = {"greedy_head": _head(hidden, seed=11), "greedy_policy": StopPolicy(0.7, 2, 8)} if greedy_head else {}
+    drafter = Recording(draft_model, _head(hidden), stop_threshold=0.7, min_draft=2, max_draft=8, **extra)
     out = _generate(target, drafter, prompts)
     assert [r.token_ids for r in out] == [r.token_ids for r in ar]
     lengths = [x for round_ in drafter.seen for x in round_]
@@ -128,3 +141,227 @@ def test_head_judges_each_token_from_the_state_that_proposed_it(target, draft_mo
             ref = acceptance_features(out.hidden_states[-1][:, -1], out.logits[:, -1], tok).double()
             assert torch.allclose(seen[i], ref, atol=1e-6)
             ids = torch.cat([ids, tok[:, None]], 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# the greedy head
+
+
+def test_greedy_labels_hand_built():
+    from specdec.train.acceptance import greedy_labels
+
+    # three positions, vocabulary 4: the draft's argmax, the target's argmax
+    q = torch.tensor([[[0.1, 2.0, 0.3, 0.0], [1.0, 0.0, 0.0, 0.5], [0.0, 0.0, 0.2, 3.0]]])
+    p = torch.tensor([[[0.0, 5.0, 1.0, 0.0], [0.0, 2.0, 0.0, 0.5], [0.0, 0.0, 0.2, 0.1]]])
+    tokens, labels = greedy_labels(p, q)
+    assert tokens.tolist() == [[1, 0, 3]]
+    assert labels.tolist() == [[1.0, 0.0, 0.0]]  # agree, 0 vs 1, 3 vs 2
+
+
+def test_label_blocks_greedy_half_matches_the_models(target, draft_model):
+    """The greedy head's data: features of the draft's argmax at every position, label 1[argmax q == argmax p]."""
+    from datasets import Dataset
+
+    from specdec.train.acceptance import label_blocks
+
+    ids = torch.randint(3, 90, (5, 9))
+    blocks = Dataset.from_dict({"input_ids": ids.tolist()}).with_format("torch")
+    seen = []
+    for tgt in (target, draft_model):  # an unrelated target (labels mostly 0) and the draft itself (all 1)
+        out = label_blocks(draft_model, tgt, blocks, 1.0, 0.15, seed=0, batch=2)
+        feats, labels = out["greedy"]
+        with torch.no_grad():
+            d = draft_model(input_ids=ids, output_hidden_states=True)
+            q_arg = d.logits[:, :-1].argmax(-1)
+            p_arg = tgt(input_ids=ids).logits[:, :-1].argmax(-1)
+            ref = acceptance_features(d.hidden_states[-1][:, :-1], d.logits[:, :-1], q_arg)
+        assert torch.equal(labels, (q_arg == p_arg).float().flatten())
+        assert torch.allclose(feats, ref.reshape(-1, ref.shape[-1]).float(), atol=1e-6)
+        assert out["sampling"][0].shape == feats.shape  # the sampling half judges the same positions
+        seen += labels.tolist()
+    assert 0 < sum(seen) < len(seen)  # both outcomes occur, so the label check can fail
+
+
+def test_greedy_features_fast_path_equals_acceptance_features(draft_model):
+    logits = torch.randn(3, 96, dtype=torch.float64) * 4
+    hidden = torch.randn(3, draft_model.config.hidden_size, dtype=torch.float64)
+    tokens, feats = greedy_features(hidden, logits)
+    assert torch.equal(tokens, logits.argmax(-1))
+    assert torch.allclose(feats, acceptance_features(hidden, logits, tokens), atol=1e-5)
+
+
+def test_fast_head_equals_module():
+    head = _head(32)
+    x = torch.randn(2, 3, 32 + N_STATS, dtype=torch.float64)
+    with torch.no_grad():
+        for b in head.blocks:  # non-zero blocks, so the residual path is exercised
+            b.linear.weight.normal_(0, 0.2)
+        assert torch.allclose(head.fast()(x), head(x))
+        assert head.fast()(x[0]).shape == (3,)
+
+
+class _Counting(torch.nn.Module):
+    def __init__(self, head):
+        super().__init__()
+        self.head = head
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.head(x)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_head_is_picked_by_decode_mode(target, draft_model, temperature):
+    hidden = draft_model.config.hidden_size
+    sampling, greedy = _Counting(_head(hidden)), _Counting(_head(hidden, seed=5))
+    drafter = AdaptiveDrafter(draft_model, sampling, stop_threshold=0.5, min_draft=1, max_draft=6, greedy_head=greedy)
+    _generate(target, drafter, make_prompts(2, seed=9), max_new=12, sampling=Sampling(temperature=temperature))
+    used, unused = (greedy, sampling) if temperature == 0 else (sampling, greedy)
+    assert used.calls > 0 and unused.calls == 0
+
+
+def test_greedy_policy_applies_to_greedy_rounds(target, draft_model):
+    hidden = draft_model.config.hidden_size
+    sure = _head(hidden)
+    with torch.no_grad():
+        sure.out.bias.fill_(30.0)  # P(accept) ~ 1: only max_draft stops a round
+    drafter = Recording(draft_model, sure, stop_threshold=0.3, min_draft=1, max_draft=3, greedy_head=sure,
+                        greedy_policy=StopPolicy(0.3, 1, 5))
+    _generate(target, drafter, make_prompts(1, seed=2), max_new=20)
+    assert drafter.seen and max(x for r in drafter.seen for x in r) == 5
+    drafter = Recording(draft_model, sure, stop_threshold=0.3, min_draft=1, max_draft=3, greedy_head=sure,
+                        greedy_policy=StopPolicy(0.3, 1, 5))
+    _generate(target, drafter, make_prompts(1, seed=2), max_new=20, sampling=Sampling(temperature=0.9))
+    assert max(x for r in drafter.seen for x in r) == 3  # sampling rounds keep the sampling policy
+
+
+def _save_artifact(path, heads: dict, hidden: int, two_heads: bool, policy: dict | None = None):
+    from safetensors.torch import save_file
+
+    from specdec.decode.artifacts import write_json
+
+    if two_heads:
+        state = {f"{m}.{k}": v.float().contiguous() for m, h in heads.items() for k, v in h.state_dict().items()}
+    else:
+        state = {k: v.float().contiguous() for k, v in heads["sampling"].state_dict().items()}
+    save_file(state, str(path / "model.safetensors"))
+    config = {"kind": "acceptance", "target": {"vocab_size": 5, "tokenizer_hash": "abc"}, "hidden_size": hidden,
+              "features": FEATURES, "input_size": hidden + N_STATS, "num_layers": 3}
+    if two_heads:
+        config.update(heads=list(heads), policy=policy or {})
+    write_json(path / "config.json", config)
+
+
+def test_two_head_artifact_loads_both_heads_and_its_policy(tmp_path, draft_model):
+    hidden = draft_model.config.hidden_size
+    heads = {"sampling": _head(hidden, seed=1), "greedy": _head(hidden, seed=2)}
+    with torch.no_grad():
+        heads["greedy"].out.bias.fill_(-1.0)
+    policy = {"greedy": {"stop_threshold": 0.15, "min_draft": 1, "max_draft": 12}, "sampling": {"stop_threshold": 0.3, "min_draft": 2, "max_draft": 20}}
+    _save_artifact(tmp_path, heads, hidden, two_heads=True, policy=policy)
+    unset = SimpleNamespace(stop_threshold=None, min_draft=None, max_draft=None)
+    drafter = build_adaptive(tmp_path, draft_model, unset)
+    assert drafter.has_greedy_head
+    x = torch.randn(4, hidden + N_STATS, dtype=torch.float64)
+    for mode in ("sampling", "greedy"):
+        assert torch.allclose(drafter.heads[mode](x), heads[mode](x), atol=1e-5)
+    assert drafter.policies["greedy"] == StopPolicy(0.15, 1, 12)
+    assert drafter.policies["sampling"] == StopPolicy(0.3, 2, 20)
+    assert drafter.default_k == 20
+    # user flags win over the artifact's default, field by field
+    drafter = build_adaptive(tmp_path, draft_model, SimpleNamespace(stop_threshold=0.6, min_draft=None, max_draft=None))
+    assert drafter.policies["greedy"] == StopPolicy(0.6, 1, 12) and drafter.policies["sampling"] == StopPolicy(0.6, 2, 20)
+
+
+def test_one_head_artifact_keeps_working_and_says_so_at_t0(tmp_path, target, draft_model, capsys):
+    hidden = draft_model.config.hidden_size
+    _save_artifact(tmp_path, {"sampling": _head(hidden)}, hidden, two_heads=False)
+    drafter = build_adaptive(tmp_path, draft_model, SimpleNamespace(stop_threshold=None, min_draft=None, max_draft=None))
+    assert not drafter.has_greedy_head
+    assert drafter.policies == {"sampling": StopPolicy(), "greedy": StopPolicy()}  # SpecDec++'s 0.3 / 2 / 20
+    prompts = make_prompts(2, seed=4)
+    _generate(target, drafter, prompts, max_new=8, sampling=Sampling(temperature=0.8))
+    assert "no greedy head" not in capsys.readouterr().err  # sampling: the head it was trained for
+    out = _generate(target, drafter, prompts, max_new=16)
+    assert [r.token_ids for r in out] == [r.token_ids for r in _generate(target, None, prompts, max_new=16)]
+    _generate(target, drafter, prompts, max_new=8)
+    err = capsys.readouterr().err
+    assert err.count("no greedy head") == 1 and "retrain" in err  # once per drafter
+
+
+def test_resolve_policies_defaults():
+    none = SimpleNamespace(stop_threshold=None, min_draft=None, max_draft=None)
+    assert resolve_policies({}, none) == {"sampling": StopPolicy(), "greedy": StopPolicy()}
+    got = resolve_policies({"greedy": {"stop_threshold": 0.1, "min_draft": 1, "max_draft": 20}}, SimpleNamespace(stop_threshold=None, min_draft=3, max_draft=None))
+    assert got["greedy"] == StopPolicy(0.1, 3, 20) and got["sampling"] == StopPolicy(0.3, 3, 20)
+
+
+# ---------------------------------------------------------------------------------------------
+# the default policy
+
+
+def test_simulate_greedy_hand_built():
+    from specdec.train.acceptance import simulate_greedy
+
+    # one row of 7 judged positions; a decode starts at index 1 (index 0 is the prefill's token)
+    labels = torch.tensor([[1.0, 1.0, 1.0, 0.0, 1.0, 1.0, 1.0]])
+    # fixed k=2: round 1 judges 1,2 (both accepted, +3 tokens, j=4); round 2 judges 4,5 (accepted, +3, j=7): end
+    r = simulate_greedy(labels, labels, fixed=1.0, per_draft=0.5, k=2)
+    assert r["tau"] == 3.0 and r["speedup"] == pytest.approx(6 / (2 * 1.0 + 4 * 0.5))
+    # fixed k=3: judges 1,2,3 (2 accepted, +3, j=4); then 4,5,6 (3 accepted, +4, j=8)
+    r = simulate_greedy(labels, labels, fixed=1.0, per_draft=0.5, k=3)
+    assert r["tau"] == 3.5 and r["drafts_per_round"] == 3.0
+    # adaptive: a round stops after drafting the token that drops P(all accepted) below 1 - 0.3
+    pred = torch.tensor([[0.9, 0.95, 0.2, 0.95, 0.95, 0.95, 0.95]])
+    r = simulate_greedy(pred, labels, fixed=1.0, per_draft=0.5, policy=StopPolicy(0.3, 1, 20))
+    # round 1 (j=1): 0.95, then 0.95*0.2 -> stop at n=2; both accepted: +3, j=4.
+    # round 2 (j=4): 0.95, 0.9025, 0.857 and the text ends (room 3) -> n=3, all accepted: +4
+    assert r["tau"] == 3.5 and r["drafts_per_round"] == 2.5
+    assert r["speedup"] == pytest.approx(7 / (2 * 1.0 + 5 * 0.5))
+
+
+def test_choose_greedy_policy_prefers_long_drafts_when_drafting_is_cheap_and_right():
+    from specdec.train.acceptance import choose_greedy_policy
+
+    g = torch.Generator().manual_seed(0)
+    labels = (torch.rand(8, 60, generator=g) < 0.9).float()
+    pred = torch.full_like(labels, 0.9)
+    cheap, _ = choose_greedy_policy(pred, labels, {"fixed": 1.0, "per_draft": 0.05})
+    dear, sim = choose_greedy_policy(pred, labels, {"fixed": 1.0, "per_draft": 0.9})
+    assert cheap.stop_threshold > dear.stop_threshold  # costly drafts: stop sooner
+    assert sim["chosen"]["stop_threshold"] == dear.stop_threshold
+    assert max(r["speedup"] for r in sim["grid"]) == pytest.approx(
+        next(r for r in sim["grid"] if r["stop_threshold"] == dear.stop_threshold and r["min_draft"] == dear.min_draft)["speedup"])
+
+
+def test_train_acceptance_writes_two_heads_calibration_and_policy(tiny_family, tmp_path, target):
+    import json
+
+    from specdec.train.acceptance import load_acceptance_heads, train_acceptance
+    from specdec.train.loop import config_from_dict
+
+    data = tmp_path / "data.jsonl"
+    lines = ["def f%d(x):\n    return x * %d + %d\n" % (i, i, i * i) for i in range(80)]
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in lines))
+    cfg = config_from_dict(dict(lr=1e-2, steps=5, batch=64, seq_len=32, warmup=1, checkpoint_every=0, progress=False, heldout=0.2))
+    out = tmp_path / "acc"
+    m = train_acceptance(tiny_family / "target", tiny_family / "draft", [data], out, cfg, greedy_sequences=8, greedy_new_tokens=24,
+                         cost_new_tokens=8, cost_reps=1)
+    for mode in ("sampling", "greedy"):
+        cal = m[mode]
+        assert 0 <= cal["brier"] <= 1 and cal["brier_constant_baseline"] >= 0 and 0 <= cal["ece"] <= 1 and cal["reliability_bins"]
+    assert m["brier"] == m["sampling"]["brier"]  # the one-head format's top-level keys are the sampling head's
+    assert m["greedy_text"]["train_sequences"] == 8 and m["heldout_positions"]["greedy"] > 0
+    assert m["round_costs"]["ar_round_s"] > 0 and m["round_costs"]["per_draft"] == m["round_costs"]["per_draft"]  # not NaN
+    chosen = m["policy_simulation"]["chosen"]
+    best = max(m["policy_simulation"]["grid"], key=lambda r: r["speedup"])
+    assert (chosen["stop_threshold"], chosen["min_draft"]) == (best["stop_threshold"], best["min_draft"])
+    cfg_json = json.loads((out / "config.json").read_text())
+    assert cfg_json["heads"] == ["sampling", "greedy"] and cfg_json["policy"]["greedy"] == chosen
+    heads, _ = load_acceptance_heads(out)
+    assert set(heads) == {"sampling", "greedy"}
+    from specdec.train.draft import load_draft
+
+    drafter = build_adaptive(out, load_draft(tiny_family / "draft"), SimpleNamespace(stop_threshold=None, min_draft=None, max_draft=None))
+    assert drafter.has_greedy_head and drafter.policies["greedy"] == StopPolicy(**chosen)

@@ -1,13 +1,21 @@
-"""train-acceptance: the SpecDec++ acceptance head on a draft's last hidden state.
+"""train-acceptance: the SpecDec++ acceptance heads on a draft's last hidden state.
 
-The head predicts P(draft token accepted | earlier drafts accepted) from what the draft knows when
+A head predicts P(draft token accepted | earlier drafts accepted) from what the draft knows when
 it proposes the token: its last hidden state at the position that produced q, and three statistics
 of q there (q(x) of the proposed token, max q, entropy). The stop decision therefore needs no draft
 forward of the token itself: a round that stops costs exactly the forwards of a fixed-length round.
-Training label (SpecDec++, Huang et al. 2024): min(1, p(x)/q(x)) on the draft's own sampled
-token x (15% of positions use a token of the target instead); soft-label BCE with the reject class
-up-weighted (x6 in the paper's code). Draft and target are frozen, so the features and labels are
-computed once and the loop trains only the head.
+
+One artifact holds two heads, one per decode mode:
+- sampling (T > 0; SpecDec++, Huang et al. 2024): label min(1, p(x)/q(x)) on the draft's own sampled
+  token x (15% of positions use a token of the target instead), soft-label BCE with the reject class
+  up-weighted (x6 in the paper's code);
+- greedy (T = 0): the draft proposes argmax q, which is accepted iff it is argmax p. Label
+  1[argmax q == argmax p] at each position of the corpus text and, above all, of the target's own
+  greedy continuations, the text a greedy decode verifies drafts against.
+Any reject weight w is undone at save time (bias + log w), so both heads output calibrated
+probabilities and a stop threshold means 1 - P(all drafts accepted). Draft and target are frozen:
+features and labels are computed once and the loop trains only the heads. The greedy head's default
+stop policy is chosen by replaying held-out greedy decoding under the engine's measured round costs.
 """
 
 from __future__ import annotations
@@ -18,8 +26,8 @@ import time
 from pathlib import Path
 
 from specdec.decode.artifacts import SpecdecError, UsageError, check_fingerprint, read_config, tokenizer_fingerprint, write_json
-from specdec.decode.adaptive import FEATURES, N_STATS, acceptance_features
-from specdec.train.loop import TrainConfig, run_training, save_config
+from specdec.decode.adaptive import FEATURES, HEAD_MODES, N_STATS, StopPolicy, acceptance_features
+from specdec.train.loop import TrainConfig, make_accelerator, run_training, save_config
 
 
 def _nn():
@@ -46,6 +54,21 @@ def _nn():
 
         def forward(self, h):
             return self.out(self.blocks(h)).squeeze(-1)
+
+        def fast(self):
+            """``forward`` as a plain function of the current weights, for decoding: the head runs once per
+            drafted token, where nn.Module call overhead is most of its cost. No gradients."""
+            silu = torch.nn.functional.silu
+            blocks = [(b.linear.bias.detach(), b.linear.weight.detach().t().contiguous()) for b in self.blocks]
+            bias, weight = self.out.bias.detach(), self.out.weight.detach().t().contiguous()
+
+            def run(h):
+                x = h.reshape(-1, h.shape[-1])
+                for b, w in blocks:
+                    x = x + silu(torch.addmm(b, x, w))
+                return torch.addmm(bias, x, weight).reshape(h.shape[:-1])
+
+            return run
 
     return ResBlock, AcceptanceHead
 
@@ -94,31 +117,94 @@ def weighted_bce(logits, labels, reject_weight: float):
     return -(labels * F.logsigmoid(logits) + reject_weight * (1 - labels) * F.logsigmoid(-logits)).mean()
 
 
-def build_features(draft, target, blocks, temperature: float, target_frac: float, seed: int, batch: int = 8, deadline: float | None = None):
-    """(hidden [N, H], label [N]) over the judged positions of ``blocks``.
+def greedy_labels(p_logits, q_logits):
+    """(tokens, labels) of greedy decoding: the draft proposes argmax q, accepted iff it is argmax p."""
+    tokens = q_logits.argmax(-1)
+    return tokens, (tokens == p_logits.argmax(-1)).float()
 
+
+def label_blocks(draft, target, blocks, temperature: float, target_frac: float, seed: int, batch: int = 8, deadline: float | None = None):
+    """{"sampling": (features [N, F], label [N]), "greedy": (features, label)} over the judged positions
+    of ``blocks`` (position t judges token t+1), both from the same two forwards.
+
+    sampling: the draft's sample x (``target_frac`` of positions: the target's), label min(1, p(x)/q(x)).
+    greedy: x = argmax q, label 1[argmax q == argmax p].
     With a ``deadline`` (a ``time.perf_counter()`` value) labelling stops at the first batch boundary
     after it, so a budgeted run spends its minutes on training rather than labelling the whole corpus.
     """
-    import time
-
     import torch
 
     g = torch.Generator().manual_seed(seed)
-    feats, labels = [], []
+    out = {m: ([], []) for m in HEAD_MODES}
     with torch.no_grad():
         for i in range(0, len(blocks), batch):
-            if deadline is not None and feats and time.perf_counter() > deadline:
+            if deadline is not None and out["sampling"][0] and time.perf_counter() > deadline:
                 break
             ids = blocks[i : i + batch]["input_ids"]
-            out = draft(input_ids=ids, output_hidden_states=True)
-            q_logits = out.logits.float()[:, :-1]  # position t proposes token t+1
+            d = draft(input_ids=ids, output_hidden_states=True)
+            hidden = d.hidden_states[-1][:, :-1]
+            q_logits = d.logits.float()[:, :-1]  # position t proposes token t+1
+            p_logits = target(input_ids=ids).logits.float()[:, :-1]
             q = torch.softmax(q_logits / temperature, -1)
-            p = torch.softmax(target(input_ids=ids).logits.float()[:, :-1] / temperature, -1)
+            p = torch.softmax(p_logits / temperature, -1)
             tokens, _ = propose_tokens(p, q, target_frac, g)
-            labels.append(acceptance_labels(p, q, tokens).flatten())
-            f = acceptance_features(out.hidden_states[-1][:, :-1], q_logits, tokens)
-            feats.append(f.reshape(-1, f.shape[-1]))
+            _append(out["sampling"], acceptance_features(hidden, q_logits, tokens), acceptance_labels(p, q, tokens))
+            g_tokens, g_labels = greedy_labels(p_logits, q_logits)
+            _append(out["greedy"], acceptance_features(hidden, q_logits, g_tokens), g_labels)
+    return {m: (torch.cat(f), torch.cat(y)) for m, (f, y) in out.items()}
+
+
+def _append(acc, feats, labels):
+    acc[0].append(feats.reshape(-1, feats.shape[-1]))
+    acc[1].append(labels.flatten())
+
+
+def build_features(draft, target, blocks, temperature: float, target_frac: float, seed: int, batch: int = 8, deadline: float | None = None):
+    """(features [N, F], label [N]) of the sampling head (``label_blocks``' first half)."""
+    return label_blocks(draft, target, blocks, temperature, target_frac, seed, batch, deadline)["sampling"]
+
+
+def greedy_continuations(target, blocks, prefix_len: int, new_tokens: int, batch: int = 32, limit: int | None = None,
+                         deadline: float | None = None):
+    """[N, prefix_len + new_tokens]: the first ``prefix_len`` tokens of each block followed by the target's
+    greedy continuation (no EOS stop): the text a greedy decode verifies drafts against."""
+    import torch
+    from transformers import DynamicCache
+
+    n = len(blocks) if limit is None else min(limit, len(blocks))
+    rows = []
+    with torch.no_grad():
+        for i in range(0, n, batch):
+            if deadline is not None and rows and time.perf_counter() > deadline:
+                break
+            ids = blocks[i : min(i + batch, n)]["input_ids"][:, :prefix_len]
+            cache = DynamicCache(config=target.config)
+            logits = target(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1]
+            seq = [ids]
+            for _ in range(new_tokens):
+                nxt = logits.argmax(-1, keepdim=True)
+                seq.append(nxt)
+                logits = target(input_ids=nxt, past_key_values=cache, use_cache=True).logits[:, -1]
+            rows.append(torch.cat(seq, 1))
+    return torch.cat(rows) if rows else torch.zeros(0, prefix_len + new_tokens, dtype=torch.long)
+
+
+def label_greedy_text(draft, target, seqs, prefix_len: int, batch: int = 32):
+    """Greedy-head (features [N, L, F], labels [N, L]) on the continuation part of ``seqs``: index j judges
+    token prefix_len + j. In a decode of the prefix, token prefix_len is the prefill's, so a round's
+    first draft is judged at j = 1, its i-th at j = 1 + (tokens committed since) + i - 1."""
+    import torch
+
+    feats, labels = [], []
+    with torch.no_grad():
+        for i in range(0, len(seqs), batch):
+            ids = seqs[i : i + batch]
+            d = draft(input_ids=ids, output_hidden_states=True)
+            sl = slice(prefix_len - 1, ids.shape[1] - 1)
+            q_logits = d.logits.float()[:, sl]
+            tokens, y = greedy_labels(target(input_ids=ids).logits.float()[:, sl], q_logits)
+            feats.append(acceptance_features(d.hidden_states[-1][:, sl], q_logits, tokens))
+            labels.append(y)
     return torch.cat(feats), torch.cat(labels)
 
 
@@ -152,6 +238,129 @@ def calibration(pred, labels, bins: int = 10) -> dict:
     return {"brier": brier, "brier_constant_baseline": base, "ece": ece, "reliability_bins": table, "mean_label": float(labels.mean())}
 
 
+# ---------------------------------------------------------------------------------------------
+# Default stop policy: simulated greedy decoding of held-out greedy text under measured costs
+
+THRESHOLDS = (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+MIN_DRAFTS = (1, 2)
+
+
+def measure_round_costs(target, tokenizer, draft, head, prompts: list[list[int]], new_tokens: int = 48, reps: int = 3) -> dict:
+    """Seconds per decode round at bs=1 through the real engine, one intra-op thread: ``ar``, and the
+    adaptive drafter held at n = 1, 2, 4 drafts (the head runs at every step, as in a real round).
+
+    A speculative round of n drafts is fitted as alpha + beta * n; in units of an ``ar`` round (one
+    target forward plus the loop's overhead) that is ``fixed`` + ``per_draft`` * n, which is what
+    the policy simulation charges. The head's weights do not matter here, only its shape.
+    """
+    import statistics
+
+    import torch
+
+    from specdec.decode.adaptive import AdaptiveDrafter
+    from specdec.decode.engine import SpecEngine
+    from specdec.decode.types import GenRequest
+
+    ks = (1, 2, 4)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    per_round: dict = {"ar": []} | {k: [] for k in ks}
+    drafts_per_round: dict = {k: [] for k in ks}
+    try:
+        for _ in range(reps):  # configurations interleaved, so drift of a shared machine hits them alike
+            for k in ("ar",) + ks:
+                drafter = None if k == "ar" else AdaptiveDrafter(
+                    draft, head, greedy_head=head, greedy_policy=StopPolicy(1 - 1e-9, 1, k), stop_threshold=1 - 1e-9, min_draft=1, max_draft=k)
+                engine = SpecEngine(target, tokenizer, drafter, eos_ids=[])
+                wall = rounds = drafted = 0
+                for p in prompts:  # bs=1, the prefill's time included (the same in every configuration)
+                    t0 = time.perf_counter()
+                    r = engine.generate([GenRequest(prompt_ids=p, max_new_tokens=new_tokens)])[0]
+                    wall += time.perf_counter() - t0
+                    rounds += r.stats["target_calls"] - 1
+                    drafted += r.stats["drafted_tokens"]
+                per_round[k].append(wall / rounds)
+                if k != "ar":
+                    drafts_per_round[k].append(drafted / rounds)
+    finally:
+        torch.set_num_threads(threads)
+    t_ar = statistics.median(per_round["ar"])
+    xs = [statistics.mean(drafts_per_round[k]) for k in ks]
+    ys = [statistics.median(per_round[k]) for k in ks]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    beta = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / max(sum((x - mx) ** 2 for x in xs), 1e-12)
+    alpha = my - beta * mx
+    return {"ar_round_s": t_ar, "spec_round_s": dict(zip(map(str, ks), ys)), "fixed": alpha / t_ar, "per_draft": beta / t_ar,
+            "prompts": len(prompts), "new_tokens": new_tokens, "reps": reps,
+            "note": "per-round seconds at bs=1, one thread, greedy, through SpecEngine; a round of n drafts costs "
+                    "fixed + per_draft * n ar rounds (least squares over n = 1, 2, 4)"}
+
+
+def simulate_greedy(pred, labels, fixed: float, per_draft: float, policy: StopPolicy | None = None, k: int | None = None) -> dict:
+    """Greedy decoding replayed on held-out greedy text: ``pred``/``labels`` [N, L] are the head's P(accept)
+    and the true acceptance at each continuation index (``label_greedy_text``). Each row is decoded
+    from index 1 in rounds: draft n tokens (fixed ``k``, or the adaptive ``policy`` on ``pred``), accept
+    the leading accepted ones plus the target's token, pay ``fixed + per_draft * n``. Returns tokens
+    per unit cost (units of an ``ar`` round: the estimated speedup over ``ar``), tau and mean drafts.
+
+    Approximation: after a rejected draft, the real drafter judges its own wrong continuation, the
+    replay the target's text; that only moves where such a round stops (its cost), never its tokens.
+    """
+    logp = torch_log(pred).tolist()
+    acc = labels.tolist()
+    tokens = rounds = drafted = 0
+    log_floor = math.log1p(-policy.stop_threshold) if policy else 0.0
+    for lp, a in zip(logp, acc):
+        length, j = len(a), 1
+        while j < length:
+            room = length - j
+            if policy is None:
+                n = min(k, room)
+            else:
+                kmax, kmin = min(policy.max_draft, room), min(policy.min_draft, room)
+                n, s = 0, 0.0
+                while True:
+                    s += lp[j + n]
+                    n += 1
+                    if n >= kmax or (n >= kmin and s < log_floor):
+                        break
+            accepted = 0
+            while accepted < n and a[j + accepted] > 0.5:
+                accepted += 1
+            tokens += accepted + 1
+            drafted += n
+            rounds += 1
+            j += accepted + 1
+    cost = rounds * fixed + drafted * per_draft
+    return {"speedup": tokens / cost if cost else 0.0, "tau": tokens / max(rounds, 1), "drafts_per_round": drafted / max(rounds, 1)}
+
+
+def torch_log(x):
+    import torch
+
+    return torch.log(x.double().clamp(min=1e-12))
+
+
+def choose_greedy_policy(pred, labels, costs: dict, max_draft: int = 20) -> tuple[StopPolicy, dict]:
+    """The (stop threshold, min draft) of the grid with the most simulated tokens per unit cost."""
+    grid = []
+    for m in MIN_DRAFTS:
+        for thr in THRESHOLDS:
+            pol = StopPolicy(thr, m, max_draft)
+            grid.append({"stop_threshold": thr, "min_draft": m, "max_draft": max_draft,
+                         **simulate_greedy(pred, labels, costs["fixed"], costs["per_draft"], policy=pol)})
+    fixed_k = [{"k": k, **simulate_greedy(pred, labels, costs["fixed"], costs["per_draft"], k=k)} for k in (1, 2, 3, 4, 6, 8)]
+    # the same policies under a perfect head (P = the labels): how much a better head could give
+    oracle = simulate_greedy(labels.clamp(1e-6, 1 - 1e-6), labels, costs["fixed"], costs["per_draft"], policy=StopPolicy(0.5, 1, max_draft))
+    best = max(grid, key=lambda r: r["speedup"])
+    policy = StopPolicy(best["stop_threshold"], best["min_draft"], best["max_draft"])
+    return policy, {"grid": grid, "fixed_k": fixed_k, "oracle_head": oracle, "chosen": dataclasses.asdict(policy)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Training
+
+
 def train_acceptance(
     target_dir: str | Path,
     draft_dir: str | Path,
@@ -162,17 +371,32 @@ def train_acceptance(
     reject_weight: float = 6.0,
     target_token_frac: float = 0.15,
     temperature: float = 1.0,
+    greedy_reject_weight: float = 1.0,
+    greedy_prefix: int = 64,
+    greedy_new_tokens: int = 128,
+    greedy_sequences: int = 1024,
+    cost_new_tokens: int = 48,
+    cost_reps: int | None = None,
     resume: bool = False,
 ) -> dict:
+    """Train the sampling head and the greedy head of one acceptance artifact; choose the greedy stop
+    policy by simulation (``choose_greedy_policy``) under the engine's measured round costs.
+
+    Greedy head data: the target's own greedy continuations of ``greedy_prefix``-token block prefixes
+    (what a greedy decode verifies against: drafts are judged in the context of the target's greedy
+    text) plus the greedy labels of the corpus text. Budget: ~25% labels the corpus, ~15% generates
+    and labels continuations, ~10% held-out data, a few seconds measure round costs, the rest trains
+    the two heads (half each). Round costs: ``cost_reps`` interleaved timings (default 3; 1 under a
+    budget below 90 s) of 4 held-out prompts decoding ``cost_new_tokens`` tokens each.
+    """
     import torch
     from safetensors.torch import save_file
 
     from specdec.train.data import load_blocks
     from specdec.train.draft import load_draft, load_target
-    from specdec.train.loop import make_accelerator
 
-    if temperature <= 0 or not 0 <= target_token_frac <= 1 or reject_weight <= 0:
-        raise UsageError("temperature and reject_weight must be > 0 and target_token_frac in [0, 1]")
+    if temperature <= 0 or not 0 <= target_token_frac <= 1 or reject_weight <= 0 or greedy_reject_weight <= 0:
+        raise UsageError("temperature and reject weights must be > 0 and target_token_frac in [0, 1]")
     out_dir = Path(out_dir)
     target, tokenizer = load_target(target_dir)
     fp = tokenizer_fingerprint(tokenizer)
@@ -183,55 +407,109 @@ def train_acceptance(
     draft.requires_grad_(False)
     if draft.config.vocab_size != target.config.vocab_size:
         raise SpecdecError(f"draft {draft_dir} has vocabulary size {draft.config.vocab_size}, the target {target.config.vocab_size}")
-    accelerator = make_accelerator(cfg)
     start = time.perf_counter()
     train_blocks, held_blocks = load_blocks(data_files, tokenizer, cfg.seq_len, cfg.heldout, cfg.seed)
     budget_s = cfg.budget_minutes * 60
-    # under a budget: at most 40% of it labels training positions, 10% labels held-out ones
-    h_train, y_train = build_features(draft, target, train_blocks, temperature, target_token_frac, cfg.seed,
-                                      deadline=start + 0.4 * budget_s if budget_s else None)
-    h_held, y_held = build_features(draft, target, held_blocks, temperature, target_token_frac, cfg.seed + 1,
-                                    deadline=time.perf_counter() + 0.1 * budget_s if budget_s else None)
-    if budget_s:  # the training loop gets what is left
-        cfg = dataclasses.replace(cfg, budget_minutes=max(budget_s - (time.perf_counter() - start), 0.2 * budget_s) / 60)
-    hidden = draft.config.hidden_size
+
+    def until(frac):
+        return start + frac * budget_s if budget_s else None
+
+    prefix = max(1, min(greedy_prefix, cfg.seq_len // 2))
+    new = max(2, min(greedy_new_tokens, int(getattr(target.config, "max_position_embeddings", 1 << 20)) - prefix))
+    data = label_blocks(draft, target, train_blocks, temperature, target_token_frac, cfg.seed, deadline=until(0.25))
+    cont = greedy_continuations(target, train_blocks, prefix, new, limit=greedy_sequences, deadline=until(0.4))
+    cont_h, cont_y = label_greedy_text(draft, target, cont, prefix)
+    g_h, g_y = data["greedy"]
+    data["greedy"] = (torch.cat([g_h, cont_h.flatten(0, 1)]), torch.cat([g_y, cont_y.flatten()]))
+    if len(held_blocks) == 0:
+        raise UsageError("train-acceptance needs held-out blocks for calibration and the stop policy (heldout > 0)")
+    held = label_blocks(draft, target, held_blocks, temperature, target_token_frac, cfg.seed + 1, deadline=until(0.45))
+    held_cont = greedy_continuations(target, held_blocks, prefix, new, limit=max(16, greedy_sequences // 8), deadline=until(0.5))
+    held_h, held_y = label_greedy_text(draft, target, held_cont, prefix)
+
     torch.manual_seed(cfg.seed)
-    head = AcceptanceHead(hidden + N_STATS, num_layers)
+    hidden = draft.config.hidden_size
+    heads = {m: AcceptanceHead(hidden + N_STATS, num_layers) for m in HEAD_MODES}
+    weights = {"sampling": reject_weight, "greedy": greedy_reject_weight}
+    if budget_s:  # the two heads share what is left, half each, after a reserve for measuring round costs
+        left = max(budget_s - (time.perf_counter() - start) - 0.1 * budget_s, 0.2 * budget_s)
+        cfg = dataclasses.replace(cfg, budget_minutes=left / 2 / 60)
 
-    def loss_fn(model, batch):
-        return weighted_bce(model(batch["h"]).float(), batch["y"], reject_weight)
+    trained, results = {}, {}
+    for mode in HEAD_MODES:
+        h_train, y_train = data[mode]
+        w = weights[mode]
 
-    result = run_training(cfg, head, loss_fn, TensorDict(h=h_train, y=y_train), out_dir, resume=resume, accelerator=accelerator)
-    if not result.is_main:
+        def loss_fn(model, batch, w=w):
+            return weighted_bce(model(batch["h"]).float(), batch["y"], w)
+
+        sub = out_dir if mode == "sampling" else out_dir / "greedy-head"  # each head's checkpoints
+        result = run_training(cfg, heads[mode], loss_fn, TensorDict(h=h_train, y=y_train), sub, resume=resume,
+                              accelerator=make_accelerator(cfg), label=f"{mode} head")
+        results[mode] = result
+        if result.is_main:
+            head = result.model.float()
+            with torch.no_grad():
+                # weighted BCE's optimum is odds(s) = odds(y) / w; the saved head adds log w back (calibrated)
+                head.out.bias += math.log(w)
+            trained[mode] = head
+    if not results["sampling"].is_main:
         return {}
-    head = result.model.float()
+    n_prompts = min(4, len(held_cont))
+    if cost_reps is None:
+        cost_reps = 3 if not budget_s or budget_s >= 90 else 1
+    costs = measure_round_costs(target, tokenizer, draft, trained["greedy"], [row[:prefix].tolist() for row in held_cont[:n_prompts]],
+                                new_tokens=cost_new_tokens, reps=cost_reps)
+
     with torch.no_grad():
-        # weighted BCE's optimum is odds(s) = odds(y) / w; the saved head adds log w back (calibrated)
-        head.out.bias += math.log(reject_weight)
-        pred = torch.sigmoid(head(h_held))
-        raw = torch.sigmoid(head(h_held) - math.log(reject_weight))
-    metrics = calibration(pred, y_held)
-    metrics["uncorrected_brier"] = float(((raw - y_held) ** 2).mean())
-    metrics.update(kind="acceptance", steps=result.steps, stopped=result.stopped, train_wall_s=round(result.wall_s, 3),
-                   loss_curve=result.losses, heldout_positions=len(y_held), train_positions=len(y_train),
-                   note="Brier against the soft labels min(1, p/q) on held-out draft samples. Training up-weights the "
-                        "reject class by w; the saved head's output bias includes + log w, which undoes that shift "
-                        "(uncorrected_brier is the head without it)")
+        h_s, y_s = held["sampling"]
+        pred_s = torch.sigmoid(trained["sampling"](h_s))
+        raw_s = torch.sigmoid(trained["sampling"](h_s) - math.log(reject_weight))
+        pred_g = torch.sigmoid(trained["greedy"](held_h))  # [N, L] along held-out greedy text
+        pred_gc = torch.sigmoid(trained["greedy"](held["greedy"][0]))
+    sampling = calibration(pred_s, y_s)
+    sampling["uncorrected_brier"] = float(((raw_s - y_s) ** 2).mean())
+    greedy = calibration(pred_g.flatten(), held_y.flatten())
+    greedy["corpus_text"] = {k: v for k, v in calibration(pred_gc, held["greedy"][1]).items() if k != "reliability_bins"}
+    policy, sim = choose_greedy_policy(pred_g, held_y, costs)
+    metrics = dict(sampling)  # top level: the sampling head, as in the one-head format
+    metrics.update(
+        kind="acceptance", heads=list(HEAD_MODES), sampling=sampling, greedy=greedy,
+        steps={m: r.steps for m, r in results.items()}, stopped={m: r.stopped for m, r in results.items()},
+        train_wall_s={m: round(r.wall_s, 3) for m, r in results.items()},
+        loss_curve={m: r.losses for m, r in results.items()},
+        train_positions={m: len(data[m][1]) for m in HEAD_MODES}, heldout_positions={"sampling": len(y_s), "greedy": int(held_y.numel())},
+        greedy_text={"prefix_tokens": prefix, "new_tokens": new, "train_sequences": len(cont), "heldout_sequences": len(held_cont)},
+        round_costs=costs, policy_simulation=sim,
+        note="sampling: Brier against the soft labels min(1, p/q) on held-out draft samples (T=%g); training up-weights the "
+             "reject class by w and the saved head's output bias includes + log w, which undoes that shift (uncorrected_brier "
+             "is the head without it). greedy: labels 1[argmax q == argmax p] on the target's greedy continuations of held-out "
+             "block prefixes (corpus_text: on held-out corpus text). policy_simulation: held-out greedy decoding replayed under "
+             "round_costs; the chosen greedy policy is the default at T=0, sampling rounds default to SpecDec++'s 0.3 / 2 / 20 "
+             "(not simulated)" % temperature,
+    )
     out_dir.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().contiguous() for k, v in head.state_dict().items()}, str(out_dir / "model.safetensors"))
+    state = {f"{m}.{k}": v.detach().float().contiguous() for m, head in trained.items() for k, v in head.state_dict().items()}
+    save_file(state, str(out_dir / "model.safetensors"))
     write_json(out_dir / "config.json", {
         "kind": "acceptance", "target": fp,
         "draft": {"path": str(Path(draft_dir).resolve()), "fingerprint": dcfg.get("specdec_target", fp), "hidden_size": hidden},
-        "hidden_size": hidden, "features": FEATURES, "input_size": hidden + N_STATS, "num_layers": num_layers, "reject_weight": reject_weight,
+        "hidden_size": hidden, "features": FEATURES, "input_size": hidden + N_STATS, "num_layers": num_layers,
+        "heads": list(HEAD_MODES), "reject_weight": {"sampling": reject_weight, "greedy": greedy_reject_weight},
         "target_token_frac": target_token_frac, "temperature": temperature,
+        "policy": {"greedy": dataclasses.asdict(policy), "sampling": dataclasses.asdict(StopPolicy())},
     })
     save_config(cfg, out_dir, {"trainer": "acceptance", "target": str(target_dir), "draft": str(draft_dir), "data": [str(f) for f in data_files]})
     write_json(out_dir / "metrics.json", metrics)
     return metrics
 
 
-def load_acceptance_head(acceptance_dir: str | Path):
-    """(head, config) from an acceptance artifact; weights through safetensors only."""
+def load_acceptance_heads(acceptance_dir: str | Path) -> tuple[dict, dict]:
+    """({mode: head}, config) from an acceptance artifact; weights through safetensors only.
+
+    Two-head artifacts hold "sampling.*" and "greedy.*" weights; the one-head format (no ``heads`` in
+    config.json) is a sampling head only.
+    """
     from safetensors.torch import load_file
 
     cfg = read_config(acceptance_dir)
@@ -240,6 +518,22 @@ def load_acceptance_head(acceptance_dir: str | Path):
     if cfg.get("features") != FEATURES:
         raise SpecdecError(f"{acceptance_dir} is an acceptance head of an older format (it reads the hidden state of the "
                            f"drafted token itself); retrain it with `specdec train-acceptance`")
-    head = AcceptanceHead(int(cfg["input_size"]), int(cfg.get("num_layers", 3)))
-    head.load_state_dict(load_file(str(Path(acceptance_dir) / "model.safetensors")))
-    return head.eval().requires_grad_(False), cfg
+    state = load_file(str(Path(acceptance_dir) / "model.safetensors"))
+    modes = cfg.get("heads")
+    parts = {m: {k[len(m) + 1:]: v for k, v in state.items() if k.startswith(m + ".")} for m in modes} if modes else {"sampling": state}
+    heads = {}
+    for mode, sd in parts.items():
+        if mode not in HEAD_MODES:
+            raise SpecdecError(f"{acceptance_dir}: unknown acceptance head {mode!r} (known: {', '.join(HEAD_MODES)})")
+        head = AcceptanceHead(int(cfg["input_size"]), int(cfg.get("num_layers", 3)))
+        head.load_state_dict(sd)
+        heads[mode] = head.eval().requires_grad_(False)
+    if "sampling" not in heads:
+        raise SpecdecError(f"{acceptance_dir} has no sampling head; retrain it with `specdec train-acceptance`")
+    return heads, cfg
+
+
+def load_acceptance_head(acceptance_dir: str | Path):
+    """(sampling head, config): the head that judges sampled drafts."""
+    heads, cfg = load_acceptance_heads(acceptance_dir)
+    return heads["sampling"], cfg
