@@ -29,7 +29,7 @@ SeqLen = Annotated[Optional[int], typer.Option("--seq-len", help="Tokens per tra
 Lr = Annotated[Optional[float], typer.Option("--lr", help="Peak learning rate.")]
 Seed = Annotated[Optional[int], typer.Option("--seed", help="Seed for init, data order and sampling.")]
 CkptEvery = Annotated[Optional[int], typer.Option("--checkpoint-every", help="Checkpoint every N optimizer steps (0 = only at the end).")]
-Precision = Annotated[Optional[str], typer.Option("--mixed-precision", help="no, bf16 (default, works on CPU) or fp16.")]
+Precision = Annotated[Optional[str], typer.Option("--mixed-precision", help="auto (default: bf16 where the hardware has it natively, else fp32), no, bf16 or fp16.")]
 
 
 def _config(recipe: Path | None, default: str, section: str, **overrides):

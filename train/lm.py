@@ -104,12 +104,14 @@ def build_model(arch: TargetArch, tokenizer):
 
 @torch.no_grad()
 def heldout_loss(model, blocks, batch_size: int = 8, max_blocks: int = 64) -> float:
+    from specdec.train.loop import resolve_precision
+
     model.eval()
     losses = []
     n = min(len(blocks), max_blocks)
     for i in range(0, n, batch_size):
         ids = blocks[i : min(i + batch_size, n)]["input_ids"].to(model.device)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=ids.device.type == "cpu"):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=ids.device.type == "cpu" and resolve_precision("auto") == "bf16"):
             out = model(input_ids=ids, labels=ids)
         losses.append(out.loss.float().item())
     model.train()
@@ -148,7 +150,7 @@ def pretrain(
         save_final_checkpoint=False,  # the recipe saves the model itself; optimizer state is not needed
         budget_minutes=0.0 if max_steps else budget_s / 60,
         clock_schedule=True,
-        mixed_precision="bf16",
+        mixed_precision="auto",
         log_every=25,
         progress=progress,
     )

@@ -48,7 +48,7 @@ class TrainConfig:
     # run whose step cap is only a safety net still decays its learning rate by the time the budget ends
     # (the budget, and so this clock, restarts on resume)
     clock_schedule: bool = False
-    mixed_precision: str = "bf16"  # "no" | "bf16" | "fp16"
+    mixed_precision: str = "auto"  # "auto" | "no" | "bf16" | "fp16" (auto: see resolve_precision)
     heldout: float = 0.1  # fraction of blocks held out for metrics
     log_every: int = 10
     progress: bool = True
@@ -99,11 +99,26 @@ def config_from_dict(data: dict, where: str = "config") -> TrainConfig:
         except (TypeError, ValueError) as exc:
             raise UsageError(f"bad value for {key} in {where}: {value!r}") from exc
         setattr(cfg, key, value)
-    if cfg.mixed_precision not in ("no", "bf16", "fp16"):
-        raise UsageError(f"mixed_precision must be no, bf16 or fp16, not {cfg.mixed_precision!r}")
+    if cfg.mixed_precision not in ("auto", "no", "bf16", "fp16"):
+        raise UsageError(f"mixed_precision must be auto, no, bf16 or fp16, not {cfg.mixed_precision!r}")
     if cfg.steps < 1 or cfg.batch < 1 or cfg.grad_accum < 1:
         raise UsageError("steps, batch and grad_accum must be >= 1")
     return cfg
+
+
+def resolve_precision(mode: str) -> str:
+    """``auto``: bf16 autocast where the hardware computes bf16 natively (a CUDA GPU that supports it,
+    a CPU with AVX512-BF16 or AMX), else fp32 (``no``). On a CPU without them bf16 is emulated: a
+    training step of the default target took 2x as long as in fp32 on such a machine (AVX512 only),
+    while on one with AMX bf16 ran 3.6x faster than fp32."""
+    if mode != "auto":
+        return mode
+    import torch
+
+    if torch.cuda.is_available():
+        return "bf16" if torch.cuda.is_bf16_supported() else "no"
+    native = getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)() or getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
+    return "bf16" if native else "no"
 
 
 def save_config(cfg: TrainConfig, out_dir: Path, extra: dict | None = None) -> None:
@@ -172,7 +187,7 @@ def make_accelerator(cfg: TrainConfig):
     # cpu=True lets torchrun-style launches (accelerate launch --multi_gpu) form a gloo group on a
     # machine without CUDA; with CUDA the accelerator picks the GPU as usual.
     return Accelerator(
-        mixed_precision=cfg.mixed_precision,
+        mixed_precision=resolve_precision(cfg.mixed_precision),
         gradient_accumulation_steps=cfg.grad_accum,
         cpu=not torch.cuda.is_available(),
     )
