@@ -291,8 +291,9 @@ def _additive(visible: torch.Tensor, dtype) -> torch.Tensor:
 
 class _SlotCache:
     """The EAGLE layer's keys/values per row: committed entries on a shared slot axis with per-row
-    holes and positions (as ``KVState``), then, during a round, scratch slots where tree node i
-    lives at slot ``length + i``. Nodes are never committed: the next commit overwrites them."""
+    holes and positions (as ``KVState``), then, during a round, scratch slots for the tree nodes
+    that were expanded, in order of expansion. Nodes are never committed: the next commit
+    overwrites them."""
 
     def __init__(self, bsz: int, kv_heads: int, head_dim: int, dtype, device):
         self.k = torch.zeros(bsz, kv_heads, 0, head_dim, dtype=dtype, device=device)
@@ -386,6 +387,7 @@ class EagleDrafter(HeadTreeDrafter):
 
     def _reset_tree(self, batch) -> None:
         self._fh = self.f_root.new_zeros(self.f_root.shape[0], 0, self.f_root.shape[-1])  # [B, n, H] predicted feature per tree node (zeros until expanded)
+        self._slot_nodes = torch.zeros(self.f_root.shape[0], 0, dtype=torch.long, device=self.f_root.device)  # tree node of each scratch slot
 
     def _child_logprobs(self, tree, nodes, level, batch):
         bsz, m = nodes.shape
@@ -399,9 +401,15 @@ class EagleDrafter(HeadTreeDrafter):
         feats = fh_with_root.gather(1, (par + 1)[..., None].expand(-1, -1, fh_with_root.shape[-1]))
         toks = tree.tokens.gather(1, nodes)
         pos = c.pos[:, None] + tree.depth.gather(1, nodes) - 1
-        visible = torch.cat([c.valid[:, None, :].expand(bsz, m, c.length), tree.anc.gather(1, nodes[..., None].expand(bsz, m, n))], -1)
-        c.reserve(n)
-        fh = self.heads.run(self.heads.entry(toks, feats), _additive(visible, c.k.dtype), pos, c.write(c.length + nodes, c.length + n))
+        # scratch slots hold the expanded nodes; a node sees the slots of its ancestors and its own
+        first = self._slot_nodes.shape[1]
+        self._slot_nodes = torch.cat([self._slot_nodes, nodes], 1)
+        e = self._slot_nodes.shape[1]
+        sees = tree.anc.gather(1, nodes[..., None].expand(bsz, m, n)).gather(2, self._slot_nodes[:, None, :].expand(bsz, m, e))
+        visible = torch.cat([c.valid[:, None, :].expand(bsz, m, c.length), sees], -1)
+        c.reserve(e)
+        slots = torch.arange(c.length + first, c.length + e, device=nodes.device)[None].expand(bsz, m)
+        fh = self.heads.run(self.heads.entry(toks, feats), _additive(visible, c.k.dtype), pos, c.write(slots, c.length + e))
         self._fh.scatter_(1, nodes[..., None].expand(-1, -1, fh.shape[-1]), fh)
         return torch.log_softmax(self.heads.lm_logits(fh).float(), -1)
 
