@@ -228,7 +228,7 @@ def build_drafters_for_recipe(family_dir: Path, train_files: list[Path], budget_
     target = family_dir / "target"
     if not (target / "config.json").exists():
         raise SpecdecError(f"{target} has no config.json: build the target first")
-    share = {"draft": 0.22, "draft-ce": 0.22, "acceptance": 0.1, "medusa": 0.14, "clover": 0.16, "eagle": 0.16}
+    share = {"draft": 0.2, "draft-ce": 0.2, "acceptance": 0.1, "medusa": 0.12, "clover": 0.14, "eagle": 0.24}
     big = 100_000  # steps: the budget is what stops each run
     results: dict = {}
 
