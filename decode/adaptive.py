@@ -39,7 +39,9 @@ def acceptance_features(hidden, logits, tokens):
     (softmax at T=1), q(token), max q and the entropy of q. Training and decoding both call this."""
     logq = torch.log_softmax(logits.float(), -1)
     q = logq.exp()
-    stats = torch.stack([q.gather(-1, tokens[..., None]).squeeze(-1), q.max(-1).values, -torch.special.xlogy(q, q).sum(-1)], -1)
+    # entropy as -sum q log q with log q clamped finite (q = 0 then adds 0): xlogy's cost, without xlogy
+    entropy = -(q * logq.clamp(min=torch.finfo(logq.dtype).min)).sum(-1)
+    stats = torch.stack([q.gather(-1, tokens[..., None]).squeeze(-1), q.max(-1).values, entropy], -1)
     return torch.cat([hidden.float(), stats], -1)
 
 
@@ -113,6 +115,7 @@ class AdaptiveDrafter(ModelDrafter):
         log_keep = [0.0] * bsz  # log prod_i P_i per row
         lengths = [0] * bsz  # 0 = still drafting
         open_rows = bsz
+        one_slot = torch.ones(bsz, 1, dtype=torch.bool, device=logits.device)
         tokens, probs, waiting = [], [], []
         n = 0
         while True:
@@ -139,7 +142,7 @@ class AdaptiveDrafter(ModelDrafter):
             if open_rows == 0:
                 break
             out = self.state.forward(tok[:, None], hidden=True)
-            self.state.commit_prefix(1, torch.ones_like(tok[:, None], dtype=torch.bool))
+            self.state.commit_prefix(1, one_slot)
             logits, h = out.logits[:, -1], out.hidden_states[-1][:, -1]
         self._drafted = n - 1  # drafts d1..d_{n-1} sit in the draft cache, as after a fixed-length round
         self.last_lengths = torch.tensor(lengths, dtype=torch.long, device=logits.device)

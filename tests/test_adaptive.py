@@ -365,3 +365,16 @@ def test_train_acceptance_writes_two_heads_calibration_and_policy(tiny_family, t
 
     drafter = build_adaptive(out, load_draft(tiny_family / "draft"), SimpleNamespace(stop_threshold=None, min_draft=None, max_draft=None))
     assert drafter.has_greedy_head and drafter.policies["greedy"] == StopPolicy(**chosen)
+
+
+def test_label_sampling_is_exact():
+    """The labeller's inverse-CDF sampler draws from the given distribution; zero-probability tokens never."""
+    from specdec.train.acceptance import _sample
+
+    g = torch.Generator().manual_seed(0)
+    p = torch.tensor([[0.5, 0.0, 0.3, 0.2], [0.05, 0.05, 0.0, 0.9]])
+    n = 40000
+    x = _sample(p[:, None].expand(2, n, 4), g)
+    freq = torch.stack([torch.bincount(x[i], minlength=4) / n for i in range(2)])
+    assert freq[0, 1] == 0 and freq[1, 2] == 0
+    assert torch.allclose(freq, p, atol=0.01)  # 4+ standard errors at n = 40000

@@ -102,12 +102,19 @@ def propose_tokens(p_probs, q_probs, target_frac: float, generator):
     """The token judged at each position: sampled from q, or (target_frac of positions) from p."""
     import torch
 
-    flat_q = q_probs.reshape(-1, q_probs.shape[-1])
-    flat_p = p_probs.reshape(-1, p_probs.shape[-1])
-    from_q = torch.multinomial(flat_q, 1, generator=generator).squeeze(-1)
-    from_p = torch.multinomial(flat_p, 1, generator=generator).squeeze(-1)
+    from_q, from_p = _sample(q_probs, generator), _sample(p_probs, generator)
     use_p = torch.rand(from_q.shape, generator=generator) < target_frac
-    return torch.where(use_p, from_p, from_q).reshape(q_probs.shape[:-1]), use_p.reshape(q_probs.shape[:-1])
+    return torch.where(use_p, from_p, from_q), use_p
+
+
+def _sample(probs, generator):
+    """One token per row of ``probs`` [..., V] by inverting the CDF: exact, and several times faster on
+    CPU than torch.multinomial over a whole block of positions (labelling's largest cost)."""
+    import torch
+
+    cdf = probs.float().cumsum(-1)
+    u = torch.rand(cdf.shape[:-1] + (1,), generator=generator) * cdf[..., -1:]
+    return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
 
 
 def weighted_bce(logits, labels, reject_weight: float):
@@ -164,7 +171,7 @@ def build_features(draft, target, blocks, temperature: float, target_frac: float
     return label_blocks(draft, target, blocks, temperature, target_frac, seed, batch, deadline)["sampling"]
 
 
-def greedy_continuations(target, blocks, prefix_len: int, new_tokens: int, batch: int = 32, limit: int | None = None,
+def greedy_continuations(target, blocks, prefix_len: int, new_tokens: int, batch: int = 128, limit: int | None = None,
                          deadline: float | None = None):
     """[N, prefix_len + new_tokens]: the first ``prefix_len`` tokens of each block followed by the target's
     greedy continuation (no EOS stop): the text a greedy decode verifies drafts against."""
