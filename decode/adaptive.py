@@ -4,7 +4,8 @@ When the draft proposes token i, the acceptance head reads what produced it (the
 state there and the statistics of q, ``acceptance_features``): P_i = P(token i accepted | earlier
 accepted). The decision comes before token i is fed, so a round that stops after n tokens costs the
 n draft forwards of a fixed-length round, no more. A row stops when 1 - prod_i P_i > stop_threshold,
-bounded by [min_draft, max_draft];
+bounded by [min_draft, max_draft] (min_draft 0: a row whose first draft alone fails the rule proposes
+nothing, so the round is a plain one and saves the speculative round's extra cost);
 rows stop independently (a chain Proposal with per-row ``lengths``) and drafting ends when every
 row has stopped. Rows that stopped keep drafting alongside the others (their extra tokens are
 outside their length), which keeps one KV slot per draft step for the whole batch; the inherited
@@ -61,12 +62,12 @@ class StopPolicy:
     """Stop a row's round when 1 - prod P_i > stop_threshold, with min_draft <= drafts <= max_draft."""
 
     stop_threshold: float = 0.3  # SpecDec++'s default
-    min_draft: int = 2
+    min_draft: int = 2  # 0: a row whose first draft already fails the rule proposes nothing (a plain round)
     max_draft: int = 20
 
     def __post_init__(self):
-        if not 0 < self.stop_threshold < 1 or self.min_draft < 1 or self.max_draft < self.min_draft:
-            raise ValueError("need 0 < stop_threshold < 1 and 1 <= min_draft <= max_draft")
+        if not 0 < self.stop_threshold < 1 or self.min_draft < 0 or self.max_draft < max(self.min_draft, 1):
+            raise ValueError("need 0 < stop_threshold < 1, min_draft >= 0 and max_draft >= max(min_draft, 1)")
 
 
 class AdaptiveDrafter(ModelDrafter):
@@ -105,7 +106,7 @@ class AdaptiveDrafter(ModelDrafter):
         kmax = min(policy.max_draft, batch.num_draft)
         if kmax <= 0:
             return None
-        kmin = min(policy.min_draft, kmax)
+        kmin = max(min(policy.min_draft, kmax), 1)  # the first decision comes with the first draft
         # stop when prod P_i < 1 - threshold, tracked as a sum of log-sigmoids on the host: the head's
         # output comes to the host once per step (the stop decision needs that sync anyway) and the
         # rule costs no further tensor ops
@@ -113,7 +114,8 @@ class AdaptiveDrafter(ModelDrafter):
         logits, h = self._feed_pending(batch, hidden=True)
         bsz = logits.shape[0]
         log_keep = [0.0] * bsz  # log prod_i P_i per row
-        lengths = [0] * bsz  # 0 = still drafting
+        lengths = [-1] * bsz  # -1 = still drafting
+        skip_first = policy.min_draft == 0
         open_rows = bsz
         one_slot = torch.ones(bsz, 1, dtype=torch.bool, device=logits.device)
         tokens, probs, waiting = [], [], []
@@ -136,8 +138,9 @@ class AdaptiveDrafter(ModelDrafter):
                     for r, z in enumerate(zs):
                         log_keep[r] += _log_sigmoid(z)
                 for r in range(bsz):
-                    if not lengths[r] and (n >= kmax or log_keep[r] < log_floor):
-                        lengths[r] = n
+                    if lengths[r] < 0 and (n >= kmax or log_keep[r] < log_floor):
+                        # min_draft 0: a first draft that alone fails the rule is not worth a speculative round
+                        lengths[r] = 0 if n == 1 and skip_first and log_keep[r] < log_floor else n
                         open_rows -= 1
             if open_rows == 0:
                 break
@@ -146,6 +149,8 @@ class AdaptiveDrafter(ModelDrafter):
             logits, h = out.logits[:, -1], out.hidden_states[-1][:, -1]
         self._drafted = n - 1  # drafts d1..d_{n-1} sit in the draft cache, as after a fixed-length round
         self.last_lengths = torch.tensor(lengths, dtype=torch.long, device=logits.device)
+        if not any(lengths):  # every row skips: a plain round (the engine verifies the root alone)
+            return None
         draft_probs = None if probs[0] is None else torch.stack(probs, 1)
         return Proposal(tokens=torch.stack(tokens, 1), lengths=self.last_lengths, draft_probs=draft_probs)
 

@@ -41,6 +41,7 @@ class Recording(AdaptiveDrafter):
         super().__init__(*a, **kw)
         self.seen: list[list[int]] = []
         self.calls: list[int] = []  # draft forwards per round, the pending feed included
+        self.plain = 0  # rounds where every row skipped drafting (min_draft 0): the proposal is None
         self._forwards = 0
         self.model.register_forward_hook(lambda *_: setattr(self, "_forwards", self._forwards + 1))
 
@@ -50,6 +51,8 @@ class Recording(AdaptiveDrafter):
         if prop is not None:
             self.seen.append(prop.lengths.tolist())
             self.calls.append(self._forwards - before)
+        else:
+            self.plain += 1
         return prop
 
 
@@ -378,3 +381,34 @@ def test_label_sampling_is_exact():
     freq = torch.stack([torch.bincount(x[i], minlength=4) / n for i in range(2)])
     assert freq[0, 1] == 0 and freq[1, 2] == 0
     assert torch.allclose(freq, p, atol=0.01)  # 4+ standard errors at n = 40000
+
+
+@pytest.mark.parametrize("bs", [1, 3])
+def test_min_draft_zero_skips_rounds_and_stays_exact(target, draft_model, bs):
+    """min_draft 0: a row whose first draft alone fails the rule proposes nothing; greedy output stays AR's."""
+    prompts = make_prompts(bs, seed=20 + bs)
+    ar = _generate(target, None, prompts)
+    hidden = draft_model.config.hidden_size
+    head = _head(hidden)
+    with torch.no_grad():
+        head.out.bias.fill_(0.4)  # P(accept) spread around 0.6: some first drafts pass 1 - P < 0.4, some not
+    drafter = Recording(draft_model, head, stop_threshold=0.4, min_draft=0, max_draft=6)
+    out = _generate(target, drafter, prompts)
+    assert [r.token_ids for r in out] == [r.token_ids for r in ar]
+    lengths = [x for round_ in drafter.seen for x in round_]
+    assert max(lengths) > 0
+    if bs == 1:
+        assert drafter.plain > 0  # a row that skips makes the whole round plain: no proposal at all
+    else:
+        assert 0 in lengths  # rows skip independently within a speculative round
+
+
+def test_simulate_greedy_plain_rounds():
+    from specdec.train.acceptance import simulate_greedy
+
+    labels = torch.tensor([[1.0, 0.0, 1.0, 1.0, 0.0]])
+    pred = torch.tensor([[0.5, 0.1, 0.9, 0.9, 0.1]])
+    # min_draft 0, threshold 0.5: j=1 P=0.1 -> plain (+1, j=2); j=2: 0.9, 0.81, 0.081 -> n=3, accepted 2: +3, j=5: end
+    r = simulate_greedy(pred, labels, fixed=1.4, per_draft=0.3, policy=StopPolicy(0.5, 0, 20))
+    assert r["tau"] == 2.0 and r["plain_rounds"] == 0.5 and r["drafts_per_round"] == 1.5
+    assert r["speedup"] == pytest.approx(4 / ((1 + 0.3) + (1.4 + 3 * 0.3)))
