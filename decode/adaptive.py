@@ -152,7 +152,9 @@ class AdaptiveDrafter(ModelDrafter):
         if not any(lengths):  # every row skips: a plain round (the engine verifies the root alone)
             return None
         draft_probs = None if probs[0] is None else torch.stack(probs, 1)
-        return Proposal(tokens=torch.stack(tokens, 1), lengths=self.last_lengths, draft_probs=draft_probs)
+        # rows of equal length (always at bs=1) need no per-row lengths: the engine's plain chain path is cheaper
+        uniform = all(x == n for x in lengths)
+        return Proposal(tokens=torch.stack(tokens, 1), lengths=None if uniform else self.last_lengths, draft_probs=draft_probs)
 
 
 def _log_sigmoid(z: float) -> float:

@@ -49,7 +49,9 @@ class Recording(AdaptiveDrafter):
         before = self._forwards
         prop = super().propose(batch)
         if prop is not None:
-            self.seen.append(prop.lengths.tolist())
+            assert prop.lengths is None or prop.lengths.tolist() == self.last_lengths.tolist()
+            assert prop.lengths is not None or len(set(self.last_lengths.tolist())) == 1  # None only when all rows agree
+            self.seen.append(self.last_lengths.tolist())
             self.calls.append(self._forwards - before)
         else:
             self.plain += 1
