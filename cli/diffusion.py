@@ -40,6 +40,7 @@ def train_dllm_command(
     lora: Annotated[bool, typer.Option("--lora", help="Train a LoRA (merged into the saved model).")] = False,
     cf_prompts: Annotated[int, typer.Option(help="Certainty forcing: code prompts cut from --data whose own answers are distilled.")] = 256,
     gen_length: Annotated[int, typer.Option(help="Certainty forcing: answer length of the self-generated decodes (decode at this length).")] = 128,
+    cf_cache: Annotated[str, typer.Option(help="Certainty forcing: cache of the self-generating static decodes (none, or prefix: same result up to rounding under block attention, much faster).")] = "none",
     lr: Annotated[Optional[float], typer.Option(help="Peak learning rate (default 3e-4).")] = None,
     seed: Annotated[int, typer.Option(help="Random seed.")] = 0,
 ) -> None:
@@ -55,7 +56,7 @@ def train_dllm_command(
         metrics = train_dllm(
             from_dir, data, out, block_size=block_size, attention=attention, max_steps=max_steps, budget_minutes=budget_minutes,
             seed=seed, certainty_forcing=certainty_forcing, lora=lora, extra_examples=extra, model_config=model_config, tokenizer_dir=tokenizer,
-            cf_prompts=cf_prompts, cf_gen_length=gen_length, **({} if lr is None else {"lr": lr}),
+            cf_prompts=cf_prompts, cf_gen_length=gen_length, cf_cache=cf_cache, **({} if lr is None else {"lr": lr}),
         )  # fmt: skip
     except (SpecdecError, OSError, json.JSONDecodeError) as exc:
         raise _fail(exc) from None
@@ -75,6 +76,7 @@ def train_filter_command(
     max_steps: Annotated[int, typer.Option(help="Optimizer steps at most.")] = 2000,
     budget_minutes: Annotated[Optional[float], typer.Option(help="Stop after this many minutes.")] = None,
     code_prompts: Annotated[int, typer.Option(help="Cut this many code prompts (64-256 tokens, as the held-out prompts) from --data's texts instead of using them as prompts.")] = 0,
+    cache: Annotated[str, typer.Option(help="Cache of the labelling decodes (none, or prefix: same result up to rounding under block attention, much faster).")] = "none",
     seed: Annotated[int, typer.Option(help="Random seed.")] = 0,
     trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code", help="Allow LLaDA/Dream-style remote code.")] = False,
 ) -> None:
@@ -87,7 +89,7 @@ def train_filter_command(
             prompts = cut_code_prompts(dllm, prompts, code_prompts, seed)
         metrics = train_filter(
             dllm, prompts, out, gen_length=gen_length, block_size=block_size, hidden=hidden, max_steps=max_steps,
-            budget_minutes=budget_minutes, seed=seed, trust_remote_code=trust_remote_code,
+            budget_minutes=budget_minutes, seed=seed, trust_remote_code=trust_remote_code, cache=cache,
         )  # fmt: skip
     except (SpecdecError, OSError) as exc:
         raise _fail(exc) from None

@@ -79,9 +79,10 @@ def run_method(generator: DiffusionGenerator, prompts: list[list[int]], gen_leng
 
 
 def time_method(generator, prompts, gen_length: int, batch_size: int, repeats: int, warmup: int) -> tuple[float, list[GenResult], int]:
-    """Best of ``repeats`` timed passes over all prompts (the machine may be shared), after warm-up batches."""
-    for _ in range(warmup):
-        run_method(generator, prompts[:batch_size], gen_length, batch_size)
+    """Best of ``repeats`` timed passes over all prompts (the machine may be shared), after decoding
+    the first ``warmup`` prompts once (warm-up prompts, as ``specdec bench --warmup`` says)."""
+    if warmup > 0:
+        run_method(generator, prompts[:warmup], gen_length, batch_size)
     best = float("inf")
     for _ in range(max(1, repeats)):
         start = time.perf_counter()

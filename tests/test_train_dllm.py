@@ -109,11 +109,24 @@ def test_train_filter_loss_falls(dllm, tmp_path):
     assert len(gen.generate([GenRequest(tokenizer(prompts[0])["input_ids"], 16)])) == 1
 
 
+def test_filter_labelling_stops_at_its_deadline(dllm):
+    import time
+
+    from specdec.train.filter import FilterTrainConfig, collect_filter_data
+
+    out, _ = dllm
+    model, tokenizer, spec = load_dllm(out)
+    prompts = [t.prompt for t in list_tasks(6, seed=2)]
+    cfg = FilterTrainConfig(gen_length=8, block_size=8, decode_batch_size=2, cache="prefix")
+    assert collect_filter_data(model, tokenizer, spec, prompts, cfg).prompts == 6
+    assert collect_filter_data(model, tokenizer, spec, prompts, cfg, deadline=time.monotonic()).prompts == 2, "one batch always runs"
+
+
 def test_certainty_forcing_lora_reduces_its_loss(dllm, tmp_path):
     out, _ = dllm
     metrics = train_dllm(
         out, [], tmp_path / "cf", block_size=8, max_steps=40, certainty_forcing=True, lora=True, extra_examples=task_pairs(16),
-        lora_rank=8, cf_prompts=16, cf_gen_length=16, **FAST,
+        lora_rank=8, cf_prompts=16, cf_gen_length=16, cf_cache="prefix", **FAST,
     )  # fmt: skip
     assert metrics["objective"] == "certainty_forcing" and metrics["self_generated"] == 16
     assert metrics["loss_last"] < metrics["loss_first"]

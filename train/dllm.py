@@ -51,7 +51,7 @@ class DllmTrainConfig:
     budget_minutes: float | None = None
     eps: float = 1e-3
     complementary: bool = True
-    mixed_precision: str = "bf16"  # autocast; bf16 is also faster than fp32 on CPUs with avx512_bf16
+    mixed_precision: str = "auto"  # autocast: bf16 where the hardware has it natively, else fp32 (train.loop.resolve_precision)
     heldout_fraction: float = 0.05
     eval_batches: int = 4
     seed: int = 0
@@ -65,6 +65,9 @@ class DllmTrainConfig:
     cf_prompt_tokens: tuple[int, int] = (64, 256)  # code prompt length range, as the recipe's held-out prompts
     cf_gen_length: int = 128  # the length and block size the model is benchmarked at
     cf_decode_batch: int = 16
+    # "prefix": the K/V of the prompt and finished blocks are reused. Under block attention that is the same
+    # computation (only the rounding of differently shaped matmuls differs) at a fraction of the cost.
+    cf_cache: str = "none"
     cf_generation_share: float = 0.5  # under a budget, self-generation stops after this share of it
     cf_temperature: float = 0.5  # entropy is measured on softmax(logits / T)
     cf_entropy_weight: float = 2.0
@@ -417,21 +420,23 @@ def wrap_lora(model, cfg: DllmTrainConfig):
 
 def self_generated_examples(model, tokenizer, spec: DllmSpec, prompts: list[str], cfg: DllmTrainConfig, deadline: float | None = None) -> list[Example]:
     """dParallel trains on the model's own responses: static one-token-per-step greedy decodes at
-    ``cf_gen_length`` and ``block_size``, in batches of similar prompt lengths (less left padding).
+    ``cf_gen_length`` and ``block_size``, in batches of similar prompt lengths (less left padding),
+    the batches in random order (a deadline must not favour short prompts).
 
     A response that stopped keeps its EOS-filled block, as decoding leaves it (later blocks are never
     decoded). With a ``deadline`` (time.monotonic()) no new batch starts after it; one batch always runs.
     """
-    generator = DiffusionGenerator(model, tokenizer, spec, "static", gen_length=cfg.cf_gen_length, block_size=cfg.block_size)
-    limit = getattr(model.config, "max_position_embeddings", 1 << 30) - cfg.cf_gen_length
+    generator = DiffusionGenerator(model, tokenizer, spec, "static", gen_length=cfg.cf_gen_length, block_size=cfg.block_size, cache=cfg.cf_cache)
+    limit = max(1, getattr(model.config, "max_position_embeddings", 1 << 30) - cfg.cf_gen_length)
     encoded = sorted((encode_prompt(tokenizer, p)[-limit:] for p in prompts), key=len)
+    batches = [encoded[i : i + cfg.cf_decode_batch] for i in range(0, len(encoded), cfg.cf_decode_batch)]
+    random.Random(cfg.seed).shuffle(batches)
     was_training = model.training
     model.eval()
     out = []
-    for i in range(0, len(encoded), cfg.cf_decode_batch):
+    for batch in batches:
         if out and deadline is not None and time.monotonic() > deadline:
             break
-        batch = encoded[i : i + cfg.cf_decode_batch]
         for ids, r in zip(batch, generator.generate([GenRequest(ids, cfg.cf_gen_length) for ids in batch])):
             answer = r.token_ids
             if r.finish_reason == "stop":

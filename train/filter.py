@@ -37,6 +37,8 @@ class FilterTrainConfig:
     heldout_fraction: float = 0.1
     threshold: float = 0.96  # the commit threshold learn2pd uses at inference
     budget_minutes: float | None = None
+    labelling_share: float = 0.6  # under a budget, no labelling batch starts after this share of it
+    cache: str = "none"  # of the labelling decodes; "prefix" is the same computation under block attention, up to rounding
     seed: int = 0
 
 
@@ -45,6 +47,7 @@ class FilterData:
     features: Tensor  # [S, W] block confidences (decided positions read 1.0)
     labels: Tensor  # [S, W] 1 where the prediction already equals the reference
     weight: Tensor  # [S, W] 1 where the position was still masked (only those are supervised)
+    prompts: int = 0  # prompts whose decodes were labelled
 
     def __len__(self) -> int:
         return self.features.shape[0]
@@ -61,14 +64,21 @@ def reference_canvas(results, gen_length: int, eos_id: int | None) -> list[list[
     return [r.token_ids + [eos_id] * (gen_length - len(r.token_ids)) if r.finish_reason == "stop" else r.token_ids for r in results]
 
 
-def collect_filter_data(model, tokenizer, spec, prompts: list[str], cfg: FilterTrainConfig) -> FilterData:
-    static = DiffusionGenerator(model, tokenizer, spec, "static", gen_length=cfg.gen_length, block_size=cfg.block_size)
+def collect_filter_data(model, tokenizer, spec, prompts: list[str], cfg: FilterTrainConfig, deadline: float | None = None) -> FilterData:
+    """Labelled steps of oracle decodes; with a ``deadline`` (time.monotonic()) no batch starts after it (one always runs)."""
+    static = DiffusionGenerator(model, tokenizer, spec, "static", gen_length=cfg.gen_length, block_size=cfg.block_size, cache=cfg.cache)
     feats, labels, weights = [], [], []
+    labelled = 0
     for i in range(0, len(prompts), cfg.decode_batch_size):
+        if feats and deadline is not None and time.monotonic() > deadline:
+            break
+        labelled += len(prompts[i : i + cfg.decode_batch_size])
         requests = [GenRequest(encode_prompt(tokenizer, p), cfg.gen_length) for p in prompts[i : i + cfg.decode_batch_size]]
         reference = torch.tensor(reference_canvas(static.generate(requests), cfg.gen_length, spec.eos_token_id), device=model.device)
         log: list = []
-        oracle = DiffusionGenerator(model, tokenizer, spec, "oracle", gen_length=cfg.gen_length, block_size=cfg.block_size, reference=reference, log=log)
+        oracle = DiffusionGenerator(
+            model, tokenizer, spec, "oracle", gen_length=cfg.gen_length, block_size=cfg.block_size, cache=cfg.cache, reference=reference, log=log
+        )
         oracle.generate(requests)
         for f, y, w in log:
             pad = (0, cfg.block_size - f.shape[-1])
@@ -77,7 +87,7 @@ def collect_filter_data(model, tokenizer, spec, prompts: list[str], cfg: FilterT
             weights.append(F.pad(w.float(), pad))
     if not feats:
         raise SpecdecError("no filter training data: give at least one prompt")
-    return FilterData(torch.cat(feats), torch.cat(labels), torch.cat(weights))
+    return FilterData(torch.cat(feats), torch.cat(labels), torch.cat(weights), labelled)
 
 
 def bce(filt: ConfidenceFilter, data: FilterData) -> Tensor:
@@ -133,17 +143,21 @@ def train_filter(
     budget_minutes: float | None = None,
     seed: int = 0,
     trust_remote_code: bool = False,
+    cache: str = "none",
 ) -> dict:
     """Label oracle decodes of ``prompts`` with the dLLM in ``dllm_dir``, fit the filter, write the artifact."""
-    cfg = FilterTrainConfig(gen_length=gen_length, block_size=block_size, hidden=hidden, max_steps=max_steps, budget_minutes=budget_minutes, seed=seed)
+    cfg = FilterTrainConfig(
+        gen_length=gen_length, block_size=block_size, hidden=hidden, max_steps=max_steps, budget_minutes=budget_minutes, seed=seed, cache=cache
+    )  # fmt: skip
     model, tokenizer, spec = load_dllm(dllm_dir, trust_remote_code=trust_remote_code)
     started = time.monotonic()
-    data = collect_filter_data(model, tokenizer, spec, prompts, cfg)
+    deadline = None if budget_minutes is None else started + 60 * budget_minutes * cfg.labelling_share
+    data = collect_filter_data(model, tokenizer, spec, prompts, cfg, deadline)
     labelling = time.monotonic() - started
     if budget_minutes is not None:  # labelling spent part of the budget
         cfg.budget_minutes = max(0.05, budget_minutes - labelling / 60)
     filt, metrics = fit_filter(data, cfg)
-    metrics = {"records": len(data), "prompts": len(prompts), "labelling_seconds": round(labelling, 2), **metrics}
+    metrics = {"records": len(data), "prompts": data.prompts, "labelling_seconds": round(labelling, 2), **metrics}
     save_filter(filt, out_dir, {"dllm": str(dllm_dir), "target": tokenizer_fingerprint(tokenizer), "threshold": cfg.threshold, "block_size": block_size})
     write_json(Path(out_dir) / "metrics.json", metrics)
     write_json(Path(out_dir) / "train_config.json", asdict(cfg))
