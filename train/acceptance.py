@@ -177,25 +177,22 @@ def build_features(draft, target, blocks, temperature: float, target_frac: float
 def greedy_continuations(target, blocks, prefix_len: int, new_tokens: int, batch: int = 128, limit: int | None = None,
                          deadline: float | None = None):
     """[N, prefix_len + new_tokens]: the first ``prefix_len`` tokens of each block followed by the target's
-    greedy continuation (no EOS stop): the text a greedy decode verifies drafts against."""
+    greedy continuation (no EOS stop), decoded by the engine's own loop (``ar``): the text a greedy
+    decode verifies drafts against."""
     import torch
-    from transformers import DynamicCache
 
+    from specdec.decode.engine import SpecEngine
+    from specdec.decode.types import GenRequest
+
+    engine = SpecEngine(target, None, eos_ids=[])
     n = len(blocks) if limit is None else min(limit, len(blocks))
     rows = []
-    with torch.no_grad():
-        for i in range(0, n, batch):
-            if deadline is not None and rows and time.perf_counter() > deadline:
-                break
-            ids = blocks[i : min(i + batch, n)]["input_ids"][:, :prefix_len]
-            cache = DynamicCache(config=target.config)
-            logits = target(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1]
-            seq = [ids]
-            for _ in range(new_tokens):
-                nxt = logits.argmax(-1, keepdim=True)
-                seq.append(nxt)
-                logits = target(input_ids=nxt, past_key_values=cache, use_cache=True).logits[:, -1]
-            rows.append(torch.cat(seq, 1))
+    for i in range(0, n, batch):
+        if deadline is not None and rows and time.perf_counter() > deadline:
+            break
+        ids = blocks[i : min(i + batch, n)]["input_ids"][:, :prefix_len]
+        results = engine.generate([GenRequest(prompt_ids=row.tolist(), max_new_tokens=new_tokens) for row in ids])
+        rows.append(torch.cat([ids, torch.tensor([r.token_ids for r in results], dtype=ids.dtype)], 1))
     return torch.cat(rows) if rows else torch.zeros(0, prefix_len + new_tokens, dtype=torch.long)
 
 
@@ -317,7 +314,7 @@ def simulate_greedy(pred, labels, fixed: float, per_draft: float, policy: StopPo
     Approximation: after a rejected draft, the real drafter judges its own wrong continuation, the
     replay the target's text; that only moves where such a round stops (its cost), never its tokens.
     """
-    logp = torch_log(pred).tolist()
+    logp = pred.double().clamp(min=1e-12).log().tolist()
     acc = labels.tolist()
     tokens = rounds = drafted = plain = 0
     log_floor = math.log1p(-policy.stop_threshold) if policy else 0.0
@@ -349,12 +346,6 @@ def simulate_greedy(pred, labels, fixed: float, per_draft: float, policy: StopPo
     cost = (rounds - plain) * fixed + drafted * per_draft + plain * (1 + per_draft)
     return {"speedup": tokens / cost if cost else 0.0, "tau": tokens / max(rounds, 1), "drafts_per_round": drafted / max(rounds, 1),
             "plain_rounds": plain / max(rounds, 1)}
-
-
-def torch_log(x):
-    import torch
-
-    return torch.log(x.double().clamp(min=1e-12))
 
 
 def choose_greedy_policy(pred, labels, costs: dict, max_draft: int = 20) -> tuple[StopPolicy, dict]:
