@@ -153,26 +153,12 @@ def code_prompts(tokenizer, texts: list[str], n: int, seed: int, min_tokens: int
     """``n`` prompts cut from training texts as the recipe cuts its held-out prompts (examples/prompts.jsonl):
     a prefix of ``min_tokens``..``max_tokens`` tokens ending at a function header and its first body line,
     a docstring opening or a data literal, the three kinds in turn."""
-    from specdec.train.recipe import _ANCHORS, _prefix  # one definition of the prompt distribution
+    from specdec.train.recipe import _ANCHORS, anchored_prompts  # one definition of the prompt distribution
 
     order = list(range(len(texts)))
     random.Random(seed).shuffle(order)
-    per_kind = math.ceil(n / len(_ANCHORS))
-    found: dict[str, list[str]] = {kind: [] for kind in _ANCHORS}
-    for i in order:
-        lines = texts[i].splitlines(keepends=True)
-        used_until = -1
-        for j, line in enumerate(lines):
-            for kind, pattern in _ANCHORS.items():
-                if len(found[kind]) >= per_kind or j <= used_until or not pattern.match(line):
-                    continue
-                text = _prefix(lines, j + (2 if kind == "code" else 1), tokenizer, min_tokens, max_tokens)
-                if text is not None:
-                    found[kind].append(text)
-                    used_until = j + 40  # spread prompts over the text
-        if all(len(v) >= per_kind for v in found.values()):
-            break
-    return [found[kind][i] for i in range(per_kind) for kind in _ANCHORS if i < len(found[kind])][:n]
+    found = anchored_prompts(((i, texts[i]) for i in order), tokenizer, math.ceil(n / len(_ANCHORS)), min_tokens, max_tokens)
+    return [prompt for _, _, _, prompt in found][:n]
 
 
 def sample_batch(examples: list[Example], batch_size: int, rng: random.Random) -> tuple[Tensor, Tensor]:

@@ -176,29 +176,37 @@ _ANCHORS = {
 
 def held_out_prompts(corpus, tok, per_category: int = 16, lo: int = 64, hi: int = 256) -> list[dict]:
     """Prefixes of held-out files ending at a function body, a docstring or a data literal."""
-    found: dict[str, list[dict]] = {k: [] for k in _ANCHORS}
-    for path in corpus.heldout_files:
-        lines = corpus.read(path).splitlines(keepends=True)
+    sources = ((path, corpus.read(path)) for path in corpus.heldout_files)
+    out, numbered = [], {k: 0 for k in _ANCHORS}
+    for cat, path, line, text in anchored_prompts(sources, tok, per_category, lo, hi):
+        numbered[cat] += 1
+        out.append({"id": f"{cat}-{numbered[cat]:02d}", "category": cat, "prompt": text,
+                    "source": f"{path.relative_to(corpus.root)}:{line + 1}"})
+    return out
+
+
+def anchored_prompts(sources, tok, per_kind: int, lo: int = 64, hi: int = 256) -> list[tuple[str, object, int, str]]:
+    """(kind, source, line index, prompt) for up to ``per_kind`` prompts of each anchor kind, cut from
+    ``sources`` ((source, text) pairs, read lazily: it stops once every kind is full) as a prefix of
+    ``lo``..``hi`` tokens ending at a function header and its first body line, a docstring opening or
+    a data literal; the kinds in turn. The one definition of specdec's prompt distribution (the
+    held-out prompts, and the training prompts that dLLM distillation answers)."""
+    found: dict[str, list] = {k: [] for k in _ANCHORS}
+    for source, text in sources:
+        lines = text.splitlines(keepends=True)
         used_until = -1
         for i, line in enumerate(lines):
-            for cat, pattern in _ANCHORS.items():
-                if len(found[cat]) >= per_category or i <= used_until or not pattern.match(line):
+            for kind, pattern in _ANCHORS.items():
+                if len(found[kind]) >= per_kind or i <= used_until or not pattern.match(line):
                     continue
-                end = i + (2 if cat == "code" else 1)
-                text = _prefix(lines, end, tok, lo, hi)
-                if text is None:
+                prompt = _prefix(lines, i + (2 if kind == "code" else 1), tok, lo, hi)
+                if prompt is None:
                     continue
-                rel = path.relative_to(corpus.root)
-                found[cat].append({"id": f"{cat}-{len(found[cat]) + 1:02d}", "category": cat, "prompt": text, "source": f"{rel}:{i + 1}"})
-                used_until = i + 40  # spread prompts over the file
-        if all(len(v) >= per_category for v in found.values()):
+                found[kind].append((kind, source, i, prompt))
+                used_until = i + 40  # spread prompts over the text
+        if all(len(v) >= per_kind for v in found.values()):
             break
-    out = []
-    for i in range(per_category):
-        for cat in _ANCHORS:
-            if i < len(found[cat]):
-                out.append(found[cat][i])
-    return out
+    return [found[kind][i] for i in range(per_kind) for kind in _ANCHORS if i < len(found[kind])]
 
 
 def _prefix(lines: list[str], end: int, tok, lo: int, hi: int) -> str | None:
