@@ -85,7 +85,6 @@ class AdaptiveDrafter(ModelDrafter):
         self.heads = {"sampling": head, "greedy": greedy_head if greedy_head is not None else head}
         self.has_greedy_head = greedy_head is not None
         self._on_greedy_fallback = on_greedy_fallback  # called once when a greedy round must use the sampling head
-        self.stop_threshold, self.min_draft, self.max_draft = stop_threshold, min_draft, max_draft
         self.default_k = max(p.max_draft for p in self.policies.values())  # the engine bounds it by the room left
         self._dtypes = {m: _dtype(h) for m, h in self.heads.items()}
         # the head runs once per drafted token: a head that offers ``fast()`` (AcceptanceHead) is called
@@ -96,6 +95,18 @@ class AdaptiveDrafter(ModelDrafter):
     @property
     def head(self):
         return self.heads["sampling"]
+
+    @property
+    def stop_threshold(self) -> float:  # the sampling policy's fields, as before two policies existed
+        return self.policies["sampling"].stop_threshold
+
+    @property
+    def min_draft(self) -> int:
+        return self.policies["sampling"].min_draft
+
+    @property
+    def max_draft(self) -> int:
+        return self.policies["sampling"].max_draft
 
     def propose(self, batch) -> Proposal | None:
         mode = "greedy" if batch.sampling.greedy else "sampling"
