@@ -226,8 +226,8 @@ class DraftLayer(nn.Module):
         self._fused_cache: dict = {}
 
     def forward(self, x, cos, sin, mask, store=None):
-        """x [B, T, H]; cos/sin [B, T, D] of each token's position; mask [B, 1, T, S] (bool, True =
-        attend) over the keys; ``store(k, v)`` puts this segment's keys/values [B, kvh, T, D] into a
+        """x [B, T, H]; cos/sin [B, T, D] of each token's position; mask [B, 1, T, S] over the keys (bool,
+        True = attend, or additive float); ``store(k, v)`` puts this segment's keys/values [B, kvh, T, D] into a
         cache and returns all S keys/values (None: the segment attends to itself only, S = T)."""
         b, t, _ = x.shape
         a, d = self.self_attn, self.head_dim

@@ -1,8 +1,8 @@
 """Tokenizer and target LM of the embedded default family.
 
 A byte-level BPE tokenizer and a small Llama-architecture target trained on the stdlib corpus
-with accelerate (bf16 autocast on CPU). Saved with save_pretrained so that
-AutoModelForCausalLM / AutoTokenizer load the folder like any Hugging Face checkpoint.
+with accelerate (mixed precision ``auto``: bf16 autocast only where the hardware has it natively).
+Saved with save_pretrained so that AutoModelForCausalLM / AutoTokenizer load the folder like any Hugging Face checkpoint.
 """
 
 from __future__ import annotations
@@ -109,9 +109,10 @@ def heldout_loss(model, blocks, batch_size: int = 8, max_blocks: int = 64) -> fl
     model.eval()
     losses = []
     n = min(len(blocks), max_blocks)
+    bf16 = model.device.type == "cpu" and resolve_precision("auto") == "bf16"
     for i in range(0, n, batch_size):
         ids = blocks[i : min(i + batch_size, n)]["input_ids"].to(model.device)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=ids.device.type == "cpu" and resolve_precision("auto") == "bf16"):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             out = model(input_ids=ids, labels=ids)
         losses.append(out.loss.float().item())
     model.train()
