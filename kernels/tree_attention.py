@@ -73,7 +73,8 @@ def _tree_attention_triton(query, key, value, mask, scale, num_splits):
         tree, seq, kv_heads, group, split_len, scale * math.log2(math.e),
         *query.stride()[:3], *key.stride()[:3], *value.stride()[:3], mask.stride(0), mask.stride(2), mask.stride(3),
         *partial.stride()[:4], *row_max.stride()[:3],
-        D=dim, BLOCK_D=triton.next_power_of_2(dim), BLOCK_M=block_m, BLOCK_N=block_n,
+        # tl.dot needs K >= 16: heads smaller than 16 are zero-padded (masked loads)
+        D=dim, BLOCK_D=max(16, triton.next_power_of_2(dim)), BLOCK_M=block_m, BLOCK_N=block_n,
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         num_warps=4,
     )  # fmt: skip
