@@ -106,6 +106,7 @@ def bench(
     kernels: Annotated[str, typer.Option(help="auto, triton or torch.")] = "auto",
     threads: Annotated[int, typer.Option(help="CPU intra-op threads for every method (0: one).")] = 0,
     trust_remote_code: Annotated[bool, typer.Option(help="Allow the checkpoint's own Python code.")] = False,
+    device: Annotated[str, typer.Option(help="Where the models run: cpu, cuda, cuda:N.")] = "cpu",
 ) -> None:
     """Benchmark methods against plain decoding (and peers) in one process, on the same prompts."""
     from specdec.decode.bench import BenchConfig, render, run_bench
@@ -114,7 +115,7 @@ def bench(
     cfg = BenchConfig(
         in_path=in_path, target=target, methods=[m for m in methods.split(",") if m], max_new_tokens=max_new_tokens,
         temperature=temperature, batch_size=batch_size, repeats=repeats, warmup=warmup, limit=limit,
-        kernels=kernels, threads=threads, trust_remote_code=trust_remote_code,
+        kernels=kernels, threads=threads, trust_remote_code=trust_remote_code, device=device,
     )
     try:
         report = run_bench(cfg, console)

@@ -15,6 +15,8 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field
 
+import torch
+
 from specdec.decode.artifacts import SpecdecError, resolve_member
 from specdec.decode.io import read_records
 from specdec.decode.loading import (
@@ -44,6 +46,7 @@ class BenchConfig:
     threads: int = 0
     trust_remote_code: bool = False
     seed: int = 0
+    device: str = "cpu"
 
 
 @dataclass
@@ -71,7 +74,7 @@ def run_bench(cfg: BenchConfig, console=None) -> dict:
                          batch_size=cfg.batch_size, kernels=cfg.kernels, threads=cfg.threads,
                          trust_remote_code=cfg.trust_remote_code)
     apply_threads(base)  # one setting for every method of the run
-    model, tok, _ = load_target(str(target_path), base)
+    model, tok, _ = load_target(str(target_path), base, device=cfg.device)
     prompts = [tok(r.prompt)["input_ids"] for r in records]
     categories = [r.category or "all" for r in records]
     methods = list(cfg.methods)
@@ -150,6 +153,8 @@ class _TimedPropose:
     def __call__(self, batch):
         t0 = time.perf_counter()
         out = self.inner(batch)
+        if batch.device.type == "cuda":  # the drafting kernels' time, not their launch (the round syncs anyway)
+            torch.cuda.synchronize(batch.device)
         self.seconds += time.perf_counter() - t0
         self.calls += 1
         return out
@@ -168,7 +173,7 @@ def _prepare_peer(spec: str, model, tok, prompts, base: DecodeOptions, cfg: Benc
     elif name == "hf-assisted":
         if not arg:
             raise SpecdecError("hf-assisted needs a draft: hf-assisted:DIR")
-        kwargs["assistant_model"] = load_causal_lm(resolve_member(arg), base)
+        kwargs["assistant_model"] = load_causal_lm(resolve_member(arg), base, device=model.device)
     elif name != "hf-generate":
         raise SpecdecError(f"unknown peer {spec!r} (hf-generate, hf-lookup, hf-assisted:DIR)")
 
@@ -218,7 +223,9 @@ def _time_forward(model, prefix: list[int], t: int, repeats: int) -> float:
 
     from specdec.decode.cache import KVState
 
-    ids = torch.tensor([prefix])
+    device = next(model.parameters()).device
+    ids = torch.tensor([prefix], device=device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)  # time the kernels, not their launch
     times = []
     with torch.inference_mode():
         for _ in range(repeats):
@@ -226,8 +233,10 @@ def _time_forward(model, prefix: list[int], t: int, repeats: int) -> float:
             state.forward(ids, logits_to_keep=1)
             state.commit_prefix(ids.shape[1], torch.ones_like(ids, dtype=torch.bool))
             step = ids[:, :t] if t <= ids.shape[1] else ids[:, :1].repeat(1, t)
+            sync()
             t0 = time.perf_counter()
             state.forward(step)
+            sync()
             times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
@@ -335,6 +344,7 @@ def _diffusion_bench(cfg: BenchConfig, target_path, records) -> dict:
         repeats=cfg.repeats,
         warmup=cfg.warmup,
         trust_remote_code=cfg.trust_remote_code,
+        device=cfg.device,
     )
 
 

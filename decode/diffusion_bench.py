@@ -132,6 +132,7 @@ def bench_diffusion(
     repeats: int = 1,
     warmup: int = 1,
     trust_remote_code: bool = False,
+    device: str = "cpu",
 ) -> dict:
     """Run every method on ``records`` (dicts with ``prompt``, optionally ``answer``) and report.
 
@@ -148,6 +149,7 @@ def bench_diffusion(
     if not any(is_reference(m) for m in parsed):
         parsed.insert(0, Method(REFERENCE, REFERENCE))
     model, tokenizer, spec = load_dllm(model_dir, trust_remote_code=trust_remote_code)
+    model.to(device)
     prompts = [encode_prompt(tokenizer, r["prompt"]) for r in records]
     runs = []
     for method in parsed:

@@ -478,6 +478,7 @@ def train_dllm(
     torch.manual_seed(cfg.seed)
     rng = random.Random(cfg.seed)
     model, tokenizer, spec = convert_to_dllm(from_dir, cfg, model_config, tokenizer_dir)
+    model.to(_train_device())  # the held-out CE and the self-generated decodes run where training will
     if certainty_forcing and from_dir is not None and read_config(from_dir).get("specdec_kind") != "dllm":
         raise SpecdecError("--certainty-forcing distils an existing dLLM: pass one as --from (train it with train-dllm first)")
     texts, pairs = read_training_data(texts_or_files)
@@ -580,3 +581,10 @@ def build_for_recipe(target_dir, family_dir, train_texts: list[str], budget_minu
 
 def _device(model):
     return next(model.parameters()).device
+
+
+def _train_device():
+    """The device accelerate trains this process on (a GPU where there is one)."""
+    from accelerate import PartialState
+
+    return PartialState().device
