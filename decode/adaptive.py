@@ -69,6 +69,12 @@ class StopPolicy:
         if not 0 < self.stop_threshold < 1 or self.min_draft < 0 or self.max_draft < max(self.min_draft, 1):
             raise ValueError("need 0 < stop_threshold < 1, min_draft >= 0 and max_draft >= max(min_draft, 1)")
 
+    @property
+    def fixed(self) -> bool:
+        """min_draft == max_draft: every round drafts that many tokens whatever the head says (a fixed-K
+        policy, which the default-policy search offers beside the adaptive ones)."""
+        return self.min_draft == self.max_draft
+
 
 class AdaptiveDrafter(ModelDrafter):
     """``head`` judges sampled drafts (T > 0) and, without a ``greedy_head``, greedy ones too.
@@ -117,6 +123,9 @@ class AdaptiveDrafter(ModelDrafter):
         kmax = min(policy.max_draft, batch.num_draft)
         if kmax <= 0:
             return None
+        if policy.fixed:  # the bounds fix the length: the head could not change the round, so it is not run
+            self.last_lengths = torch.full((len(batch.seqs),), kmax, dtype=torch.long, device=batch.device)
+            return self._propose_fixed(batch, kmax)
         kmin = max(min(policy.min_draft, kmax), 1)  # the first decision comes with the first draft
         # stop when prod P_i < 1 - threshold, tracked as a sum of log-sigmoids on the host: the head's
         # output comes to the host once per step (the stop decision needs that sync anyway) and the

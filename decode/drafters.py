@@ -297,7 +297,9 @@ class ModelDrafter(Drafter):
         return torch.multinomial(q, 1, generator=batch.generator).squeeze(-1), q
 
     def propose(self, batch) -> Proposal | None:
-        k = batch.num_draft
+        return self._propose_fixed(batch, batch.num_draft)
+
+    def _propose_fixed(self, batch, k: int) -> Proposal | None:
         if k <= 0:
             return None
         logits = self._feed_pending(batch)

@@ -332,12 +332,52 @@ def test_choose_greedy_policy_prefers_long_drafts_when_drafting_is_cheap_and_rig
     g = torch.Generator().manual_seed(0)
     labels = (torch.rand(8, 60, generator=g) < 0.9).float()
     pred = torch.full_like(labels, 0.9)
-    cheap, _ = choose_greedy_policy(pred, labels, {"fixed": 1.0, "per_draft": 0.05})
-    dear, sim = choose_greedy_policy(pred, labels, {"fixed": 1.0, "per_draft": 0.9})
-    assert cheap.stop_threshold > dear.stop_threshold  # costly drafts: stop sooner
-    assert sim["chosen"]["stop_threshold"] == dear.stop_threshold
-    assert max(r["speedup"] for r in sim["grid"]) == pytest.approx(
-        next(r for r in sim["grid"] if r["stop_threshold"] == dear.stop_threshold and r["min_draft"] == dear.min_draft)["speedup"])
+    _, cheap = choose_greedy_policy(pred, labels, {"fixed": 1.0, "per_draft": 0.05})
+    _, dear = choose_greedy_policy(pred, labels, {"fixed": 1.0, "per_draft": 0.9})
+    # the best adaptive policy: costly drafts stop sooner
+    assert cheap["best_adaptive"]["stop_threshold"] > dear["best_adaptive"]["stop_threshold"]
+    assert dear["best_adaptive"]["speedup"] == pytest.approx(max(r["speedup"] for r in dear["grid"]))
+
+
+def test_choose_greedy_policy_takes_a_fixed_length_when_the_head_cannot_pay_for_itself():
+    from specdec.decode.adaptive import StopPolicy
+    from specdec.train.acceptance import choose_greedy_policy, simulate_greedy
+
+    g = torch.Generator().manual_seed(0)
+    labels = (torch.rand(8, 60, generator=g) < 0.5).float()
+    # an uninformative head (constant P) cannot tell rounds apart; its per-draft cost only adds
+    flat = torch.full_like(labels, 0.5)
+    costs = {"fixed": 1.0, "per_draft": 0.45, "head_per_draft": 0.05}
+    policy, sim = choose_greedy_policy(flat, labels, costs)
+    assert sim["chosen_kind"] == "fixed" and policy.fixed and policy.min_draft == sim["best_fixed"]["k"]
+    assert sim["best_fixed"]["speedup"] > sim["best_adaptive"]["speedup"]
+    # fixed lengths are charged without the head's share
+    assert sim["best_fixed"]["speedup"] == pytest.approx(simulate_greedy(flat, labels, 1.0, 0.40, k=policy.min_draft)["speedup"])
+    # a head that knows which drafts the target keeps makes adaptive stopping win (where drafts are cheap
+    # enough that knowing when to go on pays)
+    policy, sim = choose_greedy_policy(labels.clamp(0.02, 0.98), labels, {"fixed": 1.0, "per_draft": 0.2, "head_per_draft": 0.05})
+    assert sim["chosen_kind"] == "adaptive" and not policy.fixed
+    assert policy == StopPolicy(sim["best_adaptive"]["stop_threshold"], sim["best_adaptive"]["min_draft"], 20)
+
+
+def test_fixed_policy_skips_the_head_and_equals_the_draft_model(target, draft_model):
+    """min_draft == max_draft == K: the adaptive drafter proposes exactly what a fixed-K draft model
+    proposes (same tokens, same drafts per round) and never calls its head."""
+    from specdec.decode.drafters import ModelDrafter
+
+    calls = []
+    head = _head(draft_model.config.hidden_size)
+    head.register_forward_hook(lambda *_: calls.append(1))
+    fixed = AdaptiveDrafter(draft_model, head, greedy_head=head, greedy_policy=StopPolicy(0.5, 3, 3))
+    fixed._scorers = {m: head for m in fixed._scorers}  # through the module, so the hook sees every call
+    prompts = make_prompts(3, seed=5)
+    outs = {}
+    for name, drafter in (("fixed", fixed), ("draft", ModelDrafter(draft_model))):
+        reqs = [GenRequest(prompt_ids=p, max_new_tokens=20) for p in prompts]
+        res = SpecEngine(target, ByteTokenizer(), drafter, num_draft=3).generate(reqs)
+        outs[name] = [(r.token_ids, r.stats["drafted_tokens"]) for r in res]
+    assert outs["fixed"] == outs["draft"] and not calls
+    assert fixed.last_lengths.tolist() == [3] * fixed.last_lengths.numel()
 
 
 def test_train_acceptance_writes_two_heads_calibration_and_policy(tiny_family, tmp_path, target):
@@ -360,8 +400,12 @@ def test_train_acceptance_writes_two_heads_calibration_and_policy(tiny_family, t
     assert m["greedy_text"]["train_sequences"] == 8 and m["heldout_positions"]["greedy"] > 0
     assert m["round_costs"]["ar_round_s"] > 0 and m["round_costs"]["per_draft"] == m["round_costs"]["per_draft"]  # not NaN
     chosen = m["policy_simulation"]["chosen"]
-    best = max(m["policy_simulation"]["grid"], key=lambda r: r["speedup"])
-    assert (chosen["stop_threshold"], chosen["min_draft"]) == (best["stop_threshold"], best["min_draft"])
+    sim = m["policy_simulation"]
+    best = max(sim["grid"] + sim["fixed_k"], key=lambda r: r["speedup"])  # adaptive grid and fixed lengths
+    if sim["chosen_kind"] == "fixed":
+        assert chosen["min_draft"] == chosen["max_draft"] == best["k"]
+    else:
+        assert (chosen["stop_threshold"], chosen["min_draft"]) == (best["stop_threshold"], best["min_draft"])
     cfg_json = json.loads((out / "config.json").read_text())
     assert cfg_json["heads"] == ["sampling", "greedy"] and cfg_json["policy"]["greedy"] == chosen
     heads, _ = load_acceptance_heads(out)

@@ -250,11 +250,13 @@ def calibration(pred, labels, bins: int = 10) -> dict:
 
 THRESHOLDS = (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 MIN_DRAFTS = (0, 1, 2)
+FIXED_KS = (1, 2, 3, 4, 6, 8)
 
 
 def measure_round_costs(target, tokenizer, draft, head, prompts: list[list[int]], new_tokens: int = 48, reps: int = 3) -> dict:
-    """Seconds per decode round at bs=1 through the real engine, one intra-op thread: ``ar``, and the
-    adaptive drafter held at n = 1, 2, 4 drafts (the head runs at every step, as in a real round).
+    """Seconds per decode round at bs=1 through the real engine, one intra-op thread: ``ar``, the
+    adaptive drafter held at n = 1, 2, 4 drafts (the head runs at every step, as in a real round), and
+    a fixed K=1 round (no head).
 
     A speculative round of n drafts is fitted as alpha + beta * n; in units of an ``ar`` round (one
     target forward plus the loop's overhead) that is ``fixed`` + ``per_draft`` * n, which is what
@@ -271,13 +273,16 @@ def measure_round_costs(target, tokenizer, draft, head, prompts: list[list[int]]
     ks = (1, 2, 4)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    per_round: dict = {"ar": []} | {k: [] for k in ks}
+    per_round: dict = {"ar": [], "fixed-1": []} | {k: [] for k in ks}
     drafts_per_round: dict = {k: [] for k in ks}
+    # head-judged rounds held at n drafts: min_draft 0 keeps the head running at every step (a policy with
+    # min_draft == max_draft would skip it) and the threshold never stops a round early
+    judged = lambda k: StopPolicy(1 - 1e-9, 0, k)  # noqa: E731
     try:
         for _ in range(reps):  # configurations interleaved, so drift of a shared machine hits them alike
-            for k in ("ar",) + ks:
-                drafter = None if k == "ar" else AdaptiveDrafter(
-                    draft, head, greedy_head=head, greedy_policy=StopPolicy(1 - 1e-9, 1, k), stop_threshold=1 - 1e-9, min_draft=1, max_draft=k)
+            for k in ("ar", "fixed-1") + ks:
+                policy = StopPolicy(0.5, 1, 1) if k == "fixed-1" else None if k == "ar" else judged(k)
+                drafter = None if policy is None else AdaptiveDrafter(draft, head, greedy_head=head, greedy_policy=policy)
                 engine = SpecEngine(target, tokenizer, drafter, eos_ids=[])
                 wall = rounds = drafted = 0
                 for p in prompts:  # bs=1, the prefill's time included (the same in every configuration)
@@ -287,7 +292,7 @@ def measure_round_costs(target, tokenizer, draft, head, prompts: list[list[int]]
                     rounds += r.stats["target_calls"] - 1
                     drafted += r.stats["drafted_tokens"]
                 per_round[k].append(wall / rounds)
-                if k != "ar":
+                if k in ks:
                     drafts_per_round[k].append(drafted / rounds)
     finally:
         torch.set_num_threads(threads)
@@ -297,10 +302,14 @@ def measure_round_costs(target, tokenizer, draft, head, prompts: list[list[int]]
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
     beta = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / max(sum((x - mx) ** 2 for x in xs), 1e-12)
     alpha = my - beta * mx
-    return {"ar_round_s": t_ar, "spec_round_s": dict(zip(map(str, ks), ys)), "fixed": alpha / t_ar, "per_draft": beta / t_ar,
+    # a fixed-length round runs no head: its fixed part is the judged one less the head's measured share
+    head = max(0.0, ys[0] - statistics.median(per_round["fixed-1"])) / xs[0]
+    return {"ar_round_s": t_ar, "spec_round_s": dict(zip(map(str, ks), ys)), "fixed_1_round_s": statistics.median(per_round["fixed-1"]),
+            "fixed": alpha / t_ar, "per_draft": beta / t_ar, "head_per_draft": head / t_ar,
             "prompts": len(prompts), "new_tokens": new_tokens, "reps": reps,
-            "note": "per-round seconds at bs=1, one thread, greedy, through SpecEngine; a round of n drafts costs "
-                    "fixed + per_draft * n ar rounds (least squares over n = 1, 2, 4)"}
+            "note": "per-round seconds at bs=1, one thread, greedy, through SpecEngine; a head-judged round of n drafts "
+                    "costs fixed + per_draft * n ar rounds (least squares over n = 1, 2, 4); a fixed-length round, which "
+                    "runs no head, costs head_per_draft * n less (from a timed fixed K=1 round)"}
 
 
 def simulate_greedy(pred, labels, fixed: float, per_draft: float, policy: StopPolicy | None = None, k: int | None = None) -> dict:
@@ -349,19 +358,28 @@ def simulate_greedy(pred, labels, fixed: float, per_draft: float, policy: StopPo
 
 
 def choose_greedy_policy(pred, labels, costs: dict, max_draft: int = 20) -> tuple[StopPolicy, dict]:
-    """The (stop threshold, min draft) of the grid with the most simulated tokens per unit cost."""
+    """The policy with the most simulated tokens per unit cost among the adaptive grid (stop threshold x
+    min draft) and fixed lengths K (min_draft = max_draft = K, no head: charged ``head_per_draft`` less per
+    draft). A fixed K wins where no stop rule on this head pays for the head and the longer rounds it
+    asks for; ``chosen_kind`` says which family won, and the best of the other stays on record."""
     grid = []
     for m in MIN_DRAFTS:
         for thr in THRESHOLDS:
             pol = StopPolicy(thr, m, max_draft)
             grid.append({"stop_threshold": thr, "min_draft": m, "max_draft": max_draft,
                          **simulate_greedy(pred, labels, costs["fixed"], costs["per_draft"], policy=pol)})
-    fixed_k = [{"k": k, **simulate_greedy(pred, labels, costs["fixed"], costs["per_draft"], k=k)} for k in (1, 2, 3, 4, 6, 8)]
+    per_draft_fixed = costs["per_draft"] - costs.get("head_per_draft", 0.0)
+    fixed_k = [{"k": k, **simulate_greedy(pred, labels, costs["fixed"], per_draft_fixed, k=k)} for k in FIXED_KS]
     # the same policies under a perfect head (P = the labels): how much a better head could give
     oracle = simulate_greedy(labels.clamp(1e-6, 1 - 1e-6), labels, costs["fixed"], costs["per_draft"], policy=StopPolicy(0.5, 0, max_draft))
     best = max(grid, key=lambda r: r["speedup"])
-    policy = StopPolicy(best["stop_threshold"], best["min_draft"], best["max_draft"])
-    return policy, {"grid": grid, "fixed_k": fixed_k, "oracle_head": oracle, "chosen": dataclasses.asdict(policy)}
+    best_fixed = max(fixed_k, key=lambda r: r["speedup"])
+    if best_fixed["speedup"] > best["speedup"]:
+        policy, kind = StopPolicy(0.5, best_fixed["k"], best_fixed["k"]), "fixed"
+    else:
+        policy, kind = StopPolicy(best["stop_threshold"], best["min_draft"], best["max_draft"]), "adaptive"
+    return policy, {"grid": grid, "fixed_k": fixed_k, "oracle_head": oracle, "chosen": dataclasses.asdict(policy), "chosen_kind": kind,
+                    "best_adaptive": best, "best_fixed": best_fixed}
 
 
 # ---------------------------------------------------------------------------------------------
