@@ -76,6 +76,11 @@ def test_tiny_budget_recipe_end_to_end(tmp_path):
     metrics = json.loads((fam / "target" / "metrics.json").read_text())
     assert metrics["tokens_trained"] > 0 and metrics["heldout_loss"] < 8.3  # below uniform over 4096 tokens
     assert len((fam / "list_tasks.jsonl").read_text().splitlines()) == 48
+    # the dLLM went through masked CE and then certainty forcing; its filter was fitted on code prompts
+    dllm_cfg = json.loads((fam / "dllm" / "config.json").read_text())
+    assert dllm_cfg["specdec_kind"] == "dllm" and dllm_cfg["dllm_training"] == ["masked_ce", "certainty_forcing"]
+    assert json.loads((fam / "dllm" / "metrics.json").read_text())["self_generated"] > 0
+    assert (fam / "filter" / "metrics.json").exists()
     src = tmp_path / "in.jsonl"
     src.write_text("".join(line for line in open(fam / "prompts.jsonl").readlines()[:2]))
     for drafter in ["ar", "ngram"]:
