@@ -81,6 +81,7 @@ def train_filter_command(
     trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code", help="Allow LLaDA/Dream-style remote code.")] = False,
 ) -> None:
     from specdec.decode.artifacts import SpecdecError
+    from specdec.train.dllm import cut_code_prompts
     from specdec.train.filter import train_filter
 
     try:
@@ -110,18 +111,6 @@ def read_prompts(path: Path) -> list[str]:
     prompts = [row["prompt"] for row in load_dataset("json", data_files=str(path), split="train") if row.get("prompt")]
     if not prompts:
         raise SpecdecError(f"{path} has no records with a prompt")
-    return prompts
-
-
-def cut_code_prompts(dllm: Path, texts: list[str], n: int, seed: int) -> list[str]:
-    from transformers import AutoTokenizer
-
-    from specdec.decode.artifacts import SpecdecError
-    from specdec.train.dllm import code_prompts
-
-    prompts = code_prompts(AutoTokenizer.from_pretrained(dllm), texts, n, seed)
-    if not prompts:
-        raise SpecdecError("no code prompts could be cut from --data: it needs Python source texts")
     return prompts
 
 

@@ -569,8 +569,6 @@ def build_for_recipe(target_dir, family_dir, train_texts: list[str], budget_minu
     forcing and of the filter's labels reuse the prompt's and finished blocks' K/V (``cache="prefix"``,
     the same computation under block attention).
     """
-    import tempfile
-
     from specdec.train.filter import train_filter
     from specdec.train.listtasks import list_tasks
 
@@ -591,8 +589,7 @@ def build_for_recipe(target_dir, family_dir, train_texts: list[str], budget_minu
             certainty_forcing=True, extra_examples=tasks, cf_prompts=plan.cf_prompts, cf_gen_length=plan.gen_length,
             cf_cache="prefix", progress=False,
         )  # fmt: skip
-    tokenizer = _tokenizer(family / "dllm")
-    prompts = code_prompts(tokenizer, texts, plan.filter_prompts, seed + 1)
+    prompts = cut_code_prompts(family / "dllm", texts, plan.filter_prompts, seed + 1)
     filter_metrics = train_filter(
         family / "dllm", prompts, family / "filter", gen_length=plan.gen_length, cache="prefix",
         budget_minutes=budget_minutes * (1 - plan.ce_share - plan.cf_share), seed=seed,
@@ -600,10 +597,14 @@ def build_for_recipe(target_dir, family_dir, train_texts: list[str], budget_minu
     return {"dllm": {"masked_ce": ce_metrics, "certainty_forcing": cf_metrics}, "filter": filter_metrics}
 
 
-def _tokenizer(path):
+def cut_code_prompts(dllm_dir, texts: list[str], n: int, seed: int) -> list[str]:
+    """``code_prompts`` with the dLLM's own tokenizer; an error when none can be cut."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+    prompts = code_prompts(AutoTokenizer.from_pretrained(dllm_dir), texts, n, seed)
+    if not prompts:
+        raise SpecdecError("no code prompts could be cut from --data: it needs Python source texts")
+    return prompts
 
 
 def _device(model):
