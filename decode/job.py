@@ -133,6 +133,11 @@ class Decoder:
         out = {"id": rec.id}
         if rec.category is not None:
             out["category"] = rec.category
+        # the input is echoed so an output file is training data on its own (train-draft reads prompt + completion)
+        if rec.messages is not None:
+            out["messages"] = rec.messages
+        else:
+            out["prompt"] = rec.prompt
         stats = {"prompt_tokens": len(req.prompt_ids), **result.stats, "wall_s": round(wall, 6)}
         stats.pop("batch_wall_s", None)
         out.update(completion=text, finish_reason=finish, stats=stats)

@@ -47,6 +47,22 @@ def test_decode_writes_one_record_per_line_in_order(tiny_family, tmp_path):
         assert o["stats"]["new_tokens"] <= 8
 
 
+def test_decode_output_is_training_data(tiny_family, tmp_path):
+    """Self-distillation is a pipeline: each output record echoes its prompt (or messages), so
+    train-draft reads prompt + completion from it; error records are not training text."""
+    from specdec.train.data import record_text
+
+    chat = {"messages": [{"role": "user", "content": "def g(y):"}]}
+    src = write_jsonl(tmp_path / "in.jsonl", [PROMPTS[0], chat, "{broken"])
+    res = decode(tiny_family, "--in", str(src), "--out", str(tmp_path / "out.jsonl"))
+    assert res.exit_code == 3, res.output
+    out = read_jsonl(tmp_path / "out.jsonl")
+    assert out[0]["prompt"] == PROMPTS[0]["prompt"] and out[1]["messages"] == chat["messages"]
+    assert record_text(out[0]) == PROMPTS[0]["prompt"] + out[0]["completion"]
+    assert record_text(out[1]) == "def g(y):\n" + out[1]["completion"]
+    assert record_text(out[2]) is None
+
+
 def test_bad_records_become_errors_and_the_job_goes_on(tiny_family, tmp_path):
     rows = [
         PROMPTS[0],

@@ -51,7 +51,9 @@ def record_text(rec: dict) -> str | None:
         return prompt + (completion if isinstance(completion, str) else "")
     msgs = rec.get("messages")
     if isinstance(msgs, list) and msgs:
-        return "\n".join(str(m.get("content", "")) for m in msgs if isinstance(m, dict))
+        completion = rec.get("completion")
+        turns = [str(m.get("content", "")) for m in msgs if isinstance(m, dict)]
+        return "\n".join(turns + ([completion] if isinstance(completion, str) and completion else []))
     for key in TEXT_FIELDS:
         if isinstance(rec.get(key), str) and rec[key]:
             return rec[key]
