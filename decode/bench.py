@@ -57,6 +57,7 @@ class Run:
     walls: list
     propose_s: float = 0.0
     rounds: int = 0
+    record_walls: list = field(default_factory=list)  # per pass: each prompt's share of its batch's wall time
 
 
 def run_bench(cfg: BenchConfig, console=None) -> dict:
@@ -139,7 +140,8 @@ def _collect(passes: list[tuple], runner) -> Run:
     """One Run from a method's timed passes: outputs and stats of the last, every pass's wall time."""
     outputs, stats, _, propose_s, rounds = passes[-1]
     walls = [p[2] for p in passes]
-    return Run(outputs, stats, statistics.median(walls), walls, propose_s, rounds)
+    record_walls = [[st["wall_s"] for st in p[1]] for p in passes]
+    return Run(outputs, stats, statistics.median(walls), walls, propose_s, rounds, record_walls)
 
 
 class _TimedPropose:
@@ -249,17 +251,18 @@ def _entry(spec, run: Run, ar: Run, categories, costs, model, tok, base, cfg) ->
 
     def summarize(idx: list[int]) -> dict:
         toks = sum(len(run.outputs[i]) for i in idx)
-        wall = sum(run.stats[i]["wall_s"] for i in idx)
         ar_toks = sum(len(ar.outputs[i]) for i in idx)
-        ar_wall = sum(ar.stats[i]["wall_s"] for i in idx)
         calls = [run.stats[i].get("target_calls") for i in idx]
-        tps = toks / wall if wall else 0.0
-        ar_tps = ar_toks / ar_wall if ar_wall else 0.0
+        # as the headline: per pass against the same round's ar, then the median over passes
+        walls = [sum(w[i] for i in idx) for w in run.record_walls]
+        ar_walls = [sum(w[i] for i in idx) for w in ar.record_walls]
+        tps = toks / statistics.median(walls) if all(walls) else 0.0
+        ratios = [(toks / w) / (ar_toks / a) for w, a in zip(walls, ar_walls) if w and a]
         out = {
             "prompts": len(idx),
             "new_tokens": toks,
             "tokens_per_s": round(tps, 2),
-            "speedup": round(tps / ar_tps, 3) if ar_tps else None,
+            "speedup": round(statistics.median(ratios), 3) if ratios else None,
             "identical_to_ar": round(sum(run.outputs[i] == ar.outputs[i] for i in idx) / len(idx), 4)
             if cfg.temperature == 0 else None,
             "distinct4": round(distinct_ngram_ratio([run.outputs[i] for i in idx]), 4),
