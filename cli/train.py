@@ -216,10 +216,17 @@ def register(app: typer.Typer) -> None:
 def build_drafters_for_recipe(family_dir: Path, train_files: list[Path], budget_minutes: float, seed: int) -> dict:
     """Train every learned drafter of a family from ``family_dir/target`` within ``budget_minutes``.
 
-    Writes family_dir/{draft, draft-ce, acceptance, medusa, clover, eagle}; draft (KD) and draft-ce
-    (CE only) get the same budget and recipe so their tau is comparable. Returns {member: metrics}.
+    First the target's own greedy continuations of code prompts cut from ``train_files`` are written to
+    family_dir/data/regen.jsonl (self-distillation, as `specdec decode` writes them), and every drafter
+    trains on those: a drafter's job is to predict the target, not the corpus. Writes
+    family_dir/{draft, draft-ce, acceptance, medusa, clover, eagle}; draft (KD) and draft-ce (CE only) get
+    the same budget and recipe so their tau is comparable. Returns {member: metrics}.
     """
+    from transformers import AutoTokenizer
+
     from specdec.train.acceptance import train_acceptance
+    from specdec.train.data import load_texts, self_distill
+    from specdec.train.dllm import code_prompts
     from specdec.train.draft import train_draft
     from specdec.train.heads import train_heads
     from specdec.train.loop import load_config
@@ -228,9 +235,18 @@ def build_drafters_for_recipe(family_dir: Path, train_files: list[Path], budget_
     target = family_dir / "target"
     if not (target / "config.json").exists():
         raise SpecdecError(f"{target} has no config.json: build the target first")
-    share = {"draft": 0.2, "draft-ce": 0.2, "acceptance": 0.1, "medusa": 0.12, "clover": 0.14, "eagle": 0.24}
+    share = {"regen": 0.1, "draft": 0.18, "draft-ce": 0.18, "acceptance": 0.1, "medusa": 0.1, "clover": 0.12, "eagle": 0.22}
     big = 100_000  # steps: the budget is what stops each run
     results: dict = {}
+
+    texts = load_texts(train_files)
+    # code prompts as the held-out ones are cut; text that is not Python source: each document's first half
+    prompts = code_prompts(AutoTokenizer.from_pretrained(target), texts, 2048, seed) or [t[: len(t) // 2] for t in texts]
+    regen = family_dir / "data" / "regen.jsonl"
+    written = self_distill(target, prompts, regen, max(0.75 * budget_minutes * share["regen"], 0.05) * 60)
+    results["regen"] = {"prompts": written, "file": str(regen)}
+    if written >= 16:  # too few documents for a held-out split: the corpus it is
+        train_files = [regen]
 
     def cfg(recipe: str, section: str, member: str):
         # a fixed share of the whole budget per run (a share of the time *left* starves the last

@@ -346,10 +346,34 @@ def test_recipe_hook_builds_family(workdir, tmp_path):
 
     shutil.copytree(workdir / "target", tmp_path / "target")
     res = build_drafters_for_recipe(tmp_path, [workdir / "data.jsonl"], budget_minutes=0.2, seed=0)
-    assert set(res) == {"draft", "draft-ce", "acceptance", "medusa", "clover", "eagle"}
+    assert set(res) == {"regen", "draft", "draft-ce", "acceptance", "medusa", "clover", "eagle"}
+    assert res["regen"]["prompts"] >= 16  # the drafters trained on the target's own continuations
+    assert len((tmp_path / "data" / "regen.jsonl").read_text().splitlines()) == res["regen"]["prompts"]
     assert res["draft-ce"]["kd_weight"] == 0.0 and res["draft"]["kd_weight"] > 0
-    for member in res:
+    for member in set(res) - {"regen"}:
         assert (tmp_path / member / "metrics.json").exists()
+
+
+def test_self_distill_writes_the_targets_greedy_continuations(workdir, tmp_path):
+    """The recipe's self-distillation data is `specdec decode` output: prompt echoed, completion equal to
+    plain greedy decoding (the n-gram drafter it uses is lossless); a spent budget writes nothing."""
+    from typer.testing import CliRunner
+
+    from specdec.cli.main import app
+    from specdec.train.data import load_texts, self_distill
+
+    prompts = [t[:30] for t in corpus(12, seed=3)]
+    n = self_distill(workdir / "target", prompts, tmp_path / "regen.jsonl", budget_s=600, max_new_tokens=12, batch_size=5)
+    assert n == 12
+    got = [json.loads(line) for line in (tmp_path / "regen.jsonl").read_text().splitlines()]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    res = CliRunner().invoke(app, ["decode", "--in", str(tmp_path / "in.jsonl"), "--out", str(tmp_path / "ar.jsonl"),
+                                   "--target", str(workdir / "target"), "--max-new-tokens", "12"])
+    assert res.exit_code == 0, res.output
+    ar = [json.loads(line) for line in (tmp_path / "ar.jsonl").read_text().splitlines()]
+    assert [g["completion"] for g in got] == [a["completion"] for a in ar]
+    assert load_texts([tmp_path / "regen.jsonl"]) == [p + g["completion"] for p, g in zip(prompts, got)]
+    assert self_distill(workdir / "target", prompts, tmp_path / "none.jsonl", budget_s=0) == 0
 
 
 def test_acceptance_labelling_stops_at_its_deadline(draft_model):

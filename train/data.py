@@ -100,3 +100,31 @@ def tokenize_blocks(texts: list[str], tokenizer, seq_len: int, heldout: float = 
 
 def load_blocks(files: list[str | Path], tokenizer, seq_len: int, heldout: float = 0.1, seed: int = 0):
     return tokenize_blocks(load_texts(files), tokenizer, seq_len, heldout, seed)
+
+
+def self_distill(target_dir: str | Path, prompts: list[str], out: str | Path, budget_s: float, max_new_tokens: int = 128,
+                 batch_size: int = 32, drafter: str = "ngram") -> int:
+    """Write the target's own greedy continuations of ``prompts`` to ``out`` (the `specdec decode` format,
+    the same job code) until ``budget_s`` is spent; returns the records written.
+
+    Drafters trained on them learn what the target says rather than what the corpus says (Medusa-2 and
+    EAGLE's self-distillation). ``drafter`` is lossless at T=0, so it only makes the decode faster.
+    """
+    import itertools
+    import time
+
+    from specdec.decode.io import JsonlWriter, Record
+    from specdec.decode.job import Decoder
+    from specdec.decode.loading import DecodeOptions
+
+    decoder = Decoder(str(target_dir), DecodeOptions(drafter=drafter, max_new_tokens=max_new_tokens, batch_size=batch_size))
+    deadline = time.perf_counter() + budget_s
+    records = (Record(line=i + 1, id=f"regen-{i}", prompt=p) for i, p in enumerate(prompts))
+    # checked as each record is taken, so the batch under way finishes and the file has no torn line
+    records = itertools.takewhile(lambda _: time.perf_counter() < deadline, records)
+    writer = JsonlWriter(out, overwrite=True)
+    try:
+        summary = decoder.run(records, writer)
+    finally:
+        writer.close()
+    return summary.ok
