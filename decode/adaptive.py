@@ -102,18 +102,6 @@ class AdaptiveDrafter(ModelDrafter):
     def head(self):
         return self.heads["sampling"]
 
-    @property
-    def stop_threshold(self) -> float:  # the sampling policy's fields, as before two policies existed
-        return self.policies["sampling"].stop_threshold
-
-    @property
-    def min_draft(self) -> int:
-        return self.policies["sampling"].min_draft
-
-    @property
-    def max_draft(self) -> int:
-        return self.policies["sampling"].max_draft
-
     def propose(self, batch) -> Proposal | None:
         mode = "greedy" if batch.sampling.greedy else "sampling"
         if mode == "greedy" and not self.has_greedy_head and self._on_greedy_fallback is not None:

@@ -100,7 +100,8 @@ def test_build_adaptive_checks(tmp_path, draft_model):
     write_json(tmp_path / "config.json", config)
     opts = SimpleNamespace(stop_threshold=0.2, min_draft=3, max_draft=9)
     drafter = build_adaptive(tmp_path, draft_model, opts)
-    assert drafter.max_draft == 9 and drafter.default_k == 9 and drafter.stop_threshold == 0.2
+    sampling = drafter.policies["sampling"]
+    assert sampling.max_draft == 9 and drafter.default_k == 9 and sampling.stop_threshold == 0.2
 
     class Tok:
         def get_vocab(self):

@@ -293,7 +293,7 @@ def test_train_acceptance_artifact(workdir):
 
     drafter = build_adaptive(out, load_draft(workdir / "draft"), SimpleNamespace(stop_threshold=0.3, min_draft=2, max_draft=20),
                              tokenizer=AutoTokenizer.from_pretrained(workdir / "target"))
-    assert drafter.max_draft == 20
+    assert drafter.policies["sampling"].max_draft == 20
 
 
 # ---------------------------------------------------------------------------------------------
