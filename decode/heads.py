@@ -5,8 +5,12 @@ prefill's in ``begin`` and each verify forward's in ``observe``, where ``seg.kee
 ``seg.accepted`` say which slots each row kept. They differ only in how a tree node's children are
 scored (``_child_logprobs``); one tree builder grows either
   - a static tree: a TreeTemplate (best-first top-k per depth), or
-  - a dynamic tree (EAGLE-2): expand the top-k frontier nodes by cumulative draft log-prob, keep
-    the global top-k per depth, and finally the best ``tree_tokens`` nodes of everything seen.
+  - a dynamic tree (EAGLE-2): expand the top-k frontier nodes by their estimated chance of being
+    accepted, keep the global top-k per depth, and finally the best ``tree_tokens`` nodes of
+    everything seen. EAGLE-2 takes the product of the draft's confidences as that estimate, which
+    needs a calibrated drafter; an ``AcceptanceCalibration`` learned from the verdicts of this run
+    maps each confidence to the acceptance rate actually seen (an under-confident drafter otherwise
+    grows wide, shallow trees).
 Every row gets its own tree; the engine verifies all of them in one target forward.
 """
 
@@ -32,18 +36,19 @@ class Tree:
     parents: torch.Tensor
     depth: torch.Tensor
     score: torch.Tensor
+    key: torch.Tensor
     anc: torch.Tensor
 
     @staticmethod
     def empty(bsz: int, device) -> "Tree":
         z = torch.zeros(bsz, 0, device=device)
-        return Tree(z.long(), z.long(), z.long(), z.double(), torch.zeros(bsz, 0, 0, dtype=torch.bool, device=device))
+        return Tree(z.long(), z.long(), z.long(), z.double(), z.long(), torch.zeros(bsz, 0, 0, dtype=torch.bool, device=device))
 
     @property
     def size(self) -> int:
         return self.tokens.shape[1]
 
-    def add(self, tokens, parents, depth, score) -> torch.Tensor:
+    def add(self, tokens, parents, depth, score, key=None) -> torch.Tensor:
         bsz, n = tokens.shape
         start = self.size
         dev = tokens.device
@@ -57,6 +62,7 @@ class Tree:
         self.parents = torch.cat([self.parents, parents], 1)
         self.depth = torch.cat([self.depth, depth], 1)
         self.score = torch.cat([self.score, score.double()], 1)
+        self.key = torch.cat([self.key, torch.zeros_like(tokens) if key is None else key], 1)
         return torch.arange(start, self.size, device=dev)
 
     def proposal(self, max_depth: int) -> Proposal:
@@ -88,6 +94,8 @@ class HeadTreeDrafter(Drafter):
         self.default_k = self.depth  # the engine's num_draft bounds the depth (context room)
         self._tpl_key = None
         self._tpl = None
+        self.calibration = AcceptanceCalibration()
+        self._last_tree: Tree | None = None  # the dynamic tree under verification, for calibration
 
     # -- engine hooks --------------------------------------------------------------------------
 
@@ -95,6 +103,13 @@ class HeadTreeDrafter(Drafter):
         raise NotImplementedError
 
     def observe(self, batch, seg: Segment) -> None:
+        if self._last_tree is not None:
+            self.calibration.update(self._last_tree, seg)
+            self._last_tree = None
+        self._observe(batch, seg)
+
+    def _observe(self, batch, seg: Segment) -> None:
+        """Take in the verify forward's hidden states for the kept slots."""
         raise NotImplementedError
 
     def _child_logprobs(self, tree: Tree, nodes: torch.Tensor, level: int, batch) -> torch.Tensor:
@@ -115,7 +130,7 @@ class HeadTreeDrafter(Drafter):
             tree = self._grow_static(batch, depth)
             max_depth = len(self._template(depth, batch.device))  # known without a host sync
         else:
-            tree = self._grow_dynamic(batch, depth)
+            tree = self._last_tree = self._grow_dynamic(batch, depth)
             max_depth = int(tree.depth.max().item())
         return tree.proposal(max_depth)
 
@@ -162,14 +177,65 @@ class HeadTreeDrafter(Drafter):
             logp = self._child_logprobs(tree, frontier, d - 1, batch)  # [B, m, V]
             top_lp, top_tok = logp.topk(k, dim=-1)  # [B, m, k]
             m = frontier.shape[1]
-            score = (f_score[..., None] + top_lp.double()).reshape(bsz, m * k)
+            key = self.calibration.key(top_lp, d)
+            score = (f_score[..., None] + self.calibration.log_accept(key)).reshape(bsz, m * k)
             par = frontier[..., None].expand(bsz, m, k).reshape(bsz, m * k)
-            idx = tree.add(top_tok.reshape(bsz, m * k), par, torch.full_like(par, d), score)
+            idx = tree.add(top_tok.reshape(bsz, m * k), par, torch.full_like(par, d), score, key.reshape(bsz, m * k))
             if d < depth:
                 best = score.topk(min(k, m * k), dim=-1).indices
                 frontier = idx[best]
                 f_score = score.gather(1, best)
         return _best_subtree(tree, self.tree_tokens, depth)
+
+
+class AcceptanceCalibration:
+    """How often a drafted child was accepted, given its parent was, per cell (the draft's confidence
+    q in the child, its rank among its siblings, its depth): counts from this run's verdicts, each
+    cell starting from ``prior`` pseudo-observations at its q-bin's centre (trust q until evidence
+    comes), made non-decreasing in q. Updated and read with tensor ops only: no host sync.
+    """
+
+    def __init__(self, bins: int = 20, ranks: int = 3, depths: int = 8, prior: float = 4.0):
+        self.bins, self.ranks, self.depths, self.prior = bins, ranks, depths, prior
+        self.seen: torch.Tensor | None = None
+        self._log_rate: torch.Tensor | None = None
+
+    def _init(self, device) -> None:
+        centre = (torch.arange(self.bins, dtype=torch.float64, device=device) + 0.5) / self.bins
+        self.edges = torch.linspace(0, 1, self.bins + 1, device=device)[1:-1]
+        self.seen = torch.full((self.depths, self.ranks, self.bins), self.prior, dtype=torch.float64, device=device)
+        self.hits = centre.expand_as(self.seen) * self.prior
+
+    def key(self, top_lp: torch.Tensor, depth: int) -> torch.Tensor:
+        """Cells [B, m, k] of children with draft log-probs ``top_lp`` [B, m, k] (ranked on the last axis)."""
+        if self.seen is None:
+            self._init(top_lp.device)
+        q = torch.bucketize(top_lp.float().exp(), self.edges.float())
+        rank = torch.arange(top_lp.shape[-1], device=top_lp.device).clamp(max=self.ranks - 1)
+        return (min(depth, self.depths) - 1) * self.ranks * self.bins + rank * self.bins + q
+
+    def rate(self) -> torch.Tensor:
+        """[depths, ranks, bins] acceptance rate per cell."""
+        return (self.hits / self.seen).cummax(-1).values.clamp(1e-6, 1.0)
+
+    def log_accept(self, key: torch.Tensor) -> torch.Tensor:
+        """Estimated log-chance (float64) that children in cells ``key`` are accepted."""
+        if self._log_rate is None:
+            self._log_rate = self.rate().log().flatten()
+        return self._log_rate[key]
+
+    def update(self, tree: Tree, seg: Segment) -> None:
+        """Count the verified tree: a node is at stake when its parent was accepted (or is the root)."""
+        bsz, n = tree.tokens.shape
+        path = seg.keep_index[:, 1:] - 1  # accepted nodes, in order; invalid slots point at node -1
+        on_path = torch.zeros(bsz, n, dtype=torch.float64, device=path.device)
+        on_path.scatter_add_(1, path.clamp(min=0), seg.keep_valid[:, 1:].double())
+        par = tree.parents
+        at_stake = ((par == -1) | ((par >= 0) & (on_path.gather(1, par.clamp(min=0)) > 0))).double()
+        key = tree.key.flatten()
+        self.seen.view(-1).scatter_add_(0, key, at_stake.flatten())
+        self.hits.view(-1).scatter_add_(0, key, (at_stake * on_path).flatten())
+        self._log_rate = None
 
 
 def _best_subtree(tree: Tree, n: int, depth: int) -> Tree:
@@ -190,7 +256,7 @@ def _best_subtree(tree: Tree, n: int, depth: int) -> Tree:
         dead = (parents >= 0) & (parents.gather(1, parents.clamp(min=0)) == -2)
         parents = parents.masked_fill(dead, -2)
     anc = tree.anc.gather(1, keep[..., None].expand(bsz, n, total)).gather(2, keep[:, None, :].expand(bsz, n, n))
-    return Tree(tree.tokens.gather(1, keep), parents, tree.depth.gather(1, keep), tree.score.gather(1, keep), anc)
+    return Tree(tree.tokens.gather(1, keep), parents, tree.depth.gather(1, keep), tree.score.gather(1, keep), tree.key.gather(1, keep), anc)
 
 
 def _last_kept_hidden(seg: Segment) -> torch.Tensor:
@@ -209,7 +275,7 @@ class MedusaDrafter(HeadTreeDrafter):
     def begin(self, batch, seg: Segment) -> None:
         self.h = seg.hidden[:, -1]  # prompts are left-padded: the last slot is every row's last token
 
-    def observe(self, batch, seg: Segment) -> None:
+    def _observe(self, batch, seg: Segment) -> None:
         self.h = _last_kept_hidden(seg)
 
     def _reset_tree(self, batch) -> None:
@@ -232,7 +298,7 @@ class CloverDrafter(HeadTreeDrafter):
         self.mem_valid = seg.input_valid.clone()
         self._trim()
 
-    def observe(self, batch, seg: Segment) -> None:
+    def _observe(self, batch, seg: Segment) -> None:
         kept = seg.hidden.gather(1, seg.keep_index[..., None].expand(-1, -1, seg.hidden.shape[-1]))
         self.mem = torch.cat([self.mem, kept], 1)
         self.mem_valid = torch.cat([self.mem_valid, seg.keep_valid], 1)
@@ -371,7 +437,7 @@ class EagleDrafter(HeadTreeDrafter):
         nxt = torch.cat([seg.input_ids[:, 1:], batch.root[:, None]], 1)  # entry t = (token t+1, f_t)
         self.f_root = self._commit(nxt, seg.input_valid, self._features(seg))[:, -1]
 
-    def observe(self, batch, seg: Segment) -> None:
+    def _observe(self, batch, seg: Segment) -> None:
         ids = seg.input_ids.gather(1, seg.keep_index)  # [root, accepted path...]
         nxt = torch.cat([ids[:, 1:], batch.root[:, None]], 1)
         acc = torch.tensor(seg.accepted, device=nxt.device)

@@ -165,6 +165,57 @@ def test_best_subtree_keeps_best_nodes_in_topological_order_and_drops_orphans():
     assert torch.equal(full.anc, tree.anc)
 
 
+def test_acceptance_calibration_counts_the_children_of_accepted_nodes():
+    from specdec.decode.drafters import Segment
+    from specdec.decode.heads import AcceptanceCalibration, Tree
+
+    cal = AcceptanceCalibration(bins=10, ranks=2, depths=2, prior=1.0)
+    # root -> a(0, q .55, rank 0), b(1, q .25, rank 1); a -> c(2, q .35, rank 0), d(3, q .15, rank 1); b -> e(4)
+    tree = Tree.empty(1, torch.device("cpu"))
+    lp1 = torch.tensor([[[0.55, 0.25]]]).log()
+    lp2 = torch.tensor([[[0.35, 0.15]]]).log()
+    for lp, depth, parents in ((lp1, 1, [[-1, -1]]), (lp2, 2, [[0, 0]]), (lp2[..., :1], 2, [[1]])):
+        key = cal.key(lp, depth)
+        n = key.shape[-1]
+        tree.add(torch.arange(n)[None], torch.tensor(parents), torch.full((1, n), depth), cal.log_accept(key)[0], key[0])
+    before = cal.rate().clone()
+    # the verdict accepted a then d: slots are node + 1, slot 0 the root
+    seg = Segment(None, None, None, None, keep_index=torch.tensor([[0, 1, 4]]), keep_valid=torch.ones(1, 3, dtype=torch.bool))
+    cal.update(tree, seg)
+    at_stake = cal.seen - 1.0  # every cell started at prior 1
+    won = (cal.hits - before * 1.0).round(decimals=9)  # rates before the update: the bins' centres
+    assert at_stake.sum() == 4  # a, b, c, d; e's parent b was rejected
+    assert at_stake[0, 0, 5] == 1 and at_stake[0, 1, 2] == 1 and at_stake[1, 0, 3] == 1 and at_stake[1, 1, 1] == 1
+    assert won.sum() == 2 and won[0, 0, 5] == 1 and won[1, 1, 1] == 1  # a and d were accepted
+    assert cal.rate()[1, 1, 1] > before[1, 1, 1] and cal.rate()[1, 0, 3] < before[1, 0, 3]
+
+
+def test_dynamic_tree_deepens_once_calibration_sees_an_underconfident_drafter():
+    """Rank-0 children get q = .2 yet are always accepted: the uncalibrated estimate grows a wide,
+    shallow tree; after the verdicts are counted the same budget goes to the deep chain."""
+    from specdec.decode.drafters import Segment
+    from specdec.decode.heads import HeadTreeDrafter
+
+    class Fixed(HeadTreeDrafter):
+        def _child_logprobs(self, tree, nodes, level, batch):
+            q = torch.full((16,), 0.8 / 15).index_fill_(0, torch.tensor([1]), 0.2)
+            return q.log().expand(nodes.shape[0], nodes.shape[1], -1)
+
+    drafter = Fixed(SimpleNamespace(kind="eagle", num_heads=0), None, tree="dynamic", tree_tokens=8, depth=6, top_k=4)
+    batch = SimpleNamespace(seqs=[[0]], num_draft=6, device=torch.device("cpu"))
+    depths = []
+    for _ in range(12):
+        tree = drafter._last_tree = drafter._grow_dynamic(batch, 6)
+        depths.append(int(tree.depth.max()))
+        chain = [-1]  # the accepted path: token 1 all the way down
+        for i in range(tree.size):
+            if tree.tokens[0, i] == 1 and tree.parents[0, i] == chain[-1]:
+                chain.append(i)
+        path = torch.tensor([[0] + [i + 1 for i in chain[1:]]])
+        drafter.calibration.update(tree, Segment(None, None, None, None, keep_index=path, keep_valid=torch.ones_like(path, dtype=torch.bool)))
+    assert depths[0] <= 2 and depths[-1] == 6
+
+
 @pytest.mark.parametrize("bs", [1, 3])
 def test_eagle3_drafter_reads_fused_layers_and_stays_lossless(target, bs):
     """EAGLE-3 artifacts: the engine hands the drafter the chosen layers; its root feature equals
