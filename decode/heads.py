@@ -24,6 +24,8 @@ import torch
 from specdec.decode.drafters import Drafter, Proposal, Segment, TreeTemplate
 
 DEFAULTS = {"medusa": (24, 4), "clover": (24, 4), "eagle": (32, 5)}  # (tree tokens, depth)
+# a dynamic tree spends its tokens where acceptance is likely, so it can afford to go deeper
+DYNAMIC_DEPTH = {"eagle": 8}
 
 
 @dataclass
@@ -84,6 +86,8 @@ class HeadTreeDrafter(Drafter):
         if tree not in ("static", "dynamic"):
             raise ValueError("tree must be static or dynamic")
         kind_tokens, kind_depth = DEFAULTS[heads.kind]
+        if tree == "dynamic":
+            kind_depth = DYNAMIC_DEPTH.get(heads.kind, kind_depth)
         self.heads, self.target = heads, target
         self.tree = tree
         self.tree_tokens = int(tree_tokens or kind_tokens)
