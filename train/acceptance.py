@@ -303,9 +303,10 @@ def measure_round_costs(target, tokenizer, draft, head, prompts: list[list[int]]
     beta = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / max(sum((x - mx) ** 2 for x in xs), 1e-12)
     alpha = my - beta * mx
     # a fixed-length round runs no head: its fixed part is the judged one less the head's measured share
-    head = max(0.0, ys[0] - statistics.median(per_round["fixed-1"])) / xs[0]
-    return {"ar_round_s": t_ar, "spec_round_s": dict(zip(map(str, ks), ys)), "fixed_1_round_s": statistics.median(per_round["fixed-1"]),
-            "fixed": alpha / t_ar, "per_draft": beta / t_ar, "head_per_draft": head / t_ar,
+    t_fixed_1 = statistics.median(per_round["fixed-1"])
+    head_s = max(0.0, ys[0] - t_fixed_1) / xs[0]  # seconds of head per judged draft
+    return {"ar_round_s": t_ar, "spec_round_s": dict(zip(map(str, ks), ys)), "fixed_1_round_s": t_fixed_1,
+            "fixed": alpha / t_ar, "per_draft": beta / t_ar, "head_per_draft": head_s / t_ar,
             "prompts": len(prompts), "new_tokens": new_tokens, "reps": reps,
             "note": "per-round seconds at bs=1, one thread, greedy, through SpecEngine; a head-judged round of n drafts "
                     "costs fixed + per_draft * n ar rounds (least squares over n = 1, 2, 4); a fixed-length round, which "
