@@ -222,11 +222,9 @@ def build_drafters_for_recipe(family_dir: Path, train_files: list[Path], budget_
     family_dir/{draft, draft-ce, acceptance, medusa, clover, eagle}; draft (KD) and draft-ce (CE only) get
     the same budget and recipe so their tau is comparable. Returns {member: metrics}.
     """
-    from transformers import AutoTokenizer
-
     from specdec.train.acceptance import train_acceptance
     from specdec.train.data import load_texts, self_distill
-    from specdec.train.dllm import code_prompts
+    from specdec.train.dllm import cut_code_prompts
     from specdec.train.draft import train_draft
     from specdec.train.heads import train_heads
     from specdec.train.loop import load_config
@@ -240,8 +238,10 @@ def build_drafters_for_recipe(family_dir: Path, train_files: list[Path], budget_
     results: dict = {}
 
     texts = load_texts(train_files)
-    # code prompts as the held-out ones are cut; text that is not Python source: each document's first half
-    prompts = code_prompts(AutoTokenizer.from_pretrained(target), texts, 2048, seed) or [t[: len(t) // 2] for t in texts]
+    try:  # code prompts as the held-out ones are cut
+        prompts = cut_code_prompts(target, texts, 2048, seed)
+    except SpecdecError:  # text that is not Python source: each document's first half
+        prompts = [t[: len(t) // 2] for t in texts]
     regen = family_dir / "data" / "regen.jsonl"
     written = self_distill(target, prompts, regen, max(0.75 * budget_minutes * share["regen"], 0.05) * 60)
     results["regen"] = {"prompts": written, "file": str(regen)}

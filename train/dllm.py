@@ -597,11 +597,12 @@ def build_for_recipe(target_dir, family_dir, train_texts: list[str], budget_minu
     return {"dllm": {"masked_ce": ce_metrics, "certainty_forcing": cf_metrics}, "filter": filter_metrics}
 
 
-def cut_code_prompts(dllm_dir, texts: list[str], n: int, seed: int) -> list[str]:
-    """``code_prompts`` with the dLLM's own tokenizer; an error when none can be cut."""
+def cut_code_prompts(model_dir, texts: list[str], n: int, seed: int) -> list[str]:
+    """``code_prompts`` with the tokenizer of the model in ``model_dir`` (a dLLM, or the AR target); an
+    error when none can be cut."""
     from transformers import AutoTokenizer
 
-    prompts = code_prompts(AutoTokenizer.from_pretrained(dllm_dir), texts, n, seed)
+    prompts = code_prompts(AutoTokenizer.from_pretrained(model_dir), texts, n, seed)
     if not prompts:
         raise SpecdecError("no code prompts could be cut from --data: it needs Python source texts")
     return prompts
