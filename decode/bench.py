@@ -180,7 +180,7 @@ def _prepare_peer(spec: str, model, tok, prompts, base: DecodeOptions, cfg: Benc
         raise SpecdecError(f"unknown peer {spec!r} (hf-generate, hf-lookup, hf-assisted:DIR)")
 
     def one(p, n):
-        ids = torch.tensor([p])
+        ids = torch.tensor([p], device=model.device)
         with torch.inference_mode():
             out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, **kwargs)
         return out[0, len(p) :].tolist()
