@@ -117,6 +117,7 @@ def train_acceptance_cmd(
     reject_weight: Annotated[Optional[float], typer.Option("--reject-weight", help="BCE weight of the reject class (sampling head).")] = None,
     greedy_reject_weight: Annotated[Optional[float], typer.Option("--greedy-reject-weight", help="BCE weight of the reject class (greedy head).")] = None,
     greedy_sequences: Annotated[Optional[int], typer.Option("--greedy-sequences", help="Most greedy continuations of the target to label for the greedy head.")] = None,
+    temperature: Annotated[Optional[float], typer.Option("--temperature", help="Sampling temperature the sampling head and its default policy are for (decode at it).")] = None,
     max_steps: MaxSteps = None,
     budget_minutes: Budget = None,
     resume: Resume = False,
@@ -139,11 +140,15 @@ def train_acceptance_cmd(
         knobs["greedy_reject_weight"] = greedy_reject_weight
     if greedy_sequences is not None:
         knobs["greedy_sequences"] = greedy_sequences
+    if temperature is not None:
+        knobs["temperature"] = temperature
     metrics = _run(train_acceptance, target, draft, data, out, cfg, resume=resume, **knobs)
     if metrics:
         typer.echo("sampling head: " + _fmt({k: metrics["sampling"][k] for k in ("brier", "brier_constant_baseline", "ece")}), err=True)
         typer.echo("greedy head:   " + _fmt({k: metrics["greedy"][k] for k in ("brier", "brier_constant_baseline", "ece")}), err=True)
-        typer.echo("greedy default policy: " + _fmt(metrics["policy_simulation"]["chosen"]), err=True)
+        for mode in ("greedy", "sampling"):
+            sim = metrics["policy_simulation"][mode]
+            typer.echo(f"{mode} default policy: {_fmt(sim['chosen'])} ({sim['chosen_kind']})", err=True)
     _report(metrics, out, ("steps",))
 
 

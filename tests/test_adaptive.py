@@ -188,6 +188,37 @@ def test_label_blocks_greedy_half_matches_the_models(target, draft_model):
     assert 0 < sum(seen) < len(seen)  # both outcomes occur, so the label check can fail
 
 
+def test_label_continuations_sampling_labels_are_the_chance_a_draft_is_kept(target, draft_model):
+    """Sampled text: the draft's own sample is judged with min(1, p/q) at the temperature: 1 everywhere when the
+    draft is the target, below 1 somewhere for an unrelated draft; greedy labels come from the same text."""
+    from specdec.train.acceptance import label_continuations, target_continuations
+
+    from datasets import Dataset
+
+    blocks = Dataset.from_dict({"input_ids": torch.randint(3, 90, (4, 12)).tolist()}).with_format("torch")
+    seqs = target_continuations(target, blocks, prefix_len=6, new_tokens=10, temperature=0.7, seed=1, batch=2)
+    again = target_continuations(target, blocks, prefix_len=6, new_tokens=10, temperature=0.7, seed=1, batch=2)
+    greedy = target_continuations(target, blocks, prefix_len=6, new_tokens=10, batch=2)
+    assert seqs.shape == (4, 16) and torch.equal(seqs, again) and not torch.equal(seqs, greedy)
+    feats, same = label_continuations(target, target, seqs, 6, temperature=0.7, seed=0)
+    assert same.shape == (4, 10) and feats.shape[:2] == (4, 10) and torch.allclose(same, torch.ones_like(same))
+    _, other = label_continuations(draft_model, target, seqs, 6, temperature=0.7, seed=0)
+    assert ((other >= 0) & (other <= 1)).all() and other.min() < 0.9
+    _, g = label_continuations(draft_model, target, seqs, 6)
+    assert set(g.unique().tolist()) <= {0.0, 1.0}
+
+
+def test_draw_acceptance_keeps_each_draft_with_its_chance():
+    from specdec.train.acceptance import draw_acceptance
+
+    chance = torch.tensor([[0.1, 0.5, 0.9], [1.0, 0.0, 0.3]])
+    pred = torch.rand(2, 3)
+    p, y = draw_acceptance(pred, chance, 4000, seed=0)
+    assert p.shape == y.shape == (8000, 3) and torch.equal(p[2:4], pred)  # rows repeated in order
+    freq = torch.stack([y[0::2].mean(0), y[1::2].mean(0)])
+    assert torch.allclose(freq, chance, atol=0.03) and freq[1, 0] == 1 and freq[1, 1] == 0
+
+
 def test_greedy_features_fast_path_equals_acceptance_features(draft_model):
     logits = torch.randn(3, 96, dtype=torch.float64) * 4
     hidden = torch.randn(3, draft_model.config.hidden_size, dtype=torch.float64)
@@ -307,56 +338,56 @@ def test_resolve_policies_defaults():
 # the default policy
 
 
-def test_simulate_greedy_hand_built():
-    from specdec.train.acceptance import simulate_greedy
+def test_simulate_rounds_hand_built():
+    from specdec.train.acceptance import simulate_rounds
 
     # one row of 7 judged positions; a decode starts at index 1 (index 0 is the prefill's token)
     labels = torch.tensor([[1.0, 1.0, 1.0, 0.0, 1.0, 1.0, 1.0]])
     # fixed k=2: round 1 judges 1,2 (both accepted, +3 tokens, j=4); round 2 judges 4,5 (accepted, +3, j=7): end
-    r = simulate_greedy(labels, labels, fixed=1.0, per_draft=0.5, k=2)
+    r = simulate_rounds(labels, labels, fixed=1.0, per_draft=0.5, k=2)
     assert r["tau"] == 3.0 and r["speedup"] == pytest.approx(6 / (2 * 1.0 + 4 * 0.5))
     # fixed k=3: judges 1,2,3 (2 accepted, +3, j=4); then 4,5,6 (3 accepted, +4, j=8)
-    r = simulate_greedy(labels, labels, fixed=1.0, per_draft=0.5, k=3)
+    r = simulate_rounds(labels, labels, fixed=1.0, per_draft=0.5, k=3)
     assert r["tau"] == 3.5 and r["drafts_per_round"] == 3.0
     # adaptive: a round stops after drafting the token that drops P(all accepted) below 1 - 0.3
     pred = torch.tensor([[0.9, 0.95, 0.2, 0.95, 0.95, 0.95, 0.95]])
-    r = simulate_greedy(pred, labels, fixed=1.0, per_draft=0.5, policy=StopPolicy(0.3, 1, 20))
+    r = simulate_rounds(pred, labels, fixed=1.0, per_draft=0.5, policy=StopPolicy(0.3, 1, 20))
     # round 1 (j=1): 0.95, then 0.95*0.2 -> stop at n=2; both accepted: +3, j=4.
     # round 2 (j=4): 0.95, 0.9025, 0.857 and the text ends (room 3) -> n=3, all accepted: +4
     assert r["tau"] == 3.5 and r["drafts_per_round"] == 2.5
     assert r["speedup"] == pytest.approx(7 / (2 * 1.0 + 5 * 0.5))
 
 
-def test_choose_greedy_policy_prefers_long_drafts_when_drafting_is_cheap_and_right():
-    from specdec.train.acceptance import choose_greedy_policy
+def test_choose_policy_prefers_long_drafts_when_drafting_is_cheap_and_right():
+    from specdec.train.acceptance import choose_policy
 
     g = torch.Generator().manual_seed(0)
     labels = (torch.rand(8, 60, generator=g) < 0.9).float()
     pred = torch.full_like(labels, 0.9)
-    _, cheap = choose_greedy_policy(pred, labels, {"fixed": 1.0, "per_draft": 0.05})
-    _, dear = choose_greedy_policy(pred, labels, {"fixed": 1.0, "per_draft": 0.9})
+    _, cheap = choose_policy(pred, labels, {"fixed": 1.0, "per_draft": 0.05})
+    _, dear = choose_policy(pred, labels, {"fixed": 1.0, "per_draft": 0.9})
     # the best adaptive policy: costly drafts stop sooner
     assert cheap["best_adaptive"]["stop_threshold"] > dear["best_adaptive"]["stop_threshold"]
     assert dear["best_adaptive"]["speedup"] == pytest.approx(max(r["speedup"] for r in dear["grid"]))
 
 
-def test_choose_greedy_policy_takes_a_fixed_length_when_the_head_cannot_pay_for_itself():
+def test_choose_policy_takes_a_fixed_length_when_the_head_cannot_pay_for_itself():
     from specdec.decode.adaptive import StopPolicy
-    from specdec.train.acceptance import choose_greedy_policy, simulate_greedy
+    from specdec.train.acceptance import choose_policy, simulate_rounds
 
     g = torch.Generator().manual_seed(0)
     labels = (torch.rand(8, 60, generator=g) < 0.5).float()
     # an uninformative head (constant P) cannot tell rounds apart; its per-draft cost only adds
     flat = torch.full_like(labels, 0.5)
     costs = {"fixed": 1.0, "per_draft": 0.45, "head_per_draft": 0.05}
-    policy, sim = choose_greedy_policy(flat, labels, costs)
+    policy, sim = choose_policy(flat, labels, costs)
     assert sim["chosen_kind"] == "fixed" and policy.fixed and policy.min_draft == sim["best_fixed"]["k"]
     assert sim["best_fixed"]["speedup"] > sim["best_adaptive"]["speedup"]
     # fixed lengths are charged without the head's share
-    assert sim["best_fixed"]["speedup"] == pytest.approx(simulate_greedy(flat, labels, 1.0, 0.40, k=policy.min_draft)["speedup"])
+    assert sim["best_fixed"]["speedup"] == pytest.approx(simulate_rounds(flat, labels, 1.0, 0.40, k=policy.min_draft)["speedup"])
     # a head that knows which drafts the target keeps makes adaptive stopping win (where drafts are cheap
     # enough that knowing when to go on pays)
-    policy, sim = choose_greedy_policy(labels.clamp(0.02, 0.98), labels, {"fixed": 1.0, "per_draft": 0.2, "head_per_draft": 0.05})
+    policy, sim = choose_policy(labels.clamp(0.02, 0.98), labels, {"fixed": 1.0, "per_draft": 0.2, "head_per_draft": 0.05})
     assert sim["chosen_kind"] == "adaptive" and not policy.fixed
     assert policy == StopPolicy(sim["best_adaptive"]["stop_threshold"], sim["best_adaptive"]["min_draft"], 20)
 
@@ -399,22 +430,28 @@ def test_train_acceptance_writes_two_heads_calibration_and_policy(tiny_family, t
         assert 0 <= cal["brier"] <= 1 and cal["brier_constant_baseline"] >= 0 and 0 <= cal["ece"] <= 1 and cal["reliability_bins"]
     assert m["brier"] == m["sampling"]["brier"]  # the one-head format's top-level keys are the sampling head's
     assert m["greedy_text"]["train_sequences"] == 8 and m["heldout_positions"]["greedy"] > 0
-    assert m["round_costs"]["ar_round_s"] > 0 and m["round_costs"]["per_draft"] == m["round_costs"]["per_draft"]  # not NaN
-    chosen = m["policy_simulation"]["chosen"]
-    sim = m["policy_simulation"]
-    best = max(sim["grid"] + sim["fixed_k"], key=lambda r: r["speedup"])  # adaptive grid and fixed lengths
-    if sim["chosen_kind"] == "fixed":
-        assert chosen["min_draft"] == chosen["max_draft"] == best["k"]
-    else:
-        assert (chosen["stop_threshold"], chosen["min_draft"]) == (best["stop_threshold"], best["min_draft"])
     cfg_json = json.loads((out / "config.json").read_text())
-    assert cfg_json["heads"] == ["sampling", "greedy"] and cfg_json["policy"]["greedy"] == chosen
+    assert cfg_json["heads"] == ["sampling", "greedy"]
+    for mode in ("greedy", "sampling"):  # each mode's policy: the best of its own simulation, under its own costs
+        costs = m["round_costs"][mode]
+        assert costs["ar_round_s"] > 0 and costs["per_draft"] == costs["per_draft"]  # not NaN
+        sim = m["policy_simulation"][mode]
+        chosen = sim["chosen"]
+        best = max(sim["grid"] + sim["fixed_k"], key=lambda r: r["speedup"])  # adaptive grid and fixed lengths
+        if sim["chosen_kind"] == "fixed":
+            assert chosen["min_draft"] == chosen["max_draft"] == best["k"]
+        else:
+            assert (chosen["stop_threshold"], chosen["min_draft"]) == (best["stop_threshold"], best["min_draft"])
+        assert cfg_json["policy"][mode] == chosen
+    assert m["round_costs"]["sampling"]["temperature"] == m["policy_simulation"]["sampling"]["temperature"] == 1.0
+    chosen = m["policy_simulation"]["greedy"]["chosen"]
     heads, _ = load_acceptance_heads(out)
     assert set(heads) == {"sampling", "greedy"}
     from specdec.train.draft import load_draft
 
     drafter = build_adaptive(out, load_draft(tiny_family / "draft"), SimpleNamespace(stop_threshold=None, min_draft=None, max_draft=None))
     assert drafter.has_greedy_head and drafter.policies["greedy"] == StopPolicy(**chosen)
+    assert drafter.policies["sampling"] == StopPolicy(**m["policy_simulation"]["sampling"]["chosen"])
 
 
 def test_label_sampling_is_exact():
@@ -450,12 +487,12 @@ def test_min_draft_zero_skips_rounds_and_stays_exact(target, draft_model, bs):
         assert 0 in lengths  # rows skip independently within a speculative round
 
 
-def test_simulate_greedy_plain_rounds():
-    from specdec.train.acceptance import simulate_greedy
+def test_simulate_rounds_plain_rounds():
+    from specdec.train.acceptance import simulate_rounds
 
     labels = torch.tensor([[1.0, 0.0, 1.0, 1.0, 0.0]])
     pred = torch.tensor([[0.5, 0.1, 0.9, 0.9, 0.1]])
     # min_draft 0, threshold 0.5: j=1 P=0.1 -> plain (+1, j=2); j=2: 0.9, 0.81, 0.081 -> n=3, accepted 2: +3, j=5: end
-    r = simulate_greedy(pred, labels, fixed=1.4, per_draft=0.3, policy=StopPolicy(0.5, 0, 20))
+    r = simulate_rounds(pred, labels, fixed=1.4, per_draft=0.3, policy=StopPolicy(0.5, 0, 20))
     assert r["tau"] == 2.0 and r["plain_rounds"] == 0.5 and r["drafts_per_round"] == 1.5
     assert r["speedup"] == pytest.approx(4 / ((1 + 0.3) + (1.4 + 3 * 0.3)))

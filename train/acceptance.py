@@ -174,17 +174,18 @@ def build_features(draft, target, blocks, temperature: float, target_frac: float
     return label_blocks(draft, target, blocks, temperature, target_frac, seed, batch, deadline, modes=("sampling",))["sampling"]
 
 
-def greedy_continuations(target, blocks, prefix_len: int, new_tokens: int, batch: int = 128, limit: int | None = None,
-                         deadline: float | None = None):
+def target_continuations(target, blocks, prefix_len: int, new_tokens: int, temperature: float = 0.0, seed: int = 0,
+                         batch: int = 128, limit: int | None = None, deadline: float | None = None):
     """[N, prefix_len + new_tokens]: the first ``prefix_len`` tokens of each block followed by the target's
-    greedy continuation (no EOS stop), decoded by the engine's own loop (``ar``): the text a greedy
-    decode verifies drafts against."""
+    own continuation (greedy at ``temperature`` 0, else sampled; no EOS stop), decoded by the engine's own
+    loop (``ar``): the text a decode at that temperature verifies drafts against."""
     import torch
 
     from specdec.decode.engine import SpecEngine
     from specdec.decode.types import GenRequest
+    from specdec.decode.verify import Sampling
 
-    engine = SpecEngine(target, None, eos_ids=[])
+    engine = SpecEngine(target, None, sampling=Sampling(temperature=temperature), seed=seed, eos_ids=[])
     n = len(blocks) if limit is None else min(limit, len(blocks))
     rows = []
     for i in range(0, n, batch):
@@ -196,12 +197,17 @@ def greedy_continuations(target, blocks, prefix_len: int, new_tokens: int, batch
     return torch.cat(rows) if rows else torch.zeros(0, prefix_len + new_tokens, dtype=torch.long)
 
 
-def label_greedy_text(draft, target, seqs, prefix_len: int, batch: int = 32):
-    """Greedy-head (features [N, L, F], labels [N, L]) on the continuation part of ``seqs``: index j judges
-    token prefix_len + j. In a decode of the prefix, token prefix_len is the prefill's, so a round's
-    first draft is judged at j = 1, its i-th at j = 1 + (tokens committed since) + i - 1."""
+def label_continuations(draft, target, seqs, prefix_len: int, temperature: float = 0.0, seed: int = 0, batch: int = 32):
+    """Head (features [N, L, F], labels [N, L]) on the continuation part of ``seqs``: index j judges token
+    prefix_len + j. In a decode of the prefix, token prefix_len is the prefill's, so a round's first draft
+    is judged at j = 1, its i-th at j = 1 + (tokens committed since) + i - 1.
+
+    Greedy (``temperature`` 0): the draft proposes argmax q, label 1[argmax q == argmax p]. Sampling: the
+    draft's own sample x ~ q at the temperature, label min(1, p(x)/q(x)), the chance that exact
+    speculative sampling keeps it."""
     import torch
 
+    g = torch.Generator().manual_seed(seed)
     feats, labels = [], []
     with torch.no_grad():
         for i in range(0, len(seqs), batch):
@@ -209,10 +215,26 @@ def label_greedy_text(draft, target, seqs, prefix_len: int, batch: int = 32):
             d = draft(input_ids=ids, output_hidden_states=True)
             sl = slice(prefix_len - 1, ids.shape[1] - 1)
             q_logits = d.logits.float()[:, sl]
-            tokens, y = greedy_labels(target(input_ids=ids).logits.float()[:, sl], q_logits)
+            p_logits = target(input_ids=ids).logits.float()[:, sl]
+            if temperature > 0:
+                q = torch.softmax(q_logits / temperature, -1)
+                tokens = _sample(q, g)
+                y = acceptance_labels(torch.softmax(p_logits / temperature, -1), q, tokens)
+            else:
+                tokens, y = greedy_labels(p_logits, q_logits)
             feats.append(acceptance_features(d.hidden_states[-1][:, sl], q_logits, tokens))
             labels.append(y)
     return torch.cat(feats), torch.cat(labels)
+
+
+def draw_acceptance(pred, chance, draws: int, seed: int):
+    """(pred, 0/1 labels) with each row repeated ``draws`` times and every position accepted with its
+    ``chance``: sampled rounds replayed as coin flips, ``draws`` per row for a steadier estimate."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    chance = chance.repeat(draws, 1)
+    return pred.repeat(draws, 1), (torch.rand(chance.shape, generator=g) < chance).float()
 
 
 class TensorDict:
@@ -246,17 +268,18 @@ def calibration(pred, labels, bins: int = 10) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
-# Default stop policy: simulated greedy decoding of held-out greedy text under measured costs
+# Default stop policies: decoding replayed on held-out continuations under measured round costs
 
 THRESHOLDS = (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 MIN_DRAFTS = (0, 1, 2)
 FIXED_KS = (1, 2, 3, 4, 6, 8)
 
 
-def measure_round_costs(target, tokenizer, draft, head, prompts: list[list[int]], new_tokens: int = 48, reps: int = 3) -> dict:
-    """Seconds per decode round at bs=1 through the real engine, one intra-op thread: ``ar``, the
-    adaptive drafter held at n = 1, 2, 4 drafts (the head runs at every step, as in a real round), and
-    a fixed K=1 round (no head).
+def measure_round_costs(target, tokenizer, draft, head, prompts: list[list[int]], new_tokens: int = 48, reps: int = 3,
+                        temperature: float = 0.0) -> dict:
+    """Seconds per decode round at bs=1 through the real engine, one intra-op thread, greedy or sampling at
+    ``temperature``: ``ar``, the adaptive drafter held at n = 1, 2, 4 drafts (``head`` runs at every step,
+    as in a real round), and a fixed K=1 round (no head).
 
     A speculative round of n drafts is fitted as alpha + beta * n; in units of an ``ar`` round (one
     target forward plus the loop's overhead) that is ``fixed`` + ``per_draft`` * n, which is what
@@ -269,6 +292,7 @@ def measure_round_costs(target, tokenizer, draft, head, prompts: list[list[int]]
     from specdec.decode.adaptive import AdaptiveDrafter
     from specdec.decode.engine import SpecEngine
     from specdec.decode.types import GenRequest
+    from specdec.decode.verify import Sampling
 
     ks = (1, 2, 4)
     threads = torch.get_num_threads()
@@ -282,8 +306,9 @@ def measure_round_costs(target, tokenizer, draft, head, prompts: list[list[int]]
         for _ in range(reps):  # configurations interleaved, so drift of a shared machine hits them alike
             for k in ("ar", "fixed-1") + ks:
                 policy = StopPolicy(0.5, 1, 1) if k == "fixed-1" else None if k == "ar" else judged(k)
-                drafter = None if policy is None else AdaptiveDrafter(draft, head, greedy_head=head, greedy_policy=policy)
-                engine = SpecEngine(target, tokenizer, drafter, eos_ids=[])
+                drafter = None if policy is None else AdaptiveDrafter(draft, head, policy.stop_threshold, policy.min_draft,
+                                                                      policy.max_draft, greedy_head=head, greedy_policy=policy)
+                engine = SpecEngine(target, tokenizer, drafter, sampling=Sampling(temperature=temperature), eos_ids=[])
                 wall = rounds = drafted = 0
                 for p in prompts:  # bs=1, the prefill's time included (the same in every configuration)
                     t0 = time.perf_counter()
@@ -307,15 +332,16 @@ def measure_round_costs(target, tokenizer, draft, head, prompts: list[list[int]]
     head_s = max(0.0, ys[0] - t_fixed_1) / xs[0]  # seconds of head per judged draft
     return {"ar_round_s": t_ar, "spec_round_s": dict(zip(map(str, ks), ys)), "fixed_1_round_s": t_fixed_1,
             "fixed": alpha / t_ar, "per_draft": beta / t_ar, "head_per_draft": head_s / t_ar,
-            "prompts": len(prompts), "new_tokens": new_tokens, "reps": reps,
-            "note": "per-round seconds at bs=1, one thread, greedy, through SpecEngine; a head-judged round of n drafts "
+            "prompts": len(prompts), "new_tokens": new_tokens, "reps": reps, "temperature": temperature,
+            "note": "per-round seconds at bs=1, one thread, at the temperature, through SpecEngine; a head-judged round of n drafts "
                     "costs fixed + per_draft * n ar rounds (least squares over n = 1, 2, 4); a fixed-length round, which "
                     "runs no head, costs head_per_draft * n less (from a timed fixed K=1 round)"}
 
 
-def simulate_greedy(pred, labels, fixed: float, per_draft: float, policy: StopPolicy | None = None, k: int | None = None) -> dict:
-    """Greedy decoding replayed on held-out greedy text: ``pred``/``labels`` [N, L] are the head's P(accept)
-    and the true acceptance at each continuation index (``label_greedy_text``). Each row is decoded
+def simulate_rounds(pred, labels, fixed: float, per_draft: float, policy: StopPolicy | None = None, k: int | None = None) -> dict:
+    """Decoding replayed on held-out continuations: ``pred``/``labels`` [N, L] are the head's P(accept)
+    and whether the draft at each continuation index is accepted (0/1: ``label_continuations``' greedy
+    labels, or ``draw_acceptance``'s coin flips of its sampling ones). Each row is decoded
     from index 1 in rounds: draft n tokens (fixed ``k``, or the adaptive ``policy`` on ``pred``), accept
     the leading accepted ones plus the target's token, pay ``fixed + per_draft * n`` (a plain round,
     n = 0 under min_draft 0: ``1 + per_draft``). Returns tokens per unit cost (units of an ``ar`` round:
@@ -323,6 +349,7 @@ def simulate_greedy(pred, labels, fixed: float, per_draft: float, policy: StopPo
 
     Approximation: after a rejected draft, the real drafter judges its own wrong continuation, the
     replay the target's text; that only moves where such a round stops (its cost), never its tokens.
+    Sampling adds one: a kept draft is distributed as min(p, q) normalised, the replay's text as p.
     """
     logp = pred.double().clamp(min=1e-12).log().tolist()
     acc = labels.tolist()
@@ -358,7 +385,7 @@ def simulate_greedy(pred, labels, fixed: float, per_draft: float, policy: StopPo
             "plain_rounds": plain / max(rounds, 1)}
 
 
-def choose_greedy_policy(pred, labels, costs: dict, max_draft: int = 20) -> tuple[StopPolicy, dict]:
+def choose_policy(pred, labels, costs: dict, max_draft: int = 20) -> tuple[StopPolicy, dict]:
     """The policy with the most simulated tokens per unit cost among the adaptive grid (stop threshold x
     min draft) and fixed lengths K (min_draft = max_draft = K, no head: charged ``head_per_draft`` less per
     draft). A fixed K wins where no stop rule on this head pays for the head and the longer rounds it
@@ -368,11 +395,11 @@ def choose_greedy_policy(pred, labels, costs: dict, max_draft: int = 20) -> tupl
         for thr in THRESHOLDS:
             pol = StopPolicy(thr, m, max_draft)
             grid.append({"stop_threshold": thr, "min_draft": m, "max_draft": max_draft,
-                         **simulate_greedy(pred, labels, costs["fixed"], costs["per_draft"], policy=pol)})
+                         **simulate_rounds(pred, labels, costs["fixed"], costs["per_draft"], policy=pol)})
     per_draft_fixed = costs["per_draft"] - costs.get("head_per_draft", 0.0)
-    fixed_k = [{"k": k, **simulate_greedy(pred, labels, costs["fixed"], per_draft_fixed, k=k)} for k in FIXED_KS]
+    fixed_k = [{"k": k, **simulate_rounds(pred, labels, costs["fixed"], per_draft_fixed, k=k)} for k in FIXED_KS]
     # the same policies under a perfect head (P = the labels): how much a better head could give
-    oracle = simulate_greedy(labels.clamp(1e-6, 1 - 1e-6), labels, costs["fixed"], costs["per_draft"], policy=StopPolicy(0.5, 0, max_draft))
+    oracle = simulate_rounds(labels.clamp(1e-6, 1 - 1e-6), labels, costs["fixed"], costs["per_draft"], policy=StopPolicy(0.5, 0, max_draft))
     best = max(grid, key=lambda r: r["speedup"])
     best_fixed = max(fixed_k, key=lambda r: r["speedup"])
     if best_fixed["speedup"] > best["speedup"]:
@@ -405,15 +432,17 @@ def train_acceptance(
     cost_reps: int | None = None,
     resume: bool = False,
 ) -> dict:
-    """Train the sampling head and the greedy head of one acceptance artifact; choose the greedy stop
-    policy by simulation (``choose_greedy_policy``) under the engine's measured round costs.
+    """Train the sampling head and the greedy head of one acceptance artifact; choose each mode's default
+    stop policy by simulation (``choose_policy``) under the engine's measured round costs: the greedy
+    one on the target's held-out greedy continuations, the sampling one on its continuations sampled at
+    ``temperature`` (the artifact's temperature: its head's labels and its policy are for that one).
 
     Greedy head data: the target's own greedy continuations of ``greedy_prefix``-token block prefixes,
     the text a greedy decode verifies drafts against. (Adding the corpus text's greedy labels made the
     head worse on held-out greedy text: the features cannot tell the two texts apart, and the target
     agrees with its draft more often on its own repetitive output; its calibration on held-out corpus
     text is still reported.) Budget: ~20% labels the corpus, ~20% generates
-    and labels continuations, ~10% held-out data, a few seconds measure round costs, the rest trains
+    and labels continuations, ~15% held-out data, a few seconds measure round costs, the rest trains
     the two heads (half each). Round costs: ``cost_reps`` interleaved timings (default 3; 1 under a
     budget below 90 s) of 4 held-out prompts decoding ``cost_new_tokens`` tokens each.
     """
@@ -447,21 +476,24 @@ def train_acceptance(
     prefix = max(1, min(greedy_prefix, cfg.seq_len // 2))
     new = max(2, min(greedy_new_tokens, int(getattr(target.config, "max_position_embeddings", 1 << 20)) - prefix))
     data = label_blocks(draft, target, train_blocks, temperature, target_token_frac, cfg.seed, deadline=until(0.2), modes=("sampling",))
-    cont = greedy_continuations(target, train_blocks, prefix, new, limit=greedy_sequences, deadline=until(0.4))
-    cont_h, cont_y = label_greedy_text(draft, target, cont, prefix)
+    cont = target_continuations(target, train_blocks, prefix, new, limit=greedy_sequences, deadline=until(0.4))
+    cont_h, cont_y = label_continuations(draft, target, cont, prefix)
     data["greedy"] = (cont_h.flatten(0, 1), cont_y.flatten())
     if len(held_blocks) == 0:
         raise UsageError("train-acceptance needs held-out blocks for calibration and the stop policy (heldout > 0)")
     held = label_blocks(draft, target, held_blocks, temperature, target_token_frac, cfg.seed + 1, deadline=until(0.45))
-    held_cont = greedy_continuations(target, held_blocks, prefix, new, limit=max(16, greedy_sequences // 8), deadline=until(0.5))
-    held_h, held_y = label_greedy_text(draft, target, held_cont, prefix)
+    n_held = max(16, greedy_sequences // 8)
+    held_cont = target_continuations(target, held_blocks, prefix, new, limit=n_held, deadline=until(0.5))
+    held_h, held_y = label_continuations(draft, target, held_cont, prefix)
+    held_samp = target_continuations(target, held_blocks, prefix, new, temperature, cfg.seed + 2, limit=n_held, deadline=until(0.55))
+    held_sh, held_sy = label_continuations(draft, target, held_samp, prefix, temperature, cfg.seed + 3)
 
     torch.manual_seed(cfg.seed)
     hidden = draft.config.hidden_size
     heads = {m: AcceptanceHead(hidden + N_STATS, num_layers) for m in HEAD_MODES}
     weights = {"sampling": reject_weight, "greedy": greedy_reject_weight}
-    if budget_s:  # the two heads share what is left, half each, after a reserve for measuring round costs
-        left = max(budget_s - (time.perf_counter() - start) - 0.1 * budget_s, 0.2 * budget_s)
+    if budget_s:  # the two heads share what is left, half each, after a reserve for measuring both modes' round costs
+        left = max(budget_s - (time.perf_counter() - start) - 0.15 * budget_s, 0.2 * budget_s)
         cfg = dataclasses.replace(cfg, budget_minutes=left / 2 / 60)
 
     trained, results = {}, {}
@@ -487,8 +519,10 @@ def train_acceptance(
     n_prompts = min(4, len(held_cont))
     if cost_reps is None:
         cost_reps = 3 if not budget_s or budget_s >= 90 else 1
-    costs = measure_round_costs(target, tokenizer, draft, trained["greedy"], [row[:prefix].tolist() for row in held_cont[:n_prompts]],
-                                new_tokens=cost_new_tokens, reps=cost_reps)
+    cost_prompts = [row[:prefix].tolist() for row in held_cont[:n_prompts]]
+    costs = {mode: measure_round_costs(target, tokenizer, draft, trained[mode], cost_prompts, new_tokens=cost_new_tokens,
+                                       reps=cost_reps, temperature=0.0 if mode == "greedy" else temperature)
+             for mode in HEAD_MODES}
 
     with torch.no_grad():
         h_s, y_s = held["sampling"]
@@ -496,11 +530,16 @@ def train_acceptance(
         raw_s = torch.sigmoid(trained["sampling"](h_s) - math.log(reject_weight))
         pred_g = torch.sigmoid(trained["greedy"](held_h))  # [N, L] along held-out greedy text
         pred_gc = torch.sigmoid(trained["greedy"](held["greedy"][0]))
+        pred_ss = torch.sigmoid(trained["sampling"](held_sh))  # [N, L] along held-out sampled text
     sampling = calibration(pred_s, y_s)
     sampling["uncorrected_brier"] = float(((raw_s - y_s) ** 2).mean())
     greedy = calibration(pred_g.flatten(), held_y.flatten())
     greedy["corpus_text"] = {k: v for k, v in calibration(pred_gc, held["greedy"][1]).items() if k != "reliability_bins"}
-    policy, sim = choose_greedy_policy(pred_g, held_y, costs)
+    policies, sims = {}, {}
+    policies["greedy"], sims["greedy"] = choose_policy(pred_g, held_y, costs["greedy"])
+    # sampled rounds replayed as coin flips with each draft's chance min(1, p/q), 8 draws per continuation
+    policies["sampling"], sims["sampling"] = choose_policy(*draw_acceptance(pred_ss, held_sy, 8, cfg.seed + 4), costs["sampling"])
+    sims["sampling"]["temperature"] = temperature
     metrics = dict(sampling)  # top level: the sampling head, as in the one-head format
     metrics.update(
         kind="acceptance", heads=list(HEAD_MODES), sampling=sampling, greedy=greedy,
@@ -509,13 +548,14 @@ def train_acceptance(
         loss_curve={m: r.losses for m, r in results.items()},
         train_positions={m: len(data[m][1]) for m in HEAD_MODES}, heldout_positions={"sampling": len(y_s), "greedy": int(held_y.numel())},
         greedy_text={"prefix_tokens": prefix, "new_tokens": new, "train_sequences": len(cont), "heldout_sequences": len(held_cont)},
-        round_costs=costs, policy_simulation=sim,
+        sampled_text={"temperature": temperature, "heldout_sequences": len(held_samp)},
+        round_costs=costs, policy_simulation=sims,
         note="sampling: Brier against the soft labels min(1, p/q) on held-out draft samples (T=%g); training up-weights the "
              "reject class by w and the saved head's output bias includes + log w, which undoes that shift (uncorrected_brier "
              "is the head without it). greedy: labels 1[argmax q == argmax p] on the target's greedy continuations of held-out "
-             "block prefixes (corpus_text: on held-out corpus text). policy_simulation: held-out greedy decoding replayed under "
-             "round_costs; the chosen greedy policy is the default at T=0, sampling rounds default to SpecDec++'s 0.3 / 2 / 20 "
-             "(not simulated)" % temperature,
+             "block prefixes (corpus_text: on held-out corpus text). policy_simulation: per mode, decoding replayed on the "
+             "target's held-out continuations (greedy; sampled at T=%g, each draft kept with its chance min(1, p/q), 8 draws) "
+             "under that mode's round_costs; the chosen policies are the artifact's defaults" % (temperature, temperature),
     )
     out_dir.mkdir(parents=True, exist_ok=True)
     state = {f"{m}.{k}": v.detach().float().contiguous() for m, head in trained.items() for k, v in head.state_dict().items()}
@@ -526,7 +566,7 @@ def train_acceptance(
         "hidden_size": hidden, "features": FEATURES, "input_size": hidden + N_STATS, "num_layers": num_layers,
         "heads": list(HEAD_MODES), "reject_weight": {"sampling": reject_weight, "greedy": greedy_reject_weight},
         "target_token_frac": target_token_frac, "temperature": temperature,
-        "policy": {"greedy": dataclasses.asdict(policy), "sampling": dataclasses.asdict(StopPolicy())},
+        "policy": {mode: dataclasses.asdict(policies[mode]) for mode in HEAD_MODES},
     })
     save_config(cfg, out_dir, {"trainer": "acceptance", "target": str(target_dir), "draft": str(draft_dir), "data": [str(f) for f in data_files]})
     write_json(out_dir / "metrics.json", metrics)
