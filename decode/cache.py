@@ -13,19 +13,36 @@ import torch
 from transformers import DynamicCache
 
 
-class KVState:
-    def __init__(self, model, batch_size: int, device: torch.device):
-        self.model = model
-        self.cache = DynamicCache(config=model.config)
+class SlotBook:
+    """Which slots of the shared axis each row keeps (``valid`` [B, S]) and each row's next position id:
+    the bookkeeping of every cache with holes (the target's ``KVState``, the EAGLE drafter's own)."""
+
+    def __init__(self, batch_size: int, device: torch.device):
         self.valid = torch.zeros(batch_size, 0, dtype=torch.bool, device=device)  # [B, S]
         self.pos = torch.zeros(batch_size, dtype=torch.long, device=device)  # next position id per row
-        self._pending: torch.Tensor | None = None  # validity of the last forward's segment
-        # the Triton tree-attention kernel reads a bool mask; everything else gets an additive float mask
-        self._bool_mask = model.config._attn_implementation == "specdec_tree"
 
     @property
     def length(self) -> int:
         return self.valid.shape[1]
+
+    def _append(self, keep_valid: torch.Tensor) -> None:
+        """New slots after the committed ones; a row's position advances by the slots it keeps."""
+        self.valid = torch.cat([self.valid, keep_valid], dim=1)
+        self.pos = self.pos + keep_valid.long().sum(-1)
+
+    def _select(self, rows: torch.Tensor) -> None:
+        self.valid = self.valid[rows]
+        self.pos = self.pos[rows]
+
+
+class KVState(SlotBook):
+    def __init__(self, model, batch_size: int, device: torch.device):
+        super().__init__(batch_size, device)
+        self.model = model
+        self.cache = DynamicCache(config=model.config)
+        self._pending: torch.Tensor | None = None  # validity of the last forward's segment
+        # the Triton tree-attention kernel reads a bool mask; everything else gets an additive float mask
+        self._bool_mask = model.config._attn_implementation == "specdec_tree"
 
     def forward(
         self,
@@ -106,15 +123,13 @@ class KVState:
         self.pos = self.pos - n_tail + kept
 
     def _append(self, keep_valid: torch.Tensor) -> None:
-        self.valid = torch.cat([self.valid, keep_valid], dim=1)
-        self.pos = self.pos + keep_valid.long().sum(-1)
+        super()._append(keep_valid)
         self._pending = None
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """Drop finished rows (rows: indices of the rows that continue)."""
         self.cache.batch_select_indices(rows)
-        self.valid = self.valid[rows]
-        self.pos = self.pos[rows]
+        self._select(rows)
         # slots that no remaining row uses on the left are dead weight: cut them
         used = self.valid.any(0)
         if self.length and not bool(used[0]):

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from specdec.decode.cache import SlotBook
 from specdec.decode.drafters import Drafter, Proposal, Segment, TreeTemplate
 
 DEFAULTS = {"medusa": (24, 4), "clover": (24, 4), "eagle": (32, 5)}  # (tree tokens, depth)
@@ -359,18 +360,16 @@ def _additive(visible: torch.Tensor, dtype) -> torch.Tensor:
     return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, torch.finfo(dtype).min)[:, None]
 
 
-class _SlotCache:
+class _SlotCache(SlotBook):
     """The EAGLE layer's keys/values per row: committed entries on a shared slot axis with per-row
-    holes and positions (as ``KVState``), then, during a round, scratch slots for the tree nodes
-    that were expanded, in order of expansion. Nodes are never committed: the next commit
-    overwrites them."""
+    holes and positions (``SlotBook``, as the target's ``KVState``), then, during a round, scratch
+    slots for the tree nodes that were expanded, in order of expansion. Nodes are never committed:
+    the next commit overwrites them."""
 
     def __init__(self, bsz: int, kv_heads: int, head_dim: int, dtype, device):
+        super().__init__(bsz, device)
         self.k = torch.zeros(bsz, kv_heads, 0, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
-        self.length = 0
-        self.valid = torch.zeros(bsz, 0, dtype=torch.bool, device=device)
-        self.pos = torch.zeros(bsz, dtype=torch.long, device=device)
 
     def reserve(self, n: int) -> None:
         """Room for n slots after the committed ones (grows by doubling: amortised copies)."""
@@ -393,13 +392,11 @@ class _SlotCache:
         return store
 
     def commit(self, valid: torch.Tensor) -> None:
-        self.length += valid.shape[1]
-        self.valid = torch.cat([self.valid, valid], 1)
-        self.pos = self.pos + valid.long().sum(-1)
+        self._append(valid)
 
     def select_rows(self, rows: torch.Tensor) -> None:
         self.k, self.v = self.k[rows], self.v[rows]
-        self.valid, self.pos = self.valid[rows], self.pos[rows]
+        self._select(rows)
 
 
 class EagleDrafter(HeadTreeDrafter):
