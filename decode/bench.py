@@ -53,8 +53,7 @@ class BenchConfig:
 class Run:
     outputs: list  # token lists per prompt
     stats: list  # per-prompt stats dicts
-    wall: float  # median over repeats
-    walls: list
+    walls: list  # per pass
     propose_s: float = 0.0
     rounds: int = 0
     record_walls: list = field(default_factory=list)  # per pass: each prompt's share of its batch's wall time
@@ -141,7 +140,7 @@ def _collect(passes: list[tuple], runner) -> Run:
     outputs, stats, _, propose_s, rounds = passes[-1]
     walls = [p[2] for p in passes]
     record_walls = [[st["wall_s"] for st in p[1]] for p in passes]
-    return Run(outputs, stats, statistics.median(walls), walls, propose_s, rounds, record_walls)
+    return Run(outputs, stats, walls, propose_s, rounds, record_walls)
 
 
 class _TimedPropose:
