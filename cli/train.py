@@ -85,7 +85,8 @@ def train_draft_cmd(
     temperature: Annotated[Optional[float], typer.Option("--temperature", help="Distillation temperature.")] = None,
     lora: Annotated[bool, typer.Option("--lora", help="Train a LoRA adapter on the --init draft.")] = False,
     lora_save: Annotated[str, typer.Option("--lora-save", help="merged (plain weights) or adapter (peft adapter dir).")] = "merged",
-    cache_teacher: Annotated[bool, typer.Option("--cache-teacher", help="Compute the target's top-k logits once and cache them on disk.")] = False,
+    cache_teacher: Annotated[Optional[bool], typer.Option("--cache-teacher/--no-cache-teacher", help="Compute the target's top-k logits once, on disk, inside the budget (default: the recipe's).")] = None,
+    ce_labels: Annotated[Optional[str], typer.Option("--ce-labels", help="CE term's labels under KD: data (next tokens) or target (the target's greedy tokens). Default: the recipe's.")] = None,
     max_steps: MaxSteps = None,
     budget_minutes: Budget = None,
     resume: Resume = False,
@@ -103,8 +104,10 @@ def train_draft_cmd(
                seq_len=seq_len, lr=lr, seed=seed, checkpoint_every=checkpoint_every, mixed_precision=mixed_precision)
     kd = kd_weight if kd_weight is not None else float(cfg.extra.get("kd_weight", 0.9))
     temp = temperature if temperature is not None else float(cfg.extra.get("temperature", 1.0))
+    cache = cache_teacher if cache_teacher is not None else bool(cfg.extra.get("cache_teacher", False))
+    labels = ce_labels or str(cfg.extra.get("ce_labels", "data"))
     metrics = _run(train_draft, target, data, out, cfg, init=init, arch=arch, kd_weight=kd, temperature=temp, lora=lora,
-                   lora_save=lora_save, cache_teacher=cache_teacher, resume=resume)
+                   lora_save=lora_save, cache_teacher=cache, ce_labels=labels, resume=resume)
     _report(metrics, out, ("heldout_ce", "top1_agreement", "expected_tau", "steps", "stopped"))
 
 
@@ -266,7 +269,8 @@ def build_drafters_for_recipe(family_dir: Path, train_files: list[Path], budget_
     c_ce = load_config(RECIPES / "draft.yaml", {"steps": big, "seed": seed, "budget_minutes": c.budget_minutes,
                                                 "clock_schedule": True, "heldout": 0.02, "progress": c.progress}, section="draft")
     results["draft"] = train_draft(target, train_files, family_dir / "draft", c, arch=arch,
-                                   kd_weight=float(c.extra.get("kd_weight", 0.9)), temperature=float(c.extra.get("temperature", 1.0)))
+                                   kd_weight=float(c.extra.get("kd_weight", 0.9)), temperature=float(c.extra.get("temperature", 1.0)),
+                                   cache_teacher=bool(c.extra.get("cache_teacher", False)), ce_labels=str(c.extra.get("ce_labels", "data")))
     results["draft-ce"] = train_draft(target, train_files, family_dir / "draft-ce", c_ce, arch=arch, kd_weight=0.0)
     a = cfg("draft.yaml", "acceptance", "acceptance")
     results["acceptance"] = train_acceptance(target, family_dir / "draft", train_files, family_dir / "acceptance", a,

@@ -204,14 +204,45 @@ def test_kd_loss_falls_and_artifact(workdir):
     assert load_draft(out).config.vocab_size == cfg["vocab_size"]
 
 
+def test_kd_loss_terms_on_a_hand_built_example():
+    import torch.nn.functional as F
+
+    from specdec.train.draft import kd_loss
+
+    torch.manual_seed(0)
+    s, t = torch.randn(2, 5, 7), torch.randn(2, 5, 7)
+    ids = torch.randint(0, 7, (2, 5))
+    log_q, log_p = F.log_softmax(s, -1), F.log_softmax(t, -1)
+    kl = (log_p.exp() * (log_p - log_q)).sum(-1).mean()
+    ce_data = -log_q[:, :-1].gather(-1, ids[:, 1:, None]).mean()
+    ce_target = -log_q.gather(-1, t.argmax(-1, keepdim=True)).mean()  # every position, the last included
+    loss, parts = kd_loss(s, ids, t, 0.25, 1.0)
+    assert float(loss) == pytest.approx(float(0.25 * kl + 0.75 * ce_data), rel=1e-5)
+    assert parts["kl"] == pytest.approx(float(kl), rel=1e-5)
+    loss, _ = kd_loss(s, ids, t, 0.25, 1.0, ce_labels="target")
+    assert float(loss) == pytest.approx(float(0.25 * kl + 0.75 * ce_target), rel=1e-5)
+    # the sparse (cached) teacher: top-k support, renormalised; its greedy labels are the first index
+    values, indices = t.topk(3, dim=-1)
+    log_p3 = F.log_softmax(values, -1)
+    kl3 = (log_p3.exp() * (log_p3 - log_q.gather(-1, indices))).sum(-1).mean()
+    loss, _ = kd_loss(s, ids, (values, indices.int()), 0.25, 1.0, ce_labels="target")
+    assert float(loss) == pytest.approx(float(0.25 * kl3 + 0.75 * ce_target), rel=1e-5)
+    # at T != 1 the KL runs on tempered distributions (times T^2) and the CE on plain ones
+    log_q2, log_p2 = F.log_softmax(s / 2, -1), F.log_softmax(t / 2, -1)
+    kl2 = (log_p2.exp() * (log_p2 - log_q2)).sum(-1).mean() * 4
+    loss, _ = kd_loss(s, ids, t, 0.25, 2.0)
+    assert float(loss) == pytest.approx(float(0.25 * kl2 + 0.75 * ce_data), rel=1e-5)
+
+
 def test_ce_only_cached_teacher_and_lora(workdir):
     from specdec.train.draft import load_draft, train_draft
 
     base = workdir / "draft-base"
     train_draft(workdir / "target", [workdir / "data.jsonl"], base, tiny_cfg(steps=2), arch="layers=1,hidden=32,heads=4", kd_weight=0.0)
     m = train_draft(workdir / "target", [workdir / "data.jsonl"], workdir / "draft-cached", tiny_cfg(steps=3), init=base,
-                    kd_weight=0.5, cache_teacher=True, teacher_topk=16)
+                    kd_weight=0.5, cache_teacher=True, teacher_topk=16, ce_labels="target")
     assert m["teacher"] == "cached-top16" and (workdir / "draft-cached" / "teacher_cache.safetensors").exists()
+    assert m["ce_labels"] == "target" and m["teacher_cache_s"] > 0
     m = train_draft(workdir / "target", [workdir / "data.jsonl"], workdir / "draft-lora", tiny_cfg(steps=3), init=base,
                     lora=True, lora_save="adapter")
     assert (workdir / "draft-lora" / "adapter_config.json").exists()

@@ -9,7 +9,9 @@ instead of merged weights; ``load_draft`` handles both.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import time
 from pathlib import Path
 
 from specdec.decode.artifacts import SpecdecError, UsageError, check_fingerprint, read_config, tokenizer_fingerprint, write_json
@@ -103,22 +105,31 @@ def new_draft(target_config, arch: str):
 # Losses
 
 
-def kd_loss(student_logits, input_ids, teacher, kd_weight: float, temperature: float):
-    """kd_weight * T^2 * KL(p_T || q_T) + (1 - kd_weight) * CE(next token).
+def kd_loss(student_logits, input_ids, teacher, kd_weight: float, temperature: float, ce_labels: str = "data"):
+    """kd_weight * T^2 * KL(p_T || q_T) + (1 - kd_weight) * CE.
 
     ``teacher`` is full logits [B, T, V] or a sparse (values [B, T, k], indices [B, T, k]) pair from
-    the disk cache (the KL then runs over the teacher's top-k support, renormalised).
+    the disk cache (the KL then runs over the teacher's top-k support, renormalised). The CE term's
+    labels are the data's next tokens (``ce_labels="data"``) or the target's greedy choices
+    (``"target"``): what a greedy round accepts, at the prompt's positions too.
     Returns (loss, {"kl": ..., "ce": ...}).
     """
     import torch
     import torch.nn.functional as F
 
     s = student_logits.float()
-    ce = F.cross_entropy(s[:, :-1].reshape(-1, s.shape[-1]), input_ids[:, 1:].reshape(-1))
+    vocab, targets = s.shape[-1], input_ids[:, 1:].reshape(-1)
     if kd_weight <= 0:
+        ce = F.cross_entropy(s[:, :-1].reshape(-1, vocab), targets)
         return ce, {"ce": float(ce.detach())}
     t = temperature
-    log_q = F.log_softmax(s / t, dim=-1)
+    log_q = F.log_softmax(s if t == 1 else s / t, dim=-1)  # one pass over the vocabulary serves CE too when t == 1
+    log_q1 = log_q if t == 1 else F.log_softmax(s, dim=-1)
+    if ce_labels == "target":  # the target's greedy token at every position, the prompt's included
+        greedy = teacher[1][..., 0] if isinstance(teacher, tuple) else teacher.argmax(-1)
+        ce = F.nll_loss(log_q1.reshape(-1, vocab), greedy.reshape(-1).long())
+    else:
+        ce = F.nll_loss(log_q1[:, :-1].reshape(-1, vocab), targets)
     if isinstance(teacher, tuple):
         values, indices = teacher
         log_p = F.log_softmax(values.float() / t, dim=-1)
@@ -235,6 +246,7 @@ def train_draft(
     lora_rank: int = 8,
     cache_teacher: bool = False,
     teacher_topk: int = 64,
+    ce_labels: str = "data",
     resume: bool = False,
 ) -> dict:
     """Train a draft and write its artifact; returns metrics (empty on non-main processes)."""
@@ -253,6 +265,8 @@ def train_draft(
         raise UsageError("lora_save must be merged or adapter")
     if not 0.0 <= kd_weight <= 1.0 or temperature <= 0:
         raise UsageError("kd_weight must lie in [0, 1] and temperature be > 0")
+    if ce_labels not in ("data", "target"):
+        raise UsageError("ce_labels must be data or target")
     target, tokenizer = load_target(target_dir)
     fp = tokenizer_fingerprint(tokenizer)
     if init:
@@ -275,15 +289,20 @@ def train_draft(
 
     accelerator = make_accelerator(cfg)
     train, held = load_blocks(data_files, tokenizer, cfg.seq_len, cfg.heldout, cfg.seed)
-    cached = None
+    cached, cache_s = None, 0.0
     if cache_teacher and kd_weight > 0:
         path = out_dir / "teacher_cache.safetensors"
+        start = time.perf_counter()
         if accelerator.is_main_process:
             cache_teacher_logits(target, train, path, min(teacher_topk, target.config.vocab_size))
         accelerator.wait_for_everyone()
         from safetensors.torch import load_file
 
         cached = {k: v.to(accelerator.device) for k, v in load_file(str(path)).items()}
+        cached["indices"] = cached["indices"].long()  # gather's index type, converted once
+        cache_s = time.perf_counter() - start
+        if cfg.budget_minutes > 0:  # the teacher's forwards are training time: a run compares at equal minutes
+            cfg = dataclasses.replace(cfg, budget_minutes=max(cfg.budget_minutes - cache_s / 60, 0.01))
     target.to(accelerator.device)
 
     def loss_fn(model, batch):
@@ -296,7 +315,7 @@ def train_draft(
         else:
             with torch.no_grad():
                 teacher = target(input_ids=ids).logits
-        return kd_loss(logits, ids, teacher, kd_weight, temperature)
+        return kd_loss(logits, ids, teacher, kd_weight, temperature, ce_labels)
 
     result = run_training(cfg, draft, loss_fn, train, out_dir, resume=resume, accelerator=accelerator)
     if not result.is_main:
@@ -307,12 +326,13 @@ def train_draft(
         kind="draft", kd_weight=kd_weight, temperature=temperature, steps=result.steps, stopped=result.stopped,
         train_wall_s=round(result.wall_s, 3), loss_curve=result.losses, final_loss=result.losses[-1] if result.losses else None,
         processes=accelerator.num_processes, teacher="cached-top%d" % teacher_topk if cached is not None else "on-the-fly",
+        teacher_cache_s=round(cache_s, 3), ce_labels=ce_labels if kd_weight > 0 else "data",
     )
     _save_draft(model, tokenizer, out_dir, fp, lora, lora_save, init)
     save_config(cfg, out_dir, {"trainer": "draft", "target": str(target_dir), "data": [str(f) for f in data_files],
                                "init": str(init) if init else None, "arch": arch, "kd_weight": kd_weight,
                                "temperature": temperature, "lora": lora, "lora_save": lora_save,
-                               "cache_teacher": cache_teacher})
+                               "cache_teacher": cache_teacher, "ce_labels": ce_labels})
     write_json(out_dir / "metrics.json", metrics)
     return metrics
 
