@@ -390,6 +390,12 @@ def test_choose_policy_takes_a_fixed_length_when_the_head_cannot_pay_for_itself(
     policy, sim = choose_policy(labels.clamp(0.02, 0.98), labels, {"fixed": 1.0, "per_draft": 0.2, "head_per_draft": 0.05})
     assert sim["chosen_kind"] == "adaptive" and not policy.fixed
     assert policy == StopPolicy(sim["best_adaptive"]["stop_threshold"], sim["best_adaptive"]["min_draft"], 20)
+    # a stop rule that beats the best fixed length by less than the margin is not worth running the head for
+    edge = sim["best_adaptive"]["speedup"] / sim["best_fixed"]["speedup"]
+    assert edge > 1.0
+    policy, sim = choose_policy(labels.clamp(0.02, 0.98), labels, {"fixed": 1.0, "per_draft": 0.2, "head_per_draft": 0.05},
+                                margin=edge + 0.01)
+    assert sim["chosen_kind"] == "fixed" and policy.min_draft == policy.max_draft == sim["best_fixed"]["k"]
 
 
 def test_fixed_policy_skips_the_head_and_equals_the_draft_model(target, draft_model):
@@ -438,10 +444,13 @@ def test_train_acceptance_writes_two_heads_calibration_and_policy(tiny_family, t
         sim = m["policy_simulation"][mode]
         chosen = sim["chosen"]
         best = max(sim["grid"] + sim["fixed_k"], key=lambda r: r["speedup"])  # adaptive grid and fixed lengths
-        if sim["chosen_kind"] == "fixed":
-            assert chosen["min_draft"] == chosen["max_draft"] == best["k"]
+        best_fixed = max(sim["fixed_k"], key=lambda r: r["speedup"])
+        if sim["chosen_kind"] == "fixed":  # a stop rule must beat the best fixed length by the margin
+            assert chosen["min_draft"] == chosen["max_draft"] == best_fixed["k"]
+            assert max(r["speedup"] for r in sim["grid"]) < sim["adaptive_margin"] * best_fixed["speedup"]
         else:
             assert (chosen["stop_threshold"], chosen["min_draft"]) == (best["stop_threshold"], best["min_draft"])
+            assert best["speedup"] >= sim["adaptive_margin"] * best_fixed["speedup"]
         assert cfg_json["policy"][mode] == chosen
     assert m["round_costs"]["sampling"]["temperature"] == m["policy_simulation"]["sampling"]["temperature"] == 1.0
     chosen = m["policy_simulation"]["greedy"]["chosen"]
