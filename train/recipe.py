@@ -22,8 +22,8 @@ from specdec.recipes import recipe_path
 class RecipeConfig:
     name: str
     seed: int = 0
-    budget_minutes: float = 15.0
-    shares: dict = field(default_factory=lambda: {"target": 0.5, "drafters": 0.28, "dllm": 0.2})
+    budget_minutes: float = 20.0
+    shares: dict = field(default_factory=lambda: {"target": 0.48, "drafters": 0.3, "dllm": 0.2})
     tokenizer: dict = field(default_factory=dict)
     target: dict = field(default_factory=dict)
     training: dict = field(default_factory=dict)
