@@ -441,6 +441,8 @@ def test_train_acceptance_writes_two_heads_calibration_and_policy(tiny_family, t
     for mode in ("greedy", "sampling"):  # each mode's policy: the best of its own simulation, under its own costs
         costs = m["round_costs"][mode]
         assert costs["ar_round_s"] > 0 and costs["per_draft"] == costs["per_draft"]  # not NaN
+        # the head's share of a draft is timed alone, never more than the draft step it rides on
+        assert costs["head_s"] > 0 and 0 <= costs["head_per_draft"] <= max(costs["per_draft"], 0.0)
         sim = m["policy_simulation"][mode]
         chosen = sim["chosen"]
         best = max(sim["grid"] + sim["fixed_k"], key=lambda r: r["speedup"])  # adaptive grid and fixed lengths

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from specdec.decode.artifacts import SpecdecError, UsageError, check_fingerprint, read_config, tokenizer_fingerprint, write_json
-from specdec.decode.adaptive import FEATURES, HEAD_MODES, N_STATS, StopPolicy, acceptance_features
+from specdec.decode.adaptive import FEATURES, HEAD_MODES, N_STATS, StopPolicy, acceptance_features, greedy_features
 from specdec.train.loop import TrainConfig, make_accelerator, run_training, save_config
 
 
@@ -280,12 +280,15 @@ ADAPTIVE_MARGIN = 1.03
 def measure_round_costs(target, tokenizer, draft, head, prompts: list[list[int]], new_tokens: int = 48, reps: int = 3,
                         temperature: float = 0.0) -> dict:
     """Seconds per decode round at bs=1 through the real engine, one intra-op thread, greedy or sampling at
-    ``temperature``: ``ar``, the adaptive drafter held at n = 1, 2, 4 drafts (``head`` runs at every step,
-    as in a real round), and a fixed K=1 round (no head).
+    ``temperature``: ``ar`` and the adaptive drafter held at n = 1, 2, 4 drafts (``head`` runs at every
+    step, as in a real round).
 
     A speculative round of n drafts is fitted as alpha + beta * n; in units of an ``ar`` round (one
     target forward plus the loop's overhead) that is ``fixed`` + ``per_draft`` * n, which is what
-    the policy simulation charges. The head's weights do not matter here, only its shape.
+    the policy simulation charges. A fixed-length round runs no head: ``head_per_draft`` is the head's
+    share of a draft, timed directly (``time_head_per_draft``). It used to be the difference of two timed
+    rounds, which on a busy machine came out as large as a draft forward and made long fixed lengths
+    look free. The head's weights do not matter here, only its shape.
     """
     import statistics
 
@@ -299,15 +302,15 @@ def measure_round_costs(target, tokenizer, draft, head, prompts: list[list[int]]
     ks = (1, 2, 4)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    per_round: dict = {"ar": [], "fixed-1": []} | {k: [] for k in ks}
+    per_round: dict = {"ar": []} | {k: [] for k in ks}
     drafts_per_round: dict = {k: [] for k in ks}
     # head-judged rounds held at n drafts: min_draft 0 keeps the head running at every step (a policy with
     # min_draft == max_draft would skip it) and the threshold never stops a round early
     judged = lambda k: StopPolicy(1 - 1e-9, 0, k)  # noqa: E731
     try:
         for _ in range(reps):  # configurations interleaved, so drift of a shared machine hits them alike
-            for k in ("ar", "fixed-1") + ks:
-                policy = StopPolicy(0.5, 1, 1) if k == "fixed-1" else None if k == "ar" else judged(k)
+            for k in ("ar",) + ks:
+                policy = None if k == "ar" else judged(k)
                 drafter = None if policy is None else AdaptiveDrafter(draft, head, policy.stop_threshold, policy.min_draft,
                                                                       policy.max_draft, greedy_head=head, greedy_policy=policy)
                 engine = SpecEngine(target, tokenizer, drafter, sampling=Sampling(temperature=temperature), eos_ids=[])
@@ -321,6 +324,7 @@ def measure_round_costs(target, tokenizer, draft, head, prompts: list[list[int]]
                 per_round[k].append(wall / rounds)
                 if k in ks:
                     drafts_per_round[k].append(drafted / rounds)
+        head_s = time_head_per_draft(draft, head, temperature)
     finally:
         torch.set_num_threads(threads)
     t_ar = statistics.median(per_round["ar"])
@@ -329,15 +333,42 @@ def measure_round_costs(target, tokenizer, draft, head, prompts: list[list[int]]
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
     beta = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / max(sum((x - mx) ** 2 for x in xs), 1e-12)
     alpha = my - beta * mx
-    # a fixed-length round runs no head: its fixed part is the judged one less the head's measured share
-    t_fixed_1 = statistics.median(per_round["fixed-1"])
-    head_s = max(0.0, ys[0] - t_fixed_1) / xs[0]  # seconds of head per judged draft
-    return {"ar_round_s": t_ar, "spec_round_s": dict(zip(map(str, ks), ys)), "fixed_1_round_s": t_fixed_1,
-            "fixed": alpha / t_ar, "per_draft": beta / t_ar, "head_per_draft": head_s / t_ar,
+    per_draft = beta / t_ar
+    return {"ar_round_s": t_ar, "spec_round_s": dict(zip(map(str, ks), ys)), "head_s": head_s,
+            "fixed": alpha / t_ar, "per_draft": per_draft, "head_per_draft": min(head_s / t_ar, max(per_draft, 0.0)),
             "prompts": len(prompts), "new_tokens": new_tokens, "reps": reps, "temperature": temperature,
             "note": "per-round seconds at bs=1, one thread, at the temperature, through SpecEngine; a head-judged round of n drafts "
                     "costs fixed + per_draft * n ar rounds (least squares over n = 1, 2, 4); a fixed-length round, which "
-                    "runs no head, costs head_per_draft * n less (from a timed fixed K=1 round)"}
+                    "runs no head, costs head_per_draft * n less (the head's features, call and host read, timed alone)"}
+
+
+def time_head_per_draft(draft, head, temperature: float, reps: int = 300) -> float:
+    """Seconds the head adds to one drafted token, timed alone over ``reps`` calls: what a judged step
+    computes beyond a fixed-length one (the features from the draft's hidden state and logits, the head,
+    the read of its output on the host). On a GPU this under-counts: an idle stream syncs faster than
+    one with the next draft forward queued behind the read."""
+    import torch
+
+    device = next(head.parameters()).device
+    dtype = next(head.parameters()).dtype
+    hidden = torch.randn(1, draft.config.hidden_size, device=device)
+    logits = torch.randn(1, draft.config.vocab_size, device=device)
+    score = head.fast() if hasattr(head, "fast") else head
+
+    def step():
+        if temperature == 0:
+            feats = greedy_features(hidden, logits)[1]
+        else:  # the sampled token is drawn in both kinds of round; only its features are the head's
+            feats = acceptance_features(hidden, logits, logits.argmax(-1))
+        return score(feats[None].to(dtype)).tolist()
+
+    with torch.no_grad():
+        for _ in range(10):
+            step()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            step()
+    return (time.perf_counter() - t0) / reps
 
 
 def simulate_rounds(pred, labels, fixed: float, per_draft: float, policy: StopPolicy | None = None, k: int | None = None) -> dict:
