@@ -445,6 +445,18 @@ def test_train_acceptance_writes_two_heads_calibration_and_policy(tiny_family, t
         assert costs["head_s"] > 0 and 0 <= costs["head_per_draft"] <= max(costs["per_draft"], 0.0)
         sim = m["policy_simulation"][mode]
         chosen = sim["chosen"]
+        if mode == "greedy":  # the simulation's best few, re-ranked on real greedy rounds
+            on = sim["onpolicy"]
+            assert {r["kind"] for r in on["candidates"]} == {"adaptive", "fixed"} and on["chosen"] == chosen
+            best_a = max((r for r in on["candidates"] if r["kind"] == "adaptive"), key=lambda r: r["speedup"])
+            best_f = max((r for r in on["candidates"] if r["kind"] == "fixed"), key=lambda r: r["speedup"])
+            pick = best_a if best_a["speedup"] >= sim["adaptive_margin"] * best_f["speedup"] else best_f
+            assert (chosen["stop_threshold"], chosen["min_draft"], chosen["max_draft"]) == (
+                pick["stop_threshold"], pick["min_draft"], pick["max_draft"]) and sim["chosen_kind"] == pick["kind"]
+            for r in on["candidates"]:
+                assert r["tau"] >= 1.0 and r["speedup"] > 0 and (r["kind"] == "adaptive" or r["drafts_per_round"] <= r["max_draft"])
+            assert cfg_json["policy"][mode] == chosen
+            continue
         best = max(sim["grid"] + sim["fixed_k"], key=lambda r: r["speedup"])  # adaptive grid and fixed lengths
         best_fixed = max(sim["fixed_k"], key=lambda r: r["speedup"])
         if sim["chosen_kind"] == "fixed":  # a stop rule must beat the best fixed length by the margin

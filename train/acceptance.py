@@ -371,6 +371,56 @@ def time_head_per_draft(draft, head, temperature: float, reps: int = 300) -> flo
     return (time.perf_counter() - t0) / reps
 
 
+def onpolicy_greedy(target, tokenizer, draft, head, prompts: list[list[int]], sim: dict, costs: dict, new_tokens: int = 64,
+                    n_adaptive: int = 3, n_fixed: int = 2, margin: float = ADAPTIVE_MARGIN) -> tuple[StopPolicy, dict]:
+    """Re-rank the simulation's best greedy policies on real rounds: decode ``prompts`` through the engine
+    at T=0 under each (the ``n_adaptive`` best stop rules, the ``n_fixed`` best fixed lengths) and charge
+    the rounds it actually ran (drafts per round, plain rounds) with the round-cost model.
+
+    The simulation replays the head on the target's text, where a draft's misses are spread out; real
+    rounds start right after a miss, where the next is likelier, so the replay overrates long rounds.
+    Greedy rounds are deterministic, so only the costs are modelled here. The same margin as
+    ``choose_policy`` applies. Returns (policy, {"candidates": [...], "chosen", "chosen_kind"}).
+    """
+    import torch
+
+    from specdec.decode.adaptive import AdaptiveDrafter
+    from specdec.decode.engine import SpecEngine
+    from specdec.decode.types import GenRequest
+    from specdec.decode.verify import Sampling
+
+    ranked = sorted(sim["grid"], key=lambda r: -r["speedup"])[:n_adaptive]
+    pols = [StopPolicy(r["stop_threshold"], r["min_draft"], r["max_draft"]) for r in ranked]
+    pols += [StopPolicy(0.5, r["k"], r["k"]) for r in sorted(sim["fixed_k"], key=lambda r: -r["speedup"])[:n_fixed]]
+    rows = []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for pol in pols:
+            drafter = AdaptiveDrafter(draft, head, pol.stop_threshold, pol.min_draft, pol.max_draft, greedy_head=head, greedy_policy=pol)
+            engine = SpecEngine(target, tokenizer, drafter, sampling=Sampling(temperature=0.0), eos_ids=[])
+            tokens = rounds = drafted = spec_rounds = 0
+            for p in prompts:
+                st = engine.generate([GenRequest(prompt_ids=p, max_new_tokens=new_tokens)])[0].stats
+                tokens += st["new_tokens"] - 1  # the first new token comes from the prefill
+                rounds += st["target_calls"] - 1
+                drafted += st["drafted_tokens"]
+                spec_rounds += st["position_drafted"][0] if st["position_drafted"] else 0
+            per_draft = costs["per_draft"] - (costs.get("head_per_draft", 0.0) if pol.fixed else 0.0)
+            plain = rounds - spec_rounds  # min_draft 0: the head judged one draft, then a plain round (as simulated)
+            cost = spec_rounds * costs["fixed"] + per_draft * drafted + plain * (1 + costs["per_draft"])
+            rows.append({**dataclasses.asdict(pol), "kind": "fixed" if pol.fixed else "adaptive", "tau": tokens / max(rounds, 1),
+                         "drafts_per_round": drafted / max(rounds, 1), "speedup": tokens / max(cost, 1e-9)})
+    finally:
+        torch.set_num_threads(threads)
+    best_a = max((r for r in rows if r["kind"] == "adaptive"), key=lambda r: r["speedup"])
+    best_f = max((r for r in rows if r["kind"] == "fixed"), key=lambda r: r["speedup"])
+    best = best_a if best_a["speedup"] >= margin * best_f["speedup"] else best_f
+    policy = StopPolicy(best["stop_threshold"], best["min_draft"], best["max_draft"])
+    return policy, {"candidates": rows, "chosen": dataclasses.asdict(policy), "chosen_kind": best["kind"],
+                    "prompts": len(prompts), "new_tokens": new_tokens}
+
+
 def simulate_rounds(pred, labels, fixed: float, per_draft: float, policy: StopPolicy | None = None, k: int | None = None) -> dict:
     """Decoding replayed on held-out continuations: ``pred``/``labels`` [N, L] are the head's P(accept)
     and whether the draft at each continuation index is accepted (0/1: ``label_continuations``' greedy
@@ -573,6 +623,11 @@ def train_acceptance(
     greedy["corpus_text"] = {k: v for k, v in calibration(pred_gc, held["greedy"][1]).items() if k != "reliability_bins"}
     policies, sims = {}, {}
     policies["greedy"], sims["greedy"] = choose_policy(pred_g, held_y, costs["greedy"])
+    # greedy rounds are deterministic: the simulation's best few are re-ranked on real rounds
+    onpolicy_prompts = [row[:prefix].tolist() for row in held_cont[n_prompts : n_prompts + 8]] or cost_prompts
+    policies["greedy"], sims["greedy"]["onpolicy"] = onpolicy_greedy(target, tokenizer, draft, trained["greedy"], onpolicy_prompts,
+                                                                      sims["greedy"], costs["greedy"])
+    sims["greedy"]["chosen"], sims["greedy"]["chosen_kind"] = sims["greedy"]["onpolicy"]["chosen"], sims["greedy"]["onpolicy"]["chosen_kind"]
     # sampled rounds replayed as coin flips with each draft's chance min(1, p/q), 8 draws per continuation
     policies["sampling"], sims["sampling"] = choose_policy(*draw_acceptance(pred_ss, held_sy, 8, cfg.seed + 4), costs["sampling"])
     sims["sampling"]["temperature"] = temperature
