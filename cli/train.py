@@ -102,12 +102,9 @@ def train_draft_cmd(
 
     cfg = _run(_config, recipe, "draft.yaml", "draft", max_steps=max_steps, budget_minutes=budget_minutes, batch=batch,
                seq_len=seq_len, lr=lr, seed=seed, checkpoint_every=checkpoint_every, mixed_precision=mixed_precision)
-    kd = kd_weight if kd_weight is not None else float(cfg.extra.get("kd_weight", 0.9))
-    temp = temperature if temperature is not None else float(cfg.extra.get("temperature", 1.0))
-    cache = cache_teacher if cache_teacher is not None else bool(cfg.extra.get("cache_teacher", False))
-    labels = ce_labels or str(cfg.extra.get("ce_labels", "data"))
-    metrics = _run(train_draft, target, data, out, cfg, init=init, arch=arch, kd_weight=kd, temperature=temp, lora=lora,
-                   lora_save=lora_save, cache_teacher=cache, ce_labels=labels, resume=resume)
+    flags = {"kd_weight": kd_weight, "temperature": temperature, "cache_teacher": cache_teacher, "ce_labels": ce_labels}
+    knobs = draft_knobs(cfg.extra) | {k: v for k, v in flags.items() if v is not None}
+    metrics = _run(train_draft, target, data, out, cfg, init=init, arch=arch, lora=lora, lora_save=lora_save, resume=resume, **knobs)
     _report(metrics, out, ("heldout_ce", "top1_agreement", "expected_tau", "steps", "stopped"))
 
 
@@ -153,6 +150,14 @@ def train_acceptance_cmd(
             sim = metrics["policy_simulation"][mode]
             typer.echo(f"{mode} default policy: {_fmt(sim['chosen'])} ({sim['chosen_kind']})", err=True)
     _report(metrics, out, ("steps",))
+
+
+def draft_knobs(extra: dict) -> dict:
+    """train_draft's loss keyword arguments from a recipe section's ``extra``."""
+    return {"kd_weight": float(extra.get("kd_weight", 0.9)),
+            "temperature": float(extra.get("temperature", 1.0)),
+            "cache_teacher": bool(extra.get("cache_teacher", False)),
+            "ce_labels": str(extra.get("ce_labels", "data"))}
 
 
 def acceptance_knobs(extra: dict) -> dict:
@@ -270,9 +275,7 @@ def build_drafters_for_recipe(family_dir: Path, train_files: list[Path], budget_
     # KD and CE-only get the same training minutes so their tau compares at equal training time
     c_ce = load_config(RECIPES / "draft.yaml", {"steps": big, "seed": seed, "budget_minutes": c.budget_minutes,
                                                 "clock_schedule": True, "heldout": 0.02, "progress": c.progress}, section="draft")
-    results["draft"] = train_draft(target, train_files, family_dir / "draft", c, arch=arch,
-                                   kd_weight=float(c.extra.get("kd_weight", 0.9)), temperature=float(c.extra.get("temperature", 1.0)),
-                                   cache_teacher=bool(c.extra.get("cache_teacher", False)), ce_labels=str(c.extra.get("ce_labels", "data")))
+    results["draft"] = train_draft(target, train_files, family_dir / "draft", c, arch=arch, **draft_knobs(c.extra))
     results["draft-ce"] = train_draft(target, train_files, family_dir / "draft-ce", c_ce, arch=arch, kd_weight=0.0)
     a = cfg("draft.yaml", "acceptance", "acceptance")
     results["acceptance"] = train_acceptance(target, family_dir / "draft", train_files, family_dir / "acceptance", a,

@@ -294,11 +294,6 @@ def measure_round_costs(target, tokenizer, draft, head, prompts: list[list[int]]
 
     import torch
 
-    from specdec.decode.adaptive import AdaptiveDrafter
-    from specdec.decode.engine import SpecEngine
-    from specdec.decode.types import GenRequest
-    from specdec.decode.verify import Sampling
-
     ks = (1, 2, 4)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -310,20 +305,11 @@ def measure_round_costs(target, tokenizer, draft, head, prompts: list[list[int]]
     try:
         for _ in range(reps):  # configurations interleaved, so drift of a shared machine hits them alike
             for k in ("ar",) + ks:
-                policy = None if k == "ar" else judged(k)
-                drafter = None if policy is None else AdaptiveDrafter(draft, head, policy.stop_threshold, policy.min_draft,
-                                                                      policy.max_draft, greedy_head=head, greedy_policy=policy)
-                engine = SpecEngine(target, tokenizer, drafter, sampling=Sampling(temperature=temperature), eos_ids=[])
-                wall = rounds = drafted = 0
-                for p in prompts:  # bs=1, the prefill's time included (the same in every configuration)
-                    t0 = time.perf_counter()
-                    r = engine.generate([GenRequest(prompt_ids=p, max_new_tokens=new_tokens)])[0]
-                    wall += time.perf_counter() - t0
-                    rounds += r.stats["target_calls"] - 1
-                    drafted += r.stats["drafted_tokens"]
-                per_round[k].append(wall / rounds)
+                engine = _policy_engine(target, tokenizer, draft, head, None if k == "ar" else judged(k), temperature)
+                tot = _decode_totals(engine, prompts, new_tokens)  # the prefill's time included (the same in every configuration)
+                per_round[k].append(tot["wall"] / tot["rounds"])
                 if k in ks:
-                    drafts_per_round[k].append(drafted / rounds)
+                    drafts_per_round[k].append(tot["drafted"] / tot["rounds"])
         head_s = time_head_per_draft(draft, head, temperature)
     finally:
         torch.set_num_threads(threads)
@@ -340,6 +326,34 @@ def measure_round_costs(target, tokenizer, draft, head, prompts: list[list[int]]
             "note": "per-round seconds at bs=1, one thread, at the temperature, through SpecEngine; a head-judged round of n drafts "
                     "costs fixed + per_draft * n ar rounds (least squares over n = 1, 2, 4); a fixed-length round, which "
                     "runs no head, costs head_per_draft * n less (the head's features, call and host read, timed alone)"}
+
+
+def _policy_engine(target, tokenizer, draft, head, policy: StopPolicy | None, temperature: float):
+    """The engine with ``draft`` drafting under ``policy`` (``head`` judging both modes); None: plain ``ar``."""
+    from specdec.decode.adaptive import AdaptiveDrafter
+    from specdec.decode.engine import SpecEngine
+    from specdec.decode.verify import Sampling
+
+    drafter = None if policy is None else AdaptiveDrafter(draft, head, policy.stop_threshold, policy.min_draft, policy.max_draft,
+                                                          greedy_head=head, greedy_policy=policy)
+    return SpecEngine(target, tokenizer, drafter, sampling=Sampling(temperature=temperature), eos_ids=[])
+
+
+def _decode_totals(engine, prompts: list[list[int]], new_tokens: int) -> dict:
+    """Each prompt decoded alone (bs=1); totals of wall seconds (prefill included), new tokens after the
+    prefill's, target rounds after the prefill, drafted tokens and rounds that drafted at least one."""
+    from specdec.decode.types import GenRequest
+
+    tot = dict.fromkeys(("wall", "tokens", "rounds", "drafted", "spec_rounds"), 0)
+    for p in prompts:
+        t0 = time.perf_counter()
+        st = engine.generate([GenRequest(prompt_ids=p, max_new_tokens=new_tokens)])[0].stats
+        tot["wall"] += time.perf_counter() - t0
+        tot["tokens"] += st["new_tokens"] - 1  # the first new token comes from the prefill
+        tot["rounds"] += st["target_calls"] - 1
+        tot["drafted"] += st["drafted_tokens"]
+        tot["spec_rounds"] += st["position_drafted"][0] if st["position_drafted"] else 0
+    return tot
 
 
 def time_head_per_draft(draft, head, temperature: float, reps: int = 300) -> float:
@@ -384,11 +398,6 @@ def onpolicy_greedy(target, tokenizer, draft, head, prompts: list[list[int]], si
     """
     import torch
 
-    from specdec.decode.adaptive import AdaptiveDrafter
-    from specdec.decode.engine import SpecEngine
-    from specdec.decode.types import GenRequest
-    from specdec.decode.verify import Sampling
-
     ranked = sorted(sim["grid"], key=lambda r: -r["speedup"])[:n_adaptive]
     pols = [StopPolicy(r["stop_threshold"], r["min_draft"], r["max_draft"]) for r in ranked]
     pols += [StopPolicy(0.5, r["k"], r["k"]) for r in sorted(sim["fixed_k"], key=lambda r: -r["speedup"])[:n_fixed]]
@@ -397,20 +406,13 @@ def onpolicy_greedy(target, tokenizer, draft, head, prompts: list[list[int]], si
     torch.set_num_threads(1)
     try:
         for pol in pols:
-            drafter = AdaptiveDrafter(draft, head, pol.stop_threshold, pol.min_draft, pol.max_draft, greedy_head=head, greedy_policy=pol)
-            engine = SpecEngine(target, tokenizer, drafter, sampling=Sampling(temperature=0.0), eos_ids=[])
-            tokens = rounds = drafted = spec_rounds = 0
-            for p in prompts:
-                st = engine.generate([GenRequest(prompt_ids=p, max_new_tokens=new_tokens)])[0].stats
-                tokens += st["new_tokens"] - 1  # the first new token comes from the prefill
-                rounds += st["target_calls"] - 1
-                drafted += st["drafted_tokens"]
-                spec_rounds += st["position_drafted"][0] if st["position_drafted"] else 0
+            tot = _decode_totals(_policy_engine(target, tokenizer, draft, head, pol, 0.0), prompts, new_tokens)
+            rounds = max(tot["rounds"], 1)
             per_draft = costs["per_draft"] - (costs.get("head_per_draft", 0.0) if pol.fixed else 0.0)
-            plain = rounds - spec_rounds  # min_draft 0: the head judged one draft, then a plain round (as simulated)
-            cost = spec_rounds * costs["fixed"] + per_draft * drafted + plain * (1 + costs["per_draft"])
-            rows.append({**dataclasses.asdict(pol), "kind": "fixed" if pol.fixed else "adaptive", "tau": tokens / max(rounds, 1),
-                         "drafts_per_round": drafted / max(rounds, 1), "speedup": tokens / max(cost, 1e-9)})
+            plain = tot["rounds"] - tot["spec_rounds"]  # min_draft 0: the head judged one draft, then a plain round (as simulated)
+            cost = tot["spec_rounds"] * costs["fixed"] + per_draft * tot["drafted"] + plain * (1 + costs["per_draft"])
+            rows.append({**dataclasses.asdict(pol), "kind": "fixed" if pol.fixed else "adaptive", "tau": tot["tokens"] / rounds,
+                         "drafts_per_round": tot["drafted"] / rounds, "speedup": tot["tokens"] / max(cost, 1e-9)})
     finally:
         torch.set_num_threads(threads)
     best_a = max((r for r in rows if r["kind"] == "adaptive"), key=lambda r: r["speedup"])
