@@ -118,6 +118,7 @@ def train_acceptance_cmd(
     greedy_reject_weight: Annotated[Optional[float], typer.Option("--greedy-reject-weight", help="BCE weight of the reject class (greedy head).")] = None,
     greedy_sequences: Annotated[Optional[int], typer.Option("--greedy-sequences", help="Most greedy continuations of the target to label for the greedy head.")] = None,
     temperature: Annotated[Optional[float], typer.Option("--temperature", help="Sampling temperature the sampling head and its default policy are for (decode at it).")] = None,
+    policy_prompts: Annotated[Optional[Path], typer.Option("--policy-prompts", help="Prompts JSONL like the ones you will decode: the greedy stop policy is chosen on real rounds over them (default: held-out training text).")] = None,
     max_steps: MaxSteps = None,
     budget_minutes: Budget = None,
     resume: Resume = False,
@@ -142,7 +143,7 @@ def train_acceptance_cmd(
         knobs["greedy_sequences"] = greedy_sequences
     if temperature is not None:
         knobs["temperature"] = temperature
-    metrics = _run(train_acceptance, target, draft, data, out, cfg, resume=resume, **knobs)
+    metrics = _run(train_acceptance, target, draft, data, out, cfg, resume=resume, policy_prompts=policy_prompts, **knobs)
     if metrics:
         typer.echo("sampling head: " + _fmt({k: metrics["sampling"][k] for k in ("brier", "brier_constant_baseline", "ece")}), err=True)
         typer.echo("greedy head:   " + _fmt({k: metrics["greedy"][k] for k in ("brier", "brier_constant_baseline", "ece")}), err=True)
@@ -278,8 +279,9 @@ def build_drafters_for_recipe(family_dir: Path, train_files: list[Path], budget_
     results["draft"] = train_draft(target, train_files, family_dir / "draft", c, arch=arch, **draft_knobs(c.extra))
     results["draft-ce"] = train_draft(target, train_files, family_dir / "draft-ce", c_ce, arch=arch, kd_weight=0.0)
     a = cfg("draft.yaml", "acceptance", "acceptance")
+    dev = family_dir / "dev_prompts.jsonl"  # held-out prompts kept apart from the benchmark's (recipe.write_prompts)
     results["acceptance"] = train_acceptance(target, family_dir / "draft", train_files, family_dir / "acceptance", a,
-                                             **acceptance_knobs(a.extra))
+                                             policy_prompts=dev if dev.exists() else None, **acceptance_knobs(a.extra))
     for kind in ("medusa", "clover", "eagle"):
         results[kind] = train_heads(kind, target, train_files, family_dir / kind, cfg("heads.yaml", kind, kind))
     return results

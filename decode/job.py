@@ -102,12 +102,7 @@ class Decoder:
             self.max_context = getattr(model.config, "max_position_embeddings", None) or 1 << 30
 
     def encode(self, rec: Record) -> list[int]:
-        if rec.messages is not None:
-            if not getattr(self.tokenizer, "chat_template", None):
-                raise ValueError("records with messages need a tokenizer with a chat template")
-            out = self.tokenizer.apply_chat_template(rec.messages, add_generation_prompt=True, tokenize=True)
-            return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
-        return self.tokenizer(rec.prompt, add_special_tokens=True)["input_ids"]
+        return encode_record(self.tokenizer, rec)
 
     def prepare(self, rec: Record) -> GenRequest | str:
         """A request, or the error message that replaces the record."""
@@ -327,3 +322,13 @@ def stderr_console():
     from rich.console import Console
 
     return Console(stderr=True, file=sys.stderr)
+
+
+def encode_record(tokenizer, rec: Record) -> list[int]:
+    """A record's prompt token ids: its messages through the chat template, or its prompt text."""
+    if rec.messages is not None:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("records with messages need a tokenizer with a chat template")
+        out = tokenizer.apply_chat_template(rec.messages, add_generation_prompt=True, tokenize=True)
+        return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+    return tokenizer(rec.prompt, add_special_tokens=True)["input_ids"]

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -21,7 +22,8 @@ from specdec.decode.adaptive import (
 from specdec.decode.engine import SpecEngine
 from specdec.decode.types import GenRequest
 from specdec.decode.verify import Sampling
-from specdec.tests.conftest import ByteTokenizer, make_prompts, tiny_llama
+from specdec.decode.artifacts import UsageError
+from specdec.tests.conftest import ByteTokenizer, make_prompts, tiny_llama, tiny_tokenizer
 from specdec.train.acceptance import AcceptanceHead
 
 
@@ -429,8 +431,10 @@ def test_train_acceptance_writes_two_heads_calibration_and_policy(tiny_family, t
     data.write_text("".join(json.dumps({"text": t}) + "\n" for t in lines))
     cfg = config_from_dict(dict(lr=1e-2, steps=5, batch=64, seq_len=32, warmup=1, checkpoint_every=0, progress=False, heldout=0.2))
     out = tmp_path / "acc"
+    prompts = tmp_path / "prompts.jsonl"  # like the user's: the greedy policy is re-ranked on real rounds over these
+    prompts.write_text("".join(json.dumps({"id": str(i), "prompt": f"def g{i}(y):\n    return y +"}) + "\n" for i in range(3)))
     m = train_acceptance(tiny_family / "target", tiny_family / "draft", [data], out, cfg, greedy_sequences=8, greedy_new_tokens=24,
-                         cost_new_tokens=8, cost_reps=1)
+                         cost_new_tokens=8, cost_reps=1, policy_prompts=prompts)
     for mode in ("sampling", "greedy"):
         cal = m[mode]
         assert 0 <= cal["brier"] <= 1 and cal["brier_constant_baseline"] >= 0 and 0 <= cal["ece"] <= 1 and cal["reliability_bins"]
@@ -447,6 +451,7 @@ def test_train_acceptance_writes_two_heads_calibration_and_policy(tiny_family, t
         chosen = sim["chosen"]
         if mode == "greedy":  # the simulation's best few, re-ranked on real greedy rounds
             on = sim["onpolicy"]
+            assert on["prompts"] == 3 and on["prompts_from"] == str(prompts)
             assert {r["kind"] for r in on["candidates"]} == {"adaptive", "fixed"} and on["chosen"] == chosen
             best_a = max((r for r in on["candidates"] if r["kind"] == "adaptive"), key=lambda r: r["speedup"])
             best_f = max((r for r in on["candidates"] if r["kind"] == "fixed"), key=lambda r: r["speedup"])
@@ -519,3 +524,19 @@ def test_simulate_rounds_plain_rounds():
     r = simulate_rounds(pred, labels, fixed=1.4, per_draft=0.3, policy=StopPolicy(0.5, 0, 20))
     assert r["tau"] == 2.0 and r["plain_rounds"] == 0.5 and r["drafts_per_round"] == 1.5
     assert r["speedup"] == pytest.approx(4 / ((1 + 0.3) + (1.4 + 3 * 0.3)))
+
+
+def test_policy_prompts_file_errors_name_the_line(tmp_path):
+    from specdec.train.acceptance import read_policy_prompts
+
+    tok = tiny_tokenizer()
+    good = tmp_path / "good.jsonl"
+    good.write_text("".join(json.dumps({"prompt": f"x{i}"}) + "\n" for i in range(5)))
+    ids = read_policy_prompts(good, tok, limit=3)
+    assert len(ids) == 3 and ids[1] == tok("x1", add_special_tokens=True)["input_ids"]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": "ok"}) + "\n{not json\n")
+    with pytest.raises(UsageError, match="bad.jsonl:2: malformed JSON"):
+        read_policy_prompts(bad, tok)
+    with pytest.raises(UsageError, match="no such prompts file"):
+        read_policy_prompts(tmp_path / "missing.jsonl", tok)

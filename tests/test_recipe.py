@@ -49,6 +49,38 @@ def test_shipped_prompts_come_from_heldout_files():
         assert r["prompt"] and r["id"]
 
 
+def test_dev_prompts_keep_away_from_the_benchmark_prompts(tmp_path):
+    """train-acceptance's policy prompts: the benchmark's kinds, from held-out files, never within the
+    distance of a benchmark prompt's anchor, at most two a file."""
+    from types import SimpleNamespace
+
+    from specdec.train.recipe import dev_prompts
+
+    def source(n_funcs):
+        return "".join(f"\n\ndef f{i}(x):\n    y = x + {i}\n    return y * 2\n    # a comment line\n" for i in range(n_funcs))
+
+    files = {tmp_path / "a.py": source(60), tmp_path / "b.py": source(60), tmp_path / "c.py": source(3)}
+    for path, text in files.items():
+        path.write_text(text)
+    corpus = SimpleNamespace(root=tmp_path, heldout_files=list(files), read=lambda p: files[p])
+    tok = lambda text: {"input_ids": text.split()}  # noqa: E731 (a word tokenizer is enough here)
+    bench = [{"source": "a.py:3"}, {"source": "a.py:123"}, {"source": "b.py:63"}]
+    dev = dev_prompts(corpus, tok, bench, per_category=5, distance=40, lo=8, hi=40)
+    assert dev and {d["category"] for d in dev} == {"code"} and len(dev) <= 5
+    taken = {(b["source"].split(":")[0], int(b["source"].split(":")[1])) for b in bench}
+    per_file = {}
+    for d in dev:
+        name, line = d["source"].rsplit(":", 1)
+        assert all(abs(int(line) - b) >= 40 for f, b in taken if f == name)
+        assert lines_of(files[tmp_path / name], int(line)).startswith("def ") and d["prompt"] in files[tmp_path / name]
+        per_file[name] = per_file.get(name, 0) + 1
+    assert max(per_file.values()) <= 2 and len(per_file) >= 2
+
+
+def lines_of(text: str, line: int) -> str:
+    return text.splitlines()[line - 1]
+
+
 def test_list_task_probes_are_held_out_and_match_the_shipped_file(tmp_path):
     from specdec.train.listtasks import list_tasks
     from specdec.train.recipe import write_list_task_probes
@@ -81,6 +113,12 @@ def test_tiny_budget_recipe_end_to_end(tmp_path):
     assert dllm_cfg["specdec_kind"] == "dllm" and dllm_cfg["dllm_training"] == ["masked_ce", "certainty_forcing"]
     assert json.loads((fam / "dllm" / "metrics.json").read_text())["self_generated"] > 0
     assert (fam / "filter" / "metrics.json").exists()
+    # the acceptance artifact's greedy policy was chosen on the dev prompts, which keep away from the bench's
+    dev = [json.loads(line) for line in (fam / "dev_prompts.jsonl").read_text().splitlines()]
+    bench = {json.loads(line)["prompt"] for line in (fam / "prompts.jsonl").read_text().splitlines()}
+    assert dev and not {d["prompt"] for d in dev} & bench
+    onpolicy = json.loads((fam / "acceptance" / "metrics.json").read_text())["policy_simulation"]["greedy"]["onpolicy"]
+    assert onpolicy["prompts_from"] == str(fam / "dev_prompts.jsonl") and onpolicy["prompts"] == min(len(dev), 24)
     src = tmp_path / "in.jsonl"
     src.write_text("".join(line for line in open(fam / "prompts.jsonl").readlines()[:2]))
     for drafter in ["ar", "ngram"]:

@@ -275,6 +275,8 @@ MIN_DRAFTS = (0, 1, 2)
 FIXED_KS = (1, 2, 3, 4, 6, 8)
 # a stop rule must beat the best fixed length by this factor in simulation to be the default (choose_policy)
 ADAPTIVE_MARGIN = 1.03
+# prompts of a --policy-prompts file the real-round re-ranking decodes (onpolicy_greedy)
+POLICY_PROMPTS = 24
 
 
 def measure_round_costs(target, tokenizer, draft, head, prompts: list[list[int]], new_tokens: int = 48, reps: int = 3,
@@ -518,6 +520,7 @@ def train_acceptance(
     greedy_sequences: int = 1024,
     cost_new_tokens: int = 48,
     cost_reps: int | None = None,
+    policy_prompts: str | Path | None = None,
     resume: bool = False,
 ) -> dict:
     """Train the sampling head and the greedy head of one acceptance artifact; choose each mode's default
@@ -533,6 +536,11 @@ def train_acceptance(
     and labels continuations, ~15% held-out data, a few seconds measure round costs, the rest trains
     the two heads (half each). Round costs: ``cost_reps`` interleaved timings (default 3; 1 under a
     budget below 90 s) of 4 held-out prompts decoding ``cost_new_tokens`` tokens each.
+
+    ``policy_prompts``: a prompts JSONL like the ones the artifact will decode (decode's input format).
+    The greedy policy's real-round re-ranking (``onpolicy_greedy``) runs on its first
+    ``POLICY_PROMPTS`` prompts instead of held-out block prefixes: prefixes cut from the training text
+    are text the target has seen, where it agrees with its draft more than after a user's prompt.
     """
     import torch
     from safetensors.torch import save_file
@@ -552,6 +560,7 @@ def train_acceptance(
     draft.requires_grad_(False)
     if draft.config.vocab_size != target.config.vocab_size:
         raise SpecdecError(f"draft {draft_dir} has vocabulary size {draft.config.vocab_size}, the target {target.config.vocab_size}")
+    user_prompts = read_policy_prompts(policy_prompts, tokenizer) if policy_prompts else None
     train_blocks, held_blocks = load_blocks(data_files, tokenizer, cfg.seq_len, cfg.heldout, cfg.seed)
     # the budget starts after loading: reading and tokenising the corpus is a fixed cost (10+ s for the
     # default family's) that would otherwise eat a small budget's labelling share whole
@@ -626,9 +635,10 @@ def train_acceptance(
     policies, sims = {}, {}
     policies["greedy"], sims["greedy"] = choose_policy(pred_g, held_y, costs["greedy"])
     # greedy rounds are deterministic: the simulation's best few are re-ranked on real rounds
-    onpolicy_prompts = [row[:prefix].tolist() for row in held_cont[n_prompts : n_prompts + 8]] or cost_prompts
+    onpolicy_prompts = user_prompts or [row[:prefix].tolist() for row in held_cont[n_prompts : n_prompts + 8]] or cost_prompts
     policies["greedy"], sims["greedy"]["onpolicy"] = onpolicy_greedy(target, tokenizer, draft, trained["greedy"], onpolicy_prompts,
                                                                       sims["greedy"], costs["greedy"])
+    sims["greedy"]["onpolicy"]["prompts_from"] = str(policy_prompts) if user_prompts else "held-out block prefixes"
     sims["greedy"]["chosen"], sims["greedy"]["chosen_kind"] = sims["greedy"]["onpolicy"]["chosen"], sims["greedy"]["onpolicy"]["chosen_kind"]
     # sampled rounds replayed as coin flips with each draft's chance min(1, p/q), 8 draws per continuation
     policies["sampling"], sims["sampling"] = choose_policy(*draw_acceptance(pred_ss, held_sy, 8, cfg.seed + 4), costs["sampling"])
@@ -664,6 +674,27 @@ def train_acceptance(
     save_config(cfg, out_dir, {"trainer": "acceptance", "target": str(target_dir), "draft": str(draft_dir), "data": [str(f) for f in data_files]})
     write_json(out_dir / "metrics.json", metrics)
     return metrics
+
+
+def read_policy_prompts(path: str | Path, tokenizer, limit: int = POLICY_PROMPTS) -> list[list[int]]:
+    """Token ids of the first ``limit`` usable prompts of a prompts JSONL (decode's input format)."""
+    from specdec.decode.io import read_records
+    from specdec.decode.job import encode_record
+
+    if not Path(path).exists():
+        raise UsageError(f"no such prompts file: {path}")
+    out = []
+    for rec in read_records(path):
+        if rec.error:
+            raise UsageError(f"{path}:{rec.line}: {rec.error}")
+        ids = encode_record(tokenizer, rec)
+        if ids:
+            out.append(ids)
+        if len(out) >= limit:
+            break
+    if not out:
+        raise UsageError(f"{path} holds no prompts")
+    return out
 
 
 def load_acceptance_heads(acceptance_dir: str | Path) -> tuple[dict, dict]:

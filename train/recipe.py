@@ -63,7 +63,7 @@ def run_recipe(name: str, budget_minutes: float | None = None, force: bool = Fal
     corpus = stdlib_corpus(cfg.heldout_fraction)
     if "target" in want:
         report["target"] = build_target(cfg, corpus, fam / "target", cfg.shares["target"] * budget_s, force, console)
-    if "prompts" in want:
+    if "prompts" in want or ("drafters" in want and not (fam / "dev_prompts.jsonl").exists()):
         write_prompts(corpus, fam / "target", fam / "prompts.jsonl")
         write_list_task_probes(fam / "list_tasks.jsonl")
     data = write_training_text(corpus, fam / "data" / "train.jsonl")
@@ -185,18 +185,19 @@ def held_out_prompts(corpus, tok, per_category: int = 16, lo: int = 64, hi: int 
     return out
 
 
-def anchored_prompts(sources, tok, per_kind: int, lo: int = 64, hi: int = 256) -> list[tuple[str, object, int, str]]:
+def anchored_prompts(sources, tok, per_kind: int, lo: int = 64, hi: int = 256, kinds=tuple(_ANCHORS)) -> list[tuple[str, object, int, str]]:
     """(kind, source, line index, prompt) for up to ``per_kind`` prompts of each anchor kind, cut from
     ``sources`` ((source, text) pairs, read lazily: it stops once every kind is full) as a prefix of
     ``lo``..``hi`` tokens ending at a function header and its first body line, a docstring opening or
     a data literal; the kinds in turn. The one definition of specdec's prompt distribution (the
     held-out prompts, and the training prompts that dLLM distillation answers)."""
-    found: dict[str, list] = {k: [] for k in _ANCHORS}
+    anchors = {k: _ANCHORS[k] for k in kinds}
+    found: dict[str, list] = {k: [] for k in anchors}
     for source, text in sources:
         lines = text.splitlines(keepends=True)
         used_until = -1
         for i, line in enumerate(lines):
-            for kind, pattern in _ANCHORS.items():
+            for kind, pattern in anchors.items():
                 if len(found[kind]) >= per_kind or i <= used_until or not pattern.match(line):
                     continue
                 prompt = _prefix(lines, i + (2 if kind == "code" else 1), tok, lo, hi)
@@ -206,7 +207,7 @@ def anchored_prompts(sources, tok, per_kind: int, lo: int = 64, hi: int = 256) -
                 used_until = i + 40  # spread prompts over the text
         if all(len(v) >= per_kind for v in found.values()):
             break
-    return [found[kind][i] for i in range(per_kind) for kind in _ANCHORS if i < len(found[kind])]
+    return [found[kind][i] for i in range(per_kind) for kind in anchors if i < len(found[kind])]
 
 
 def _prefix(lines: list[str], end: int, tok, lo: int, hi: int) -> str | None:
@@ -225,12 +226,38 @@ def _prefix(lines: list[str], end: int, tok, lo: int, hi: int) -> str | None:
     return text if lo <= n <= hi else None
 
 
+def dev_prompts(corpus, tok, bench: list[dict], per_category: int = 8, distance: int = 120, lo: int = 64, hi: int = 256) -> list[dict]:
+    """Held-out prompts of the benchmark's kinds, each anchored at least ``distance`` lines from every
+    benchmark prompt's anchor: what a trainer tunes a choice on (train-acceptance --policy-prompts)
+    without seeing the benchmark. Each kind is scanned on its own, up to ``per_category``, at most two
+    from a file."""
+    taken: dict[str, list[int]] = {}
+    for p in bench:
+        source, line = p["source"].rsplit(":", 1)
+        taken.setdefault(source, []).append(int(line) - 1)
+    out = []
+    for kind in _ANCHORS:
+        sources = ((path, corpus.read(path)) for path in corpus.heldout_files)
+        found, per_file = [], {}
+        for _, path, line, text in anchored_prompts(sources, tok, 10 * per_category, lo, hi, kinds=(kind,)):
+            name = str(path.relative_to(corpus.root))
+            if per_file.get(name, 0) < 2 and all(abs(line - b) >= distance for b in taken.get(name, [])):
+                per_file[name] = per_file.get(name, 0) + 1  # at most two a file: spread over the held-out files
+                found.append({"id": f"dev-{kind}-{len(found) + 1:02d}", "category": kind, "prompt": text, "source": f"{name}:{line + 1}"})
+        out += found[:per_category]
+    return out
+
+
 def write_prompts(corpus, target_dir: Path, out: Path, per_category: int = 16) -> Path:
+    """The benchmark's held-out prompts to ``out``, and dev prompts kept apart from them to dev_prompts.jsonl
+    beside it."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(target_dir)
     prompts = held_out_prompts(corpus, tok, per_category)
     out.write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    dev = dev_prompts(corpus, tok, prompts)
+    (out.parent / "dev_prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in dev))
     return out
 
 
