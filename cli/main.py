@@ -98,7 +98,7 @@ def bench(
     max_new_tokens: Annotated[int, typer.Option(help="New tokens per prompt.")] = 128,
     temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
     batch_size: Annotated[int, typer.Option(help="Batch size for specdec methods (peers run at bs=1).")] = 1,
-    repeats: Annotated[int, typer.Option(help="Round-robin timed passes over all methods; speedup is the median of per-pass ratios to ar.")] = 1,
+    repeats: Annotated[int, typer.Option(help="Timed passes, each decoding every prompt with every method, interleaved batch by batch; speedup is the median of per-pass ratios to ar.")] = 1,
     warmup: Annotated[int, typer.Option(help="Warm-up prompts per method before timing.")] = 2,
     limit: Annotated[Optional[int], typer.Option(help="Use only the first N prompts.")] = None,
     json_path: Annotated[Optional[str], typer.Option("--json", help="Write the JSON report here.")] = None,

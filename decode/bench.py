@@ -1,8 +1,9 @@
 """``specdec bench``: every method on the same prompts, in one process, after warm-up.
 
-Speedup is tokens/s of a method over tokens/s of ``ar`` measured in the same run: with
-``--repeats R`` the methods are timed round-robin R times and the speedup is the median over rounds
-of the ratio to that round's ``ar``, so a shared machine's drifting speed affects every method alike. tau counts the
+Speedup is tokens/s of a method over tokens/s of ``ar`` measured in the same run: each of the
+``--repeats R`` passes decodes every prompt with every method, interleaved batch by batch (the method
+order rotating), so a shared machine's drifting speed affects every method alike, and the speedup is the
+median over passes of the ratio to that pass's ``ar``. tau counts the
 bonus token (tokens per target forward). Beside every speedup: the distinct-4-gram ratio of the
 outputs (repetition inflates speedups) and the ideal speedup S = tau / (c_round + v) from measured
 forward costs, where c_round is the drafting cost of one round and v the cost of the verification
@@ -85,13 +86,21 @@ def run_bench(cfg: BenchConfig, console=None) -> dict:
         if console is not None:
             console.print(f"[bold]bench[/bold] {spec}")
         runners[spec] = _prepare_method(spec, model, tok, prompts, base, cfg)  # builds and warms up
-    # Round-robin: every repeat times each method once, so drift of a shared machine's speed hits all
-    # methods alike; speedups are taken per round against that round's ar, then the median.
+    # Every repeat is one pass of every method over all prompts, interleaved: each chunk of prompts (one
+    # batch) is decoded by every method in turn, the order rotating, so a shared machine's drifting speed
+    # (here it moves by a fifth within a minute) hits all methods alike. Speedups are taken per pass
+    # against that pass's ar, then the median.
     passes: dict[str, list] = {spec: [] for spec in methods}
+    chunk = max(1, cfg.batch_size)
     for _ in range(max(1, cfg.repeats)):
         for spec in methods:
-            passes[spec].append(runners[spec]())
-    runs = {spec: _collect(passes[spec], runners[spec]) for spec in methods}
+            runners[spec].start_pass()
+        for c, lo in enumerate(range(0, len(prompts), chunk)):
+            for spec in methods[c % len(methods):] + methods[: c % len(methods)]:
+                runners[spec].run(lo, min(lo + chunk, len(prompts)))
+        for spec in methods:
+            passes[spec].append(runners[spec].end_pass())
+    runs = {spec: _collect(passes[spec]) for spec in methods}
     costs = _ForwardCosts(model, prompts)
     entries = [_entry(spec, runs[spec], runs["ar"], categories, costs, model, tok, base, cfg) for spec in methods]
     return {"config": asdict(cfg) | {"target": str(target_path), "prompts": len(prompts)}, "methods": entries}
@@ -100,8 +109,35 @@ def run_bench(cfg: BenchConfig, console=None) -> dict:
 # -- running one method -----------------------------------------------------------------------
 
 
-def _prepare_method(spec: str, model, tok, prompts, base: DecodeOptions, cfg: BenchConfig):
-    """Build the method and warm it up; returns a callable timing one pass over all prompts."""
+class _Runner:
+    """One method, built and warmed up, timed a chunk of prompts at a time: ``start_pass``, then
+    ``run(lo, hi)`` for chunks in any order, then ``end_pass`` -> (outputs, stats, wall, propose_s,
+    propose calls) with outputs and stats in prompt order."""
+
+    def __init__(self, decode, n_prompts: int, timed=None):
+        self.decode, self.n, self.timed = decode, n_prompts, timed  # decode(lo, hi) -> [(tokens, stats)] per prompt
+
+    def start_pass(self) -> None:
+        if self.timed is not None:
+            self.timed.reset()
+        self.results: list = [None] * self.n
+        self.wall = 0.0
+
+    def run(self, lo: int, hi: int) -> None:
+        t0 = time.perf_counter()
+        out = self.decode(lo, hi)
+        self.wall += time.perf_counter() - t0
+        self.results[lo:hi] = out
+
+    def end_pass(self) -> tuple:
+        outputs = [toks for toks, _ in self.results]
+        stats = [st for _, st in self.results]
+        timed = self.timed
+        return outputs, stats, self.wall, timed.seconds if timed else 0.0, timed.calls if timed else 0
+
+
+def _prepare_method(spec: str, model, tok, prompts, base: DecodeOptions, cfg: BenchConfig) -> _Runner:
+    """Build the method and warm it up."""
     if spec.startswith("hf-"):
         return _prepare_peer(spec, model, tok, prompts, base, cfg)
     from specdec.decode.engine import SpecEngine
@@ -119,23 +155,19 @@ def _prepare_method(spec: str, model, tok, prompts, base: DecodeOptions, cfg: Be
     for i in range(0, len(warm), bs):
         engine.generate([GenRequest(p, min(16, opts.max_new_tokens)) for p in warm[i : i + bs]])
 
-    def one_pass() -> tuple:
-        timed.reset()
-        outputs, stats = [], []
-        start = time.perf_counter()
-        for i in range(0, len(prompts), bs):
+    def decode(lo: int, hi: int) -> list:
+        out = []
+        for i in range(lo, hi, bs):
             t0 = time.perf_counter()
-            res = engine.generate([GenRequest(p, opts.max_new_tokens) for p in prompts[i : i + bs]])
+            res = engine.generate([GenRequest(p, opts.max_new_tokens) for p in prompts[i : min(i + bs, hi)]])
             wall = time.perf_counter() - t0
-            for r in res:
-                outputs.append(r.token_ids)
-                stats.append({**r.stats, "wall_s": wall / len(res)})
-        return outputs, stats, time.perf_counter() - start, timed.seconds, timed.calls
+            out += [(r.token_ids, {**r.stats, "wall_s": wall / len(res)}) for r in res]
+        return out
 
-    return one_pass
+    return _Runner(decode, len(prompts), timed)
 
 
-def _collect(passes: list[tuple], runner) -> Run:
+def _collect(passes: list[tuple]) -> Run:
     """One Run from a method's timed passes: outputs and stats of the last, every pass's wall time."""
     outputs, stats, _, propose_s, rounds = passes[-1]
     walls = [p[2] for p in passes]
@@ -161,7 +193,7 @@ class _TimedPropose:
         return out
 
 
-def _prepare_peer(spec: str, model, tok, prompts, base: DecodeOptions, cfg: BenchConfig):
+def _prepare_peer(spec: str, model, tok, prompts, base: DecodeOptions, cfg: BenchConfig) -> _Runner:
     """transformers' own generate: hf-generate (plain), hf-lookup (prompt lookup), hf-assisted:DRAFT."""
     import torch
 
@@ -187,17 +219,15 @@ def _prepare_peer(spec: str, model, tok, prompts, base: DecodeOptions, cfg: Benc
     for p in prompts[: cfg.warmup]:
         one(p, 16)
 
-    def one_pass() -> tuple:
-        outputs, stats = [], []
-        start = time.perf_counter()
-        for p in prompts:
+    def decode(lo: int, hi: int) -> list:
+        out = []
+        for p in prompts[lo:hi]:
             t0 = time.perf_counter()
             toks = one(p, base.max_new_tokens)
-            outputs.append(toks)
-            stats.append({"new_tokens": len(toks), "wall_s": time.perf_counter() - t0})
-        return outputs, stats, time.perf_counter() - start, 0.0, 0
+            out.append((toks, {"new_tokens": len(toks), "wall_s": time.perf_counter() - t0}))
+        return out
 
-    return one_pass
+    return _Runner(decode, len(prompts))
 
 
 # -- measuring forward costs --------------------------------------------------------------------

@@ -451,7 +451,8 @@ def test_train_acceptance_writes_two_heads_calibration_and_policy(tiny_family, t
         chosen = sim["chosen"]
         if mode == "greedy":  # the simulation's best few, re-ranked on real greedy rounds
             on = sim["onpolicy"]
-            assert on["prompts"] == 3 and on["prompts_from"] == str(prompts)
+            assert on["prompts"] == 3 and on["prompts_from"] == str(prompts) and on["ar_tokens_per_s"] > 0
+            assert all(r["modelled_speedup"] > 0 for r in on["candidates"])  # the cost model's view, kept beside the timing
             assert {r["kind"] for r in on["candidates"]} == {"adaptive", "fixed"} and on["chosen"] == chosen
             best_a = max((r for r in on["candidates"] if r["kind"] == "adaptive"), key=lambda r: r["speedup"])
             best_f = max((r for r in on["candidates"] if r["kind"] == "fixed"), key=lambda r: r["speedup"])

@@ -48,3 +48,29 @@ def test_bench_report(tiny_family, tmp_path):
     assert methods["recycle"]["ideal_speedup"] > 0 and methods["recycle"]["efficiency"] > 0
     assert methods["hf-lookup"]["tau"] is None  # peers do not report target calls
     assert plot_path.stat().st_size > 1000
+
+
+def test_bench_interleaves_methods_batch_by_batch(tiny_family, tmp_path, monkeypatch):
+    """Each pass decodes every chunk of prompts with every method before the next chunk, the order
+    rotating, and each method's outputs come back in prompt order."""
+    from specdec.decode import bench
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"x = {i}\n"}) + "\n" for i in range(5)))
+    calls = []
+
+    def fake_prepare(spec, model, tok, ids, base, cfg):
+        def decode(lo, hi):
+            calls.append((spec, lo, hi))
+            return [([i, len(spec)], {"new_tokens": 2, "wall_s": 0.01}) for i in range(lo, hi)]
+        return bench._Runner(decode, len(ids))
+
+    monkeypatch.setattr(bench, "_prepare_method", fake_prepare)
+    cfg = bench.BenchConfig(in_path=str(prompts), target=str(tiny_family / "target"), methods=["ar", "ngram", "recycle"],
+                            batch_size=2, repeats=2, max_new_tokens=2)
+    report = bench.run_bench(cfg)
+    one_pass = [("ar", 0, 2), ("ngram", 0, 2), ("recycle", 0, 2), ("ngram", 2, 4), ("recycle", 2, 4), ("ar", 2, 4),
+                ("recycle", 4, 5), ("ar", 4, 5), ("ngram", 4, 5)]
+    assert calls == one_pass * 2
+    for m in report["methods"]:
+        assert len(m["walls_s"]) == 2 and m["prompts"] == 5

@@ -304,11 +304,10 @@ def measure_round_costs(target, tokenizer, draft, head, prompts: list[list[int]]
     # head-judged rounds held at n drafts: min_draft 0 keeps the head running at every step (a policy with
     # min_draft == max_draft would skip it) and the threshold never stops a round early
     judged = lambda k: StopPolicy(1 - 1e-9, 0, k)  # noqa: E731
+    engines = {k: _policy_engine(target, tokenizer, draft, head, None if k == "ar" else judged(k), temperature) for k in ("ar",) + ks}
     try:
-        for _ in range(reps):  # configurations interleaved, so drift of a shared machine hits them alike
-            for k in ("ar",) + ks:
-                engine = _policy_engine(target, tokenizer, draft, head, None if k == "ar" else judged(k), temperature)
-                tot = _decode_totals(engine, prompts, new_tokens)  # the prefill's time included (the same in every configuration)
+        for _ in range(reps):  # configurations interleaved prompt by prompt, so drift of a shared machine hits them alike
+            for k, tot in _decode_totals(engines, prompts, new_tokens).items():  # the prefill's time included (the same in every configuration)
                 per_round[k].append(tot["wall"] / tot["rounds"])
                 if k in ks:
                     drafts_per_round[k].append(tot["drafted"] / tot["rounds"])
@@ -341,21 +340,26 @@ def _policy_engine(target, tokenizer, draft, head, policy: StopPolicy | None, te
     return SpecEngine(target, tokenizer, drafter, sampling=Sampling(temperature=temperature), eos_ids=[])
 
 
-def _decode_totals(engine, prompts: list[list[int]], new_tokens: int) -> dict:
-    """Each prompt decoded alone (bs=1); totals of wall seconds (prefill included), new tokens after the
-    prefill's, target rounds after the prefill, drafted tokens and rounds that drafted at least one."""
+def _decode_totals(engines: dict, prompts: list[list[int]], new_tokens: int) -> dict:
+    """{name: totals} for each engine decoding every prompt alone (bs=1), interleaved prompt by prompt (the
+    order rotating), so a shared machine's drift hits every engine alike. Totals: wall seconds (prefill
+    included), new tokens after the prefill's, target rounds after the prefill, drafted tokens and
+    rounds that drafted at least one."""
     from specdec.decode.types import GenRequest
 
-    tot = dict.fromkeys(("wall", "tokens", "rounds", "drafted", "spec_rounds"), 0)
-    for p in prompts:
-        t0 = time.perf_counter()
-        st = engine.generate([GenRequest(prompt_ids=p, max_new_tokens=new_tokens)])[0].stats
-        tot["wall"] += time.perf_counter() - t0
-        tot["tokens"] += st["new_tokens"] - 1  # the first new token comes from the prefill
-        tot["rounds"] += st["target_calls"] - 1
-        tot["drafted"] += st["drafted_tokens"]
-        tot["spec_rounds"] += st["position_drafted"][0] if st["position_drafted"] else 0
-    return tot
+    names = list(engines)
+    out = {name: dict.fromkeys(("wall", "tokens", "rounds", "drafted", "spec_rounds"), 0) for name in names}
+    for i, p in enumerate(prompts):
+        for name in names[i % len(names):] + names[: i % len(names)]:
+            tot = out[name]
+            t0 = time.perf_counter()
+            st = engines[name].generate([GenRequest(prompt_ids=p, max_new_tokens=new_tokens)])[0].stats
+            tot["wall"] += time.perf_counter() - t0
+            tot["tokens"] += st["new_tokens"] - 1  # the first new token comes from the prefill
+            tot["rounds"] += st["target_calls"] - 1
+            tot["drafted"] += st["drafted_tokens"]
+            tot["spec_rounds"] += st["position_drafted"][0] if st["position_drafted"] else 0
+    return out
 
 
 def time_head_per_draft(draft, head, temperature: float, reps: int = 300) -> float:
@@ -389,13 +393,16 @@ def time_head_per_draft(draft, head, temperature: float, reps: int = 300) -> flo
 
 def onpolicy_greedy(target, tokenizer, draft, head, prompts: list[list[int]], sim: dict, costs: dict, new_tokens: int = 64,
                     n_adaptive: int = 3, n_fixed: int = 2, margin: float = ADAPTIVE_MARGIN) -> tuple[StopPolicy, dict]:
-    """Re-rank the simulation's best greedy policies on real rounds: decode ``prompts`` through the engine
-    at T=0 under each (the ``n_adaptive`` best stop rules, the ``n_fixed`` best fixed lengths) and charge
-    the rounds it actually ran (drafts per round, plain rounds) with the round-cost model.
+    """Re-rank the simulation's best greedy policies on real decodes: ``prompts`` decoded through the engine
+    at T=0 under each (the ``n_adaptive`` best stop rules, the ``n_fixed`` best fixed lengths) and under
+    ``ar``, interleaved prompt by prompt and timed; a candidate's ``speedup`` is its tokens/s over ``ar``'s.
 
-    The simulation replays the head on the target's text, where a draft's misses are spread out; real
-    rounds start right after a miss, where the next is likelier, so the replay overrates long rounds.
-    Greedy rounds are deterministic, so only the costs are modelled here. The same margin as
+    The simulation is wrong in two ways that the timing is not. Its replay is teacher-forced on the
+    target's text, where a draft's misses are spread out; real rounds start right after a miss, where
+    the next is likelier, so it overrates long rounds. And its cost model, a line fitted to head-judged
+    rounds of 1, 2 and 4 drafts, misses what a judged round costs beyond the head (per-round work a
+    fixed length skips) and the growth of the verify forward past 4 tokens. ``modelled_speedup`` keeps
+    the model's estimate of each candidate's real rounds on record. The same margin as
     ``choose_policy`` applies. Returns (policy, {"candidates": [...], "chosen", "chosen_kind"}).
     """
     import torch
@@ -403,26 +410,31 @@ def onpolicy_greedy(target, tokenizer, draft, head, prompts: list[list[int]], si
     ranked = sorted(sim["grid"], key=lambda r: -r["speedup"])[:n_adaptive]
     pols = [StopPolicy(r["stop_threshold"], r["min_draft"], r["max_draft"]) for r in ranked]
     pols += [StopPolicy(0.5, r["k"], r["k"]) for r in sorted(sim["fixed_k"], key=lambda r: -r["speedup"])[:n_fixed]]
-    rows = []
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        for pol in pols:
-            tot = _decode_totals(_policy_engine(target, tokenizer, draft, head, pol, 0.0), prompts, new_tokens)
-            rounds = max(tot["rounds"], 1)
-            per_draft = costs["per_draft"] - (costs.get("head_per_draft", 0.0) if pol.fixed else 0.0)
-            plain = tot["rounds"] - tot["spec_rounds"]  # min_draft 0: the head judged one draft, then a plain round (as simulated)
-            cost = tot["spec_rounds"] * costs["fixed"] + per_draft * tot["drafted"] + plain * (1 + costs["per_draft"])
-            rows.append({**dataclasses.asdict(pol), "kind": "fixed" if pol.fixed else "adaptive", "tau": tot["tokens"] / rounds,
-                         "drafts_per_round": tot["drafted"] / rounds, "speedup": tot["tokens"] / max(cost, 1e-9)})
+        engines = {"ar": _policy_engine(target, tokenizer, draft, head, None, 0.0)}
+        engines |= {i: _policy_engine(target, tokenizer, draft, head, pol, 0.0) for i, pol in enumerate(pols)}
+        totals = _decode_totals(engines, prompts, new_tokens)
     finally:
         torch.set_num_threads(threads)
+    ar_rate = totals["ar"]["tokens"] / max(totals["ar"]["wall"], 1e-9)
+    rows = []
+    for i, pol in enumerate(pols):
+        tot = totals[i]
+        rounds = max(tot["rounds"], 1)
+        per_draft = costs["per_draft"] - (costs.get("head_per_draft", 0.0) if pol.fixed else 0.0)
+        plain = tot["rounds"] - tot["spec_rounds"]  # min_draft 0: the head judged one draft, then a plain round (as simulated)
+        cost = tot["spec_rounds"] * costs["fixed"] + per_draft * tot["drafted"] + plain * (1 + costs["per_draft"])
+        rows.append({**dataclasses.asdict(pol), "kind": "fixed" if pol.fixed else "adaptive", "tau": tot["tokens"] / rounds,
+                     "drafts_per_round": tot["drafted"] / rounds, "speedup": tot["tokens"] / max(tot["wall"], 1e-9) / ar_rate,
+                     "modelled_speedup": tot["tokens"] / max(cost, 1e-9)})
     best_a = max((r for r in rows if r["kind"] == "adaptive"), key=lambda r: r["speedup"])
     best_f = max((r for r in rows if r["kind"] == "fixed"), key=lambda r: r["speedup"])
     best = best_a if best_a["speedup"] >= margin * best_f["speedup"] else best_f
     policy = StopPolicy(best["stop_threshold"], best["min_draft"], best["max_draft"])
     return policy, {"candidates": rows, "chosen": dataclasses.asdict(policy), "chosen_kind": best["kind"],
-                    "prompts": len(prompts), "new_tokens": new_tokens}
+                    "prompts": len(prompts), "new_tokens": new_tokens, "ar_tokens_per_s": ar_rate}
 
 
 def simulate_rounds(pred, labels, fixed: float, per_draft: float, policy: StopPolicy | None = None, k: int | None = None) -> dict:
