@@ -539,5 +539,13 @@ def test_policy_prompts_file_errors_name_the_line(tmp_path):
     bad.write_text(json.dumps({"prompt": "ok"}) + "\n{not json\n")
     with pytest.raises(UsageError, match="bad.jsonl:2: malformed JSON"):
         read_policy_prompts(bad, tok)
+    chat = tmp_path / "chat.jsonl"  # messages go through the chat template
+    chat.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    assert read_policy_prompts(chat, tok) == [list(tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=True)["input_ids"])]
+    no_template = tiny_tokenizer()
+    no_template.chat_template = None
+    with pytest.raises(UsageError, match="chat.jsonl:1: cannot tokenize"):
+        read_policy_prompts(chat, no_template)
     with pytest.raises(UsageError, match="no such prompts file"):
         read_policy_prompts(tmp_path / "missing.jsonl", tok)

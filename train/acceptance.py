@@ -423,9 +423,8 @@ def onpolicy_greedy(target, tokenizer, draft, head, prompts: list[list[int]], si
     for i, pol in enumerate(pols):
         tot = totals[i]
         rounds = max(tot["rounds"], 1)
-        per_draft = costs["per_draft"] - (costs.get("head_per_draft", 0.0) if pol.fixed else 0.0)
         plain = tot["rounds"] - tot["spec_rounds"]  # min_draft 0: the head judged one draft, then a plain round (as simulated)
-        cost = tot["spec_rounds"] * costs["fixed"] + per_draft * tot["drafted"] + plain * (1 + costs["per_draft"])
+        cost = rounds_cost(costs["fixed"], per_draft_cost(costs, pol.fixed), tot["rounds"], tot["drafted"], plain)
         rows.append({**dataclasses.asdict(pol), "kind": "fixed" if pol.fixed else "adaptive", "tau": tot["tokens"] / rounds,
                      "drafts_per_round": tot["drafted"] / rounds, "speedup": tot["tokens"] / max(tot["wall"], 1e-9) / ar_rate,
                      "modelled_speedup": tot["tokens"] / max(cost, 1e-9)})
@@ -435,6 +434,19 @@ def onpolicy_greedy(target, tokenizer, draft, head, prompts: list[list[int]], si
     policy = StopPolicy(best["stop_threshold"], best["min_draft"], best["max_draft"])
     return policy, {"candidates": rows, "chosen": dataclasses.asdict(policy), "chosen_kind": best["kind"],
                     "prompts": len(prompts), "new_tokens": new_tokens, "ar_tokens_per_s": ar_rate}
+
+
+def per_draft_cost(costs: dict, fixed_length: bool) -> float:
+    """A draft's cost in ``ar`` rounds (``measure_round_costs``): a fixed-length round runs no head, so its
+    drafts cost the head's share less."""
+    return costs["per_draft"] - (costs.get("head_per_draft", 0.0) if fixed_length else 0.0)
+
+
+def rounds_cost(fixed: float, per_draft: float, rounds: int, drafted: int, plain: int) -> float:
+    """Cost in ``ar`` rounds of ``rounds`` rounds that drafted ``drafted`` tokens: a round of n >= 1 drafts
+    costs fixed + per_draft * n; a plain one (``plain`` of them) an ar round plus the draft forward that
+    judged its one draft."""
+    return (rounds - plain) * fixed + drafted * per_draft + plain * (1 + per_draft)
 
 
 def simulate_rounds(pred, labels, fixed: float, per_draft: float, policy: StopPolicy | None = None, k: int | None = None) -> dict:
@@ -478,8 +490,7 @@ def simulate_rounds(pred, labels, fixed: float, per_draft: float, policy: StopPo
             rounds += 1
             plain += n == 0
             j += accepted + 1
-    # a round of n >= 1 drafts costs fixed + per_draft * n; a plain one an ar round plus the draft forward
-    cost = (rounds - plain) * fixed + drafted * per_draft + plain * (1 + per_draft)
+    cost = rounds_cost(fixed, per_draft, rounds, drafted, plain)
     return {"speedup": tokens / cost if cost else 0.0, "tau": tokens / max(rounds, 1), "drafts_per_round": drafted / max(rounds, 1),
             "plain_rounds": plain / max(rounds, 1)}
 
@@ -498,8 +509,7 @@ def choose_policy(pred, labels, costs: dict, max_draft: int = 20, margin: float 
             pol = StopPolicy(thr, m, max_draft)
             grid.append({"stop_threshold": thr, "min_draft": m, "max_draft": max_draft,
                          **simulate_rounds(pred, labels, costs["fixed"], costs["per_draft"], policy=pol)})
-    per_draft_fixed = costs["per_draft"] - costs.get("head_per_draft", 0.0)
-    fixed_k = [{"k": k, **simulate_rounds(pred, labels, costs["fixed"], per_draft_fixed, k=k)} for k in FIXED_KS]
+    fixed_k = [{"k": k, **simulate_rounds(pred, labels, costs["fixed"], per_draft_cost(costs, True), k=k)} for k in FIXED_KS]
     # the same policies under a perfect head (P = the labels): how much a better head could give
     oracle = simulate_rounds(labels.clamp(1e-6, 1 - 1e-6), labels, costs["fixed"], costs["per_draft"], policy=StopPolicy(0.5, 0, max_draft))
     best = max(grid, key=lambda r: r["speedup"])
@@ -699,7 +709,10 @@ def read_policy_prompts(path: str | Path, tokenizer, limit: int = POLICY_PROMPTS
     for rec in read_records(path):
         if rec.error:
             raise UsageError(f"{path}:{rec.line}: {rec.error}")
-        ids = encode_record(tokenizer, rec)
+        try:
+            ids = encode_record(tokenizer, rec)
+        except ValueError as exc:  # e.g. messages without a chat template
+            raise UsageError(f"{path}:{rec.line}: cannot tokenize: {exc}") from exc
         if ids:
             out.append(ids)
         if len(out) >= limit:
