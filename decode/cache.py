@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
+from specdec.decode.lean import lean_output, lean_step
+
 
 class SlotBook:
     """Which slots of the shared axis each row keeps (``valid`` [B, S]) and each row's next position id:
@@ -36,9 +38,14 @@ class SlotBook:
 
 
 class KVState(SlotBook):
-    def __init__(self, model, batch_size: int, device: torch.device):
+    def __init__(self, model, batch_size: int, device: torch.device, lean: bool = False):
+        """lean: run the model through ``decode.lean``'s plain-function forward where it reproduces HF's
+        (small Llama-architecture drafts; others keep HF's forward)."""
         super().__init__(batch_size, device)
         self.model = model
+        self._lean = None
+        if lean:
+            self._lean = lean_step(model)
         self.cache = DynamicCache(config=model.config)
         self._pending: torch.Tensor | None = None  # validity of the last forward's segment
         # the Triton tree-attention kernel reads a bool mask; everything else gets an additive float mask
@@ -77,6 +84,10 @@ class KVState(SlotBook):
             # additive and materialised: CPU SDPA takes a very slow path for broadcast bool masks
             dtype = self.model.dtype
             full = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, torch.finfo(dtype).min)
+        if self._lean is not None and not model_kwargs:
+            out = lean_output(*self._lean(input_ids, full, self.pos[:, None] + depth, self.cache))
+            self._pending = input_valid
+            return out
         out = self.model(
             input_ids=input_ids,
             attention_mask=full,

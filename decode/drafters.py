@@ -272,7 +272,8 @@ class ModelDrafter(Drafter):
         self._drafted = 0
 
     def begin(self, batch, seg: Segment) -> None:
-        self.state = KVState(self.model, len(batch.seqs), batch.device)
+        # a draft is called once per drafted token: its per-call cost is what decode.lean trims
+        self.state = KVState(self.model, len(batch.seqs), batch.device, lean=True)
         self.fed = [0] * len(batch.seqs)
 
     def _feed_pending(self, batch, hidden: bool = False):
