@@ -43,9 +43,7 @@ class KVState(SlotBook):
         (small Llama-architecture drafts; others keep HF's forward)."""
         super().__init__(batch_size, device)
         self.model = model
-        self._lean = None
-        if lean:
-            self._lean = lean_step(model)
+        self._lean = lean_step(model) if lean else None
         self.cache = DynamicCache(config=model.config)
         self._pending: torch.Tensor | None = None  # validity of the last forward's segment
         # the Triton tree-attention kernel reads a bool mask; everything else gets an additive float mask
@@ -84,19 +82,19 @@ class KVState(SlotBook):
             # additive and materialised: CPU SDPA takes a very slow path for broadcast bool masks
             dtype = self.model.dtype
             full = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, torch.finfo(dtype).min)
+        positions = self.pos[:, None] + depth
         if self._lean is not None and not model_kwargs:
-            out = lean_output(*self._lean(input_ids, full, self.pos[:, None] + depth, self.cache))
-            self._pending = input_valid
-            return out
-        out = self.model(
-            input_ids=input_ids,
-            attention_mask=full,
-            position_ids=self.pos[:, None] + depth,
-            past_key_values=self.cache,
-            use_cache=True,
-            output_hidden_states=hidden,
-            **model_kwargs,
-        )
+            out = lean_output(*self._lean(input_ids, full, positions, self.cache))
+        else:
+            out = self.model(
+                input_ids=input_ids,
+                attention_mask=full,
+                position_ids=positions,
+                past_key_values=self.cache,
+                use_cache=True,
+                output_hidden_states=hidden,
+                **model_kwargs,
+            )
         self._pending = input_valid
         return out
 

@@ -35,7 +35,7 @@ def lean_step(model) -> "LeanStep | None":
     only through module calls, which the plain-function forward skips."""
     if any(_foreign_hooks(m) for m in model.modules()):
         return None
-    if model not in _CACHE:
+    if model not in _CACHE or (_CACHE[model] is not None and _CACHE[model].stale()):
         step = LeanStep(model) if _supported(model) else None
         _CACHE[model] = step if step is not None and step.matches_hf() else None
     return _CACHE[model]
@@ -109,6 +109,14 @@ class LeanStep:
         self.inter = cfg.intermediate_size
         self.inv_freq = base.rotary_emb.inv_freq
         self.scale = self.head_dim**-0.5
+        self._fused_from = [p for layer in base.layers for p in (
+            layer.self_attn.q_proj.weight, layer.self_attn.k_proj.weight, layer.self_attn.v_proj.weight,
+            layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight)]
+        self._versions = [p._version for p in self._fused_from]
+
+    def stale(self) -> bool:
+        """The model's weights were written in place since the fused copies were made (loading, merging)."""
+        return any(p._version != v for p, v in zip(self._fused_from, self._versions))
 
     @staticmethod
     def _rms(x, w, eps):
@@ -154,9 +162,9 @@ class LeanStep:
         pos = torch.arange(6)[None].repeat(2, 1).to(dev)
         steps = [(ids, visible, pos), (ids[:, :1], torch.ones(2, 1, 1, 7, dtype=torch.bool), pos[:, -1:] + 1)]
         caches = [DynamicCache(config=cfg), DynamicCache(config=cfg)]
+        dtype = self.embed.dtype
         with torch.no_grad():
             for seg, vis, p in steps:
-                dtype = self.embed.dtype
                 mask = torch.zeros(vis.shape, dtype=dtype, device=dev).masked_fill_(~vis.to(dev), torch.finfo(dtype).min)
                 ref = self.model(input_ids=seg, attention_mask=mask, position_ids=p, past_key_values=caches[0],
                                  use_cache=True, output_hidden_states=True)

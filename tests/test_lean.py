@@ -40,6 +40,12 @@ def test_lean_step_refuses_what_it_cannot_reproduce():
     assert step is not None and step.matches_hf()
     step.layers[0][2].mul_(1.001)  # its fused q/k/v copy drifts from the model's weights
     assert not step.matches_hf()
+    model = tiny_llama(layers=2, seed=3).float()
+    first = lean_step(model)
+    with torch.no_grad():
+        model.model.layers[1].mlp.up_proj.weight.mul_(0.5)  # weights written in place: the fused copies are rebuilt
+    again = lean_step(model)
+    assert again is not first and again.matches_hf()
     hooked = tiny_llama(layers=2, seed=2).float()
     hooked.model.layers[0].register_forward_hook(lambda *_: None)  # hooks run only through module calls
     assert lean_step(hooked) is None
