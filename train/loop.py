@@ -10,13 +10,21 @@ Exact resume: the data order is a pure function of (seed, epoch, micro-step), so
 skips the micro-batches it already consumed and sees the same batches; model, optimizer, scheduler
 and RNG states come back from ``accelerator.load_state``; the loss curve so far is stored beside
 each checkpoint.
+
+Checkpoints are atomic: written to ``step-N.tmp/``, fsynced, sealed with a ``COMPLETE`` manifest
+(size and sha256 of every file) and renamed to ``step-N/``. Resume takes the newest checkpoint whose
+files match its manifest and says on stderr which newer ones it skipped, so a process killed at any
+point (or a checkpoint damaged later) costs at most the steps since the previous checkpoint.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
+import os
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -41,7 +49,7 @@ class TrainConfig:
     clip: float = 1.0
     seed: int = 0
     checkpoint_every: int = 50  # 0 = only at the end
-    keep_checkpoints: int = 2
+    keep_checkpoints: int = 2  # at least 2 are kept: a damaged newest one falls back to the one before
     save_final_checkpoint: bool = True  # False with checkpoint_every 0: nothing is written (no resume)
     budget_minutes: float = 0.0  # 0 = no wall-clock budget
     # under a budget, the cosine follows the clock: progress = max(step / steps, elapsed / budget), so a
@@ -206,7 +214,8 @@ def run_training(
 ) -> TrainResult:
     """Optimise ``model_to_train`` for ``cfg.steps`` optimizer steps (or until the budget).
 
-    Checkpoints go to ``out_dir/checkpoints/step-N``; with ``resume`` the latest one is restored.
+    Checkpoints go to ``out_dir/checkpoints/step-N``; with ``resume`` the newest complete one is
+    restored.
     ``collate_fn`` turns a list of dataset items into the batch ``loss_fn`` takes (default: stacking).
     ``label`` names the progress bar.
     Returns the unwrapped model (main and other processes alike) and the loss curve.
@@ -233,6 +242,7 @@ def run_training(
     # budget spent so far, as agreed by every process (the stop decision and a clock schedule must not
     # differ between ranks, or the next collective hangs / the replicas drift apart)
     clock = {"elapsed": 0.0}
+    keep = max(cfg.keep_checkpoints, 2)
     budget_s = cfg.budget_minutes * 60
     by_clock = (lambda: clock["elapsed"] / budget_s) if cfg.clock_schedule and budget_s > 0 else None
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup_cosine(cfg.warmup, cfg.steps, by_clock))
@@ -241,15 +251,16 @@ def run_training(
     accelerator.register_for_checkpointing(scheduler)
 
     ckpt_root = out_dir / "checkpoints"
-    step, losses, logs = 0, [], []
+    step, losses, logs, resumed_at = 0, [], [], None
     if resume:
-        latest = latest_checkpoint(ckpt_root)
+        latest = _agreed_latest(accelerator, ckpt_root)
         if latest is None:
-            accelerator.print(f"no checkpoint under {ckpt_root}: starting from scratch", file=sys.stderr)
+            accelerator.print(f"no complete checkpoint under {ckpt_root}: starting from scratch", file=sys.stderr)
         else:
             accelerator.load_state(str(latest))
             state = json.loads((latest / "trainer_state.json").read_text())
             step, losses, logs = state["step"], state["losses"], state.get("logs", [])
+            resumed_at = step
 
     consumed = step * cfg.grad_accum  # micro-batches per process
     epoch, skip = divmod(consumed, per_epoch)
@@ -284,44 +295,183 @@ def run_training(
                 losses.append(step_loss)
                 if step % max(cfg.log_every, 1) == 0 or step == cfg.steps:
                     logs.append({"step": step, "loss": step_loss, "lr": scheduler.get_last_lr()[0], **{k: float(v) for k, v in extra.items()}})
-                progress.update(step, step_loss, clock["elapsed"])
-                if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < cfg.steps:
-                    _checkpoint(accelerator, ckpt_root, step, losses, logs, cfg.keep_checkpoints)
-                if step >= cfg.steps:
-                    break
                 if budget_s > 0:
                     clock["elapsed"] = _synced_elapsed(accelerator, start)
-                    if clock["elapsed"] > budget_s:
-                        stopped = "budget"
-                        break
+                progress.update(step, step_loss, clock["elapsed"])
+                at_cap = step >= cfg.steps
+                over = budget_s > 0 and clock["elapsed"] > budget_s
+                # the last step's checkpoint is the final one, written once below
+                if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and not (at_cap or over):
+                    _checkpoint(accelerator, ckpt_root, step, losses, logs, keep)
+                if at_cap:
+                    break
+                if over:
+                    stopped = "budget"
+                    break
             if stopped == "budget":
                 break
             epoch += 1
-    if cfg.save_final_checkpoint:
-        _checkpoint(accelerator, ckpt_root, step, losses, logs, cfg.keep_checkpoints)
+    if cfg.save_final_checkpoint and step != resumed_at:  # resumed at the end: that checkpoint is this state
+        _checkpoint(accelerator, ckpt_root, step, losses, logs, keep)
     accelerator.wait_for_everyone()
     unwrapped = accelerator.unwrap_model(model)
     unwrapped.eval()
     return TrainResult(step, losses, stopped, time.perf_counter() - start, unwrapped, accelerator, logs)
 
 
-def latest_checkpoint(root: Path) -> Path | None:
-    if not root.exists():
+# ---------------------------------------------------------------------------------------------
+# Checkpoints
+
+MARKER = "COMPLETE"
+_STEP_DIR = re.compile(r"step-(\d+)")
+
+
+def latest_checkpoint(root: Path, warn: Callable[[str], None] | None = None) -> Path | None:
+    """The newest checkpoint under ``root`` whose files are intact, or None.
+
+    Newer ones that are incomplete or corrupt are skipped with a warning (``warn``, default stderr).
+    """
+    warn = warn or (lambda msg: print(msg, file=sys.stderr))
+    if not root.is_dir():
         return None
-    done = [p for p in root.glob("step-*") if (p / "trainer_state.json").exists()]
-    return max(done, key=lambda p: int(p.name.split("-")[1]), default=None)
+    skipped: list[tuple[Path, str]] = []
+    chosen = None
+    for path in sorted(_step_dirs(root), key=_step_of, reverse=True):
+        reason = checkpoint_problem(path)
+        if reason is None:
+            chosen = path
+            break
+        skipped.append((path, reason))
+    then = f"resuming from {chosen}" if chosen else "no complete checkpoint left: starting from scratch"
+    for path, reason in skipped:
+        warn(f"warning: checkpoint {path} is incomplete or corrupt ({reason}); {then}")
+    return chosen
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """Why the checkpoint at ``path`` cannot be resumed from, or None when it is intact.
+
+    A checkpoint with a ``COMPLETE`` manifest must match it file by file (size, sha256). One from
+    before manifests were written is accepted when its trainer state parses and its safetensors
+    files hold every byte their headers promise."""
+    marker = path / MARKER
+    try:
+        if marker.exists():
+            manifest = json.loads(marker.read_text())
+            for name, want in sorted(manifest["files"].items()):
+                f = path / name
+                if not f.is_file():
+                    return f"{name} is missing"
+                if f.stat().st_size != want["size"]:
+                    return f"{name} has {f.stat().st_size} bytes, {want['size']} were written"
+                if _sha256(f) != want["sha256"]:
+                    return f"{name} does not match its checksum"
+        else:
+            if not (path / "trainer_state.json").exists():
+                return "no COMPLETE marker"
+            for f in sorted(path.glob("*.safetensors")):
+                problem = _safetensors_problem(f)
+                if problem:
+                    return f"{f.name}: {problem}"
+        state = json.loads((path / "trainer_state.json").read_text())
+        if state["step"] != _step_of(path):
+            return f"trainer_state.json is for step {state['step']}"
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def _agreed_latest(accelerator, root: Path) -> Path | None:
+    """The main process picks the checkpoint and every process resumes from that same one."""
+    chosen = latest_checkpoint(root) if accelerator.is_main_process else None
+    if accelerator.num_processes > 1:
+        from accelerate.utils import broadcast_object_list
+
+        box = [str(chosen) if chosen else None]
+        broadcast_object_list(box, from_process=0)
+        chosen = Path(box[0]) if box[0] else None
+    return chosen
 
 
 def _checkpoint(accelerator, root: Path, step: int, losses: list, logs: list, keep: int) -> None:
-    path = root / f"step-{step}"
-    accelerator.save_state(str(path))
+    final, tmp = root / f"step-{step}", root / f"step-{step}.tmp"
     if accelerator.is_main_process:
-        # trainer_state.json is written last: a checkpoint without it is torn and ignored
-        write_json(path / "trainer_state.json", {"step": step, "losses": losses, "logs": logs})
-        done = sorted((p for p in root.glob("step-*") if p != path), key=lambda p: int(p.name.split("-")[1]))
-        for old in done[: max(0, len(done) - max(keep - 1, 0))]:
-            _rmtree(old)
+        root.mkdir(parents=True, exist_ok=True)
+        for leftover in root.iterdir():  # the remains of a write or removal cut short
+            if leftover.is_dir() and leftover.suffix in (".tmp", ".old", ".del"):
+                _rmtree(leftover)
     accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp))
+    accelerator.wait_for_everyone()  # every process's RNG state is in tmp
+    if accelerator.is_main_process:
+        write_json(tmp / "trainer_state.json", {"step": step, "losses": losses, "logs": logs})
+        files = {}
+        for f in sorted(p for p in tmp.rglob("*") if p.is_file()):
+            _fsync(f)
+            files[f.relative_to(tmp).as_posix()] = {"size": f.stat().st_size, "sha256": _sha256(f)}
+        for d in sorted((p for p in tmp.rglob("*") if p.is_dir()), reverse=True):
+            _fsync(d)
+        with open(tmp / MARKER, "w") as fh:
+            json.dump({"step": step, "files": files}, fh, indent=1, sort_keys=True)
+            fh.flush()
+            os.fsync(fh.fileno())
+        _fsync(tmp)
+        if final.exists():  # the same step written again (a resumed run's final checkpoint)
+            os.replace(final, final.with_name(final.name + ".old"))
+        os.replace(tmp, final)
+        _fsync(root)
+        _rmtree(final.with_name(final.name + ".old"))
+        # keep the newest ``keep`` at or below this step; higher ones belong to a run this one replaced
+        # (they were skipped as damaged, or a fresh run started over in this directory)
+        older = sorted((p for p in _step_dirs(root) if _step_of(p) < step), key=_step_of)
+        newer = [p for p in _step_dirs(root) if _step_of(p) > step]
+        for old in older[: max(0, len(older) - (keep - 1))] + newer:
+            gone = old.with_name(old.name + ".del")  # renamed first: a half-removed dir never looks like a checkpoint
+            os.replace(old, gone)
+            _rmtree(gone)
+        _fsync(root)
+    accelerator.wait_for_everyone()
+
+
+def _step_dirs(root: Path) -> list[Path]:
+    return [p for p in root.iterdir() if p.is_dir() and _STEP_DIR.fullmatch(p.name)]
+
+
+def _step_of(path: Path) -> int:
+    return int(path.name.split("-")[1])
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _safetensors_problem(path: Path) -> str | None:
+    """None when the file's header parses and the file is as long as the header says."""
+    size = path.stat().st_size
+    with open(path, "rb") as fh:
+        head = fh.read(8)
+        if len(head) < 8:
+            return "truncated header"
+        n = int.from_bytes(head, "little")
+        if n > size - 8:
+            return "truncated header"
+        header = json.loads(fh.read(n))
+    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    if size != 8 + n + end:
+        return f"{size} bytes, the header needs {8 + n + end}"
+    return None
 
 
 def _rmtree(path: Path) -> None:
