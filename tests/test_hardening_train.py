@@ -109,3 +109,124 @@ def test_keep_is_at_least_two(tmp_path):
     assert sorted(p.name for p in (tmp_path / "k" / "checkpoints").iterdir()) == ["step-4", "step-5"]
 
 
+class _FakeTime:
+    """A clock that moves only when a training step runs: budget arithmetic becomes exact."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+def test_budget_clock_carries_over_a_resume(tmp_path, monkeypatch):
+    fake = _FakeTime()
+    monkeypatch.setattr(loop, "time", fake)
+
+    def slow(model, batch):
+        fake.now += 0.1  # every step takes 0.1 s of training time
+        return _toy_loss(model, batch)
+
+    def crashing_at(call):
+        calls = {"n": 0}
+
+        def loss(model, batch):
+            calls["n"] += 1
+            if calls["n"] == call:
+                raise _Crash()
+            return slow(model, batch)
+
+        return loss
+
+    # a 1.55 s budget, a cosine that follows the clock, a step cap far away
+    cfg = tiny_cfg(steps=10_000, batch=5, checkpoint_every=1, warmup=0, budget_minutes=1.55 / 60, clock_schedule=True,
+                   lr=0.05, mixed_precision="no")
+    full = run_training(cfg, _Toy(), slow, _ToyData(), tmp_path / "full")
+    assert full.stopped == "budget" and full.steps == 16 and full.elapsed_s == pytest.approx(1.6)
+    with pytest.raises(_Crash):
+        run_training(cfg, _Toy(), crashing_at(8), _ToyData(), tmp_path / "split")
+    fake.now += 500.0  # time between the crash and the resume is not training time
+    resumed = run_training(cfg, _Toy(), slow, _ToyData(), tmp_path / "split", resume=True)
+    assert resumed.stopped == "budget" and resumed.steps == full.steps
+    assert resumed.elapsed_s == pytest.approx(1.6) and resumed.wall_s == pytest.approx(0.9)
+    lrs = [e["lr"] for e in resumed.logs]
+    assert lrs == pytest.approx([e["lr"] for e in full.logs], rel=1e-6)  # no jump back up after the resume
+    assert resumed.losses == pytest.approx(full.losses, rel=1e-6)
+    state = json.loads((tmp_path / "split" / "checkpoints" / "step-16" / "trainer_state.json").read_text())
+    assert state["elapsed_s"] == pytest.approx(1.6)
+    # resuming a run whose budget is spent trains nothing more
+    again = run_training(cfg, _Toy(), slow, _ToyData(), tmp_path / "split", resume=True)
+    assert again.steps == 16 and again.stopped == "budget"
+
+
+# ---------------------------------------------------------------------------------------------
+# SIGKILL of a real train-draft process
+
+
+RECIPE = """draft:
+  lr: 3.0e-3
+  batch: 4
+  seq_len: 32
+  warmup: 1
+  seed: 3
+  heldout: 0.15
+  mixed_precision: "no"
+  clock_schedule: true
+  extra: {kd_weight: 0.5, temperature: 1.0, ce_labels: target}
+"""
+
+
+def _cmd(work: Path, out: Path, *extra: str) -> list[str]:
+    recipe = work / "recipe.yaml"
+    if not recipe.exists():
+        recipe.write_text(RECIPE)
+    return [sys.executable, "-m", "specdec", "train-draft", "--target", str(work / "target"), "--data", str(work / "data.jsonl"),
+            "--out", str(out), "--arch", ARCH, "--recipe", str(recipe), *extra]
+
+
+def _env() -> dict:
+    # one thread: the same float reductions in every run, and no fight over a small machine's cores
+    return {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def run_killed(cmd: list[str], trigger, log: Path, timeout: float = 180.0) -> int | None:
+    """Run ``cmd``; SIGKILL it as soon as ``trigger()`` holds. Returns its exit code, None if killed."""
+    with open(log, "ab") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=fh, env=_env())
+        deadline = time.monotonic() + timeout
+        try:
+            while proc.poll() is None:
+                if trigger() or time.monotonic() > deadline:
+                    proc.send_signal(signal.SIGKILL)
+                    proc.wait()
+                    return None
+                time.sleep(0.002)
+            return proc.returncode
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def test_sigkill_then_resume_keeps_the_budget(work, tmp_path):
+    budget_s = 4.2
+    out, log = tmp_path / "b", tmp_path / "b.log"
+    cmd = _cmd(work, out, "--max-steps", "1000000", "--checkpoint-every", "5", "--budget-minutes", str(budget_s / 60))
+    first = {}
+
+    def trigger():  # about half the budget in
+        if not (out / "checkpoints").exists() or not any(out.glob("checkpoints/step-*")):
+            return False
+        first.setdefault("t", time.monotonic())
+        return time.monotonic() - first["t"] > budget_s / 2
+
+    assert run_killed(cmd, trigger, log) is None
+    latest = loop.latest_checkpoint(out / "checkpoints")
+    spent = json.loads((latest / "trainer_state.json").read_text())["elapsed_s"]
+    assert 0 < spent < budget_s
+    assert run_killed(cmd + ["--resume"], lambda: False, log) == 0, log.read_text()[-3000:]
+    metrics = json.loads((out / "metrics.json").read_text())
+    final = json.loads((loop.latest_checkpoint(out / "checkpoints") / "trainer_state.json").read_text())
+    assert metrics["stopped"] == "budget"
+    assert budget_s < final["elapsed_s"] < budget_s + 1.0  # the first part counted: one budget in all
+    assert metrics["train_wall_s"] < budget_s - spent + 1.0

@@ -8,8 +8,8 @@ accumulate(), backward(), save_state()/load_state() only.
 
 Exact resume: the data order is a pure function of (seed, epoch, micro-step), so a resumed run
 skips the micro-batches it already consumed and sees the same batches; model, optimizer, scheduler
-and RNG states come back from ``accelerator.load_state``; the loss curve so far is stored beside
-each checkpoint.
+and RNG states come back from ``accelerator.load_state``; the loss curve so far and the training
+seconds spent (the budget's clock) are stored beside each checkpoint.
 
 Checkpoints are atomic: written to ``step-N.tmp/``, fsynced, sealed with a ``COMPLETE`` manifest
 (size and sha256 of every file) and renamed to ``step-N/``. Resume takes the newest checkpoint whose
@@ -54,7 +54,7 @@ class TrainConfig:
     budget_minutes: float = 0.0  # 0 = no wall-clock budget
     # under a budget, the cosine follows the clock: progress = max(step / steps, elapsed / budget), so a
     # run whose step cap is only a safety net still decays its learning rate by the time the budget ends
-    # (the budget, and so this clock, restarts on resume)
+    # (the clock counts training seconds and carries over a resume, so does the budget)
     clock_schedule: bool = False
     mixed_precision: str = "auto"  # "auto" | "no" | "bf16" | "fp16" (auto: see resolve_precision)
     heldout: float = 0.1  # fraction of blocks held out for metrics
@@ -172,10 +172,11 @@ class TrainResult:
     steps: int
     losses: list[float]
     stopped: str  # "steps" | "budget"
-    wall_s: float
+    wall_s: float  # this process's training seconds
     model: Any  # the unwrapped module
     accelerator: Any
     logs: list[dict] = field(default_factory=list)
+    elapsed_s: float = 0.0  # training seconds over the whole run, resumed parts included (the budget's clock)
 
     @property
     def is_main(self) -> bool:
@@ -215,7 +216,7 @@ def run_training(
     """Optimise ``model_to_train`` for ``cfg.steps`` optimizer steps (or until the budget).
 
     Checkpoints go to ``out_dir/checkpoints/step-N``; with ``resume`` the newest complete one is
-    restored.
+    restored, its training seconds included (the budget and a clock schedule go on from there).
     ``collate_fn`` turns a list of dataset items into the batch ``loss_fn`` takes (default: stacking).
     ``label`` names the progress bar.
     Returns the unwrapped model (main and other processes alike) and the loss curve.
@@ -251,7 +252,7 @@ def run_training(
     accelerator.register_for_checkpointing(scheduler)
 
     ckpt_root = out_dir / "checkpoints"
-    step, losses, logs, resumed_at = 0, [], [], None
+    step, losses, logs, elapsed0, resumed_at = 0, [], [], 0.0, None
     if resume:
         latest = _agreed_latest(accelerator, ckpt_root)
         if latest is None:
@@ -260,17 +261,25 @@ def run_training(
             accelerator.load_state(str(latest))
             state = json.loads((latest / "trainer_state.json").read_text())
             step, losses, logs = state["step"], state["losses"], state.get("logs", [])
+            elapsed0 = float(state.get("elapsed_s", 0.0))
             resumed_at = step
+    clock["elapsed"] = elapsed0
+
+    def elapsed() -> float:  # training seconds so far; synced across processes only under a budget
+        return elapsed0 + _synced_elapsed(accelerator, start) if budget_s > 0 else elapsed0 + time.perf_counter() - start
 
     consumed = step * cfg.grad_accum  # micro-batches per process
     epoch, skip = divmod(consumed, per_epoch)
     start = time.perf_counter()
     stopped = "steps"
-    progress = _Progress(cfg.steps, step, enabled=cfg.progress and accelerator.is_main_process, budget_s=budget_s, label=label)
+    progress = _Progress(cfg.steps, step, enabled=cfg.progress and accelerator.is_main_process, budget_s=budget_s, label=label,
+                         elapsed=elapsed0)
+    if budget_s > 0 and elapsed0 > budget_s:
+        stopped = "budget"  # resumed after the budget ran out: nothing is left to train
     window: list[float] = []
     model.train()
     with progress:
-        while step < cfg.steps:
+        while step < cfg.steps and stopped != "budget":
             order = EpochBatches(n, cfg.batch, rank, world, cfg.seed, epoch, skip)
             loader = DataLoader(dataset, batch_sampler=order, collate_fn=collate_fn, num_workers=0)
             skip = 0
@@ -296,13 +305,13 @@ def run_training(
                 if step % max(cfg.log_every, 1) == 0 or step == cfg.steps:
                     logs.append({"step": step, "loss": step_loss, "lr": scheduler.get_last_lr()[0], **{k: float(v) for k, v in extra.items()}})
                 if budget_s > 0:
-                    clock["elapsed"] = _synced_elapsed(accelerator, start)
+                    clock["elapsed"] = elapsed()
                 progress.update(step, step_loss, clock["elapsed"])
                 at_cap = step >= cfg.steps
                 over = budget_s > 0 and clock["elapsed"] > budget_s
                 # the last step's checkpoint is the final one, written once below
                 if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and not (at_cap or over):
-                    _checkpoint(accelerator, ckpt_root, step, losses, logs, keep)
+                    _checkpoint(accelerator, ckpt_root, step, losses, logs, keep, clock["elapsed"] if budget_s > 0 else elapsed())
                 if at_cap:
                     break
                 if over:
@@ -311,12 +320,13 @@ def run_training(
             if stopped == "budget":
                 break
             epoch += 1
+    total = clock["elapsed"] if budget_s > 0 else elapsed()
     if cfg.save_final_checkpoint and step != resumed_at:  # resumed at the end: that checkpoint is this state
-        _checkpoint(accelerator, ckpt_root, step, losses, logs, keep)
+        _checkpoint(accelerator, ckpt_root, step, losses, logs, keep, total)
     accelerator.wait_for_everyone()
     unwrapped = accelerator.unwrap_model(model)
     unwrapped.eval()
-    return TrainResult(step, losses, stopped, time.perf_counter() - start, unwrapped, accelerator, logs)
+    return TrainResult(step, losses, stopped, time.perf_counter() - start, unwrapped, accelerator, logs, total)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -393,7 +403,7 @@ def _agreed_latest(accelerator, root: Path) -> Path | None:
     return chosen
 
 
-def _checkpoint(accelerator, root: Path, step: int, losses: list, logs: list, keep: int) -> None:
+def _checkpoint(accelerator, root: Path, step: int, losses: list, logs: list, keep: int, elapsed_s: float) -> None:
     final, tmp = root / f"step-{step}", root / f"step-{step}.tmp"
     if accelerator.is_main_process:
         root.mkdir(parents=True, exist_ok=True)
@@ -404,7 +414,7 @@ def _checkpoint(accelerator, root: Path, step: int, losses: list, logs: list, ke
     accelerator.save_state(str(tmp))
     accelerator.wait_for_everyone()  # every process's RNG state is in tmp
     if accelerator.is_main_process:
-        write_json(tmp / "trainer_state.json", {"step": step, "losses": losses, "logs": logs})
+        write_json(tmp / "trainer_state.json", {"step": step, "losses": losses, "logs": logs, "elapsed_s": elapsed_s})
         files = {}
         for f in sorted(p for p in tmp.rglob("*") if p.is_file()):
             _fsync(f)
@@ -515,7 +525,7 @@ def _to_device(batch, device):
 class _Progress:
     """A rich progress bar on stderr (main process only); silent when disabled."""
 
-    def __init__(self, total: int, done: int, enabled: bool, budget_s: float = 0.0, label: str = "train"):
+    def __init__(self, total: int, done: int, enabled: bool, budget_s: float = 0.0, label: str = "train", elapsed: float = 0.0):
         self.enabled, self.total, self.budget_s = enabled, total, budget_s
         if enabled:
             from rich.console import Console
@@ -528,7 +538,7 @@ class _Progress:
                 TextColumn(label), BarColumn(), count, TextColumn("loss {task.fields[loss]}"),
                 TimeElapsedColumn(), console=Console(stderr=True), transient=False,
             )
-            self.task = self.bar.add_task(label, total=1.0 if budget_s else total, completed=self._done(done, 0.0), loss="-", step=done)
+            self.task = self.bar.add_task(label, total=1.0 if budget_s else total, completed=self._done(done, elapsed), loss="-", step=done)
 
     def __enter__(self):
         if self.enabled:
