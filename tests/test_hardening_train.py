@@ -36,6 +36,56 @@ def work(tmp_path_factory):
 
 
 # ---------------------------------------------------------------------------------------------
+# teacher cache
+
+
+def _cache(path: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_teacher_cache_follows_data_and_target_and_survives_a_torn_file(work, tmp_path, capsys):
+    from specdec.train.draft import train_draft
+
+    cfg = tiny_cfg(steps=1, mixed_precision="no", save_final_checkpoint=False)
+
+    def train(target: str, data: str, out: Path) -> dict:
+        train_draft(work / target, [work / data], out, cfg, arch=ARCH, kd_weight=0.9, cache_teacher=True, teacher_topk=8)
+        return _cache(out / "teacher_cache.safetensors")
+
+    shared = tmp_path / "shared"
+    first = train("target", "data.jsonl", shared)
+    fresh_rev = train("target", "data-reversed.jsonl", tmp_path / "fresh-rev")
+    assert first["values"].shape == fresh_rev["values"].shape  # what a shape check cannot tell apart
+    assert not _same(first, fresh_rev)
+
+    # other data into the same --out: recomputed, not the first data's logits
+    assert _same(train("target", "data-reversed.jsonl", shared), fresh_rev)
+    assert "computed for other data" in capsys.readouterr().err
+    # another target of the same shapes
+    fresh_b = train("target-b", "data-reversed.jsonl", tmp_path / "fresh-b")
+    assert _same(train("target-b", "data-reversed.jsonl", shared), fresh_b)
+    assert "computed for other target" in capsys.readouterr().err
+    # unchanged inputs: reused as is
+    path = shared / "teacher_cache.safetensors"
+    stamp = path.stat().st_mtime_ns
+    assert _same(train("target-b", "data-reversed.jsonl", shared), fresh_b) and path.stat().st_mtime_ns == stamp
+
+    # a torn file (cut in the data, in the header) or a foreign one is recomputed, not a crash
+    whole = path.read_bytes()
+    for torn in (whole[: len(whole) // 2], whole[:5], b"not a safetensors file"):
+        path.write_bytes(torn)
+        assert _same(train("target-b", "data-reversed.jsonl", shared), fresh_b)
+        assert "unreadable" in capsys.readouterr().err
+    assert not list(shared.glob(".teacher_cache*"))  # no temporary file left behind
+
+
+# ---------------------------------------------------------------------------------------------
 # checkpoints
 
 

@@ -10,7 +10,10 @@ instead of merged weights; ``load_draft`` handles both.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
+import os
+import sys
 import time
 from pathlib import Path
 
@@ -141,15 +144,79 @@ def kd_loss(student_logits, input_ids, teacher, kd_weight: float, temperature: f
     return loss, {"kl": float(kl.detach()), "ce": float(ce.detach())}
 
 
-def cache_teacher_logits(target, dataset, path: Path, top_k: int, batch: int = 8) -> dict:
-    """Top-k teacher logits for every training block, on disk (safetensors), indexed by ``idx``."""
-    import torch
-    from safetensors.torch import load_file, save_file
+TEACHER_CACHE_FORMAT = "1"
 
-    if path.exists():
-        cached = load_file(str(path))
-        if cached["values"].shape[0] == len(dataset) and cached["values"].shape[-1] == top_k:
-            return cached
+
+def teacher_cache_key(target, dataset, top_k: int) -> dict:
+    """What a teacher cache was computed from: the training blocks' token ids (their sha256), the
+    target (its config and a checksum of strided samples of every weight), top-k and block length.
+
+    The weight checksum reads about 8k values per tensor, so it costs milliseconds on a large
+    target yet changes with any retraining or merge that moves a tensor's values broadly."""
+    import torch
+
+    data = hashlib.sha256()
+    n = len(dataset)
+    for i in range(0, n, 1024):
+        ids = dataset[i : i + 1024]["input_ids"].to(torch.int64).contiguous()
+        data.update(ids.numpy().tobytes())
+    seq_len = int(dataset[0]["input_ids"].shape[-1]) if n else 0
+    config = target.config.to_dict()
+    for volatile in ("_name_or_path", "transformers_version", "torch_dtype", "dtype", "_commit_hash"):
+        config.pop(volatile, None)
+    weights = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
+    with torch.no_grad():
+        for name, t in sorted(target.state_dict().items()):
+            weights.update(f"{name}:{tuple(t.shape)}:{t.dtype}:".encode())
+            if t.device.type == "meta":  # offloaded by a device map: its values are not at hand
+                continue
+            flat = t.detach().reshape(-1)
+            stride = max(1, flat.numel() // 4096)
+            sample = torch.cat([flat[:2048], flat[::stride], flat[-2048:]]).to("cpu", torch.float64).contiguous()
+            weights.update(sample.numpy().tobytes())
+    return {"format": TEACHER_CACHE_FORMAT, "data": data.hexdigest(), "target": weights.hexdigest(),
+            "top_k": str(top_k), "seq_len": str(seq_len), "blocks": str(n)}
+
+
+def _read_teacher_cache(path: Path, key: dict) -> tuple[dict | None, dict, str]:
+    """(tensors, metadata, why not) for the cache at ``path``: tensors is None when the file is
+    missing, unreadable or made from other inputs, and ``why not`` says which."""
+    from safetensors import safe_open
+
+    if not path.exists():
+        return None, {}, ""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            stored = json.loads(meta.get("specdec_teacher", "{}"))
+            if stored != key:
+                changed = sorted(k for k in key if stored.get(k) != key[k]) or ["format"]
+                return None, meta, f"it was computed for other {', '.join(changed)}"
+            cached = {k: f.get_tensor(k) for k in ("values", "indices")}
+    except Exception as exc:  # a torn or foreign file: safetensors raises its own error types
+        return None, {}, f"it is unreadable: {type(exc).__name__}: {exc}"
+    want = (int(key["blocks"]), int(key["seq_len"]), int(key["top_k"]))
+    if any(tuple(v.shape) != want for v in cached.values()):
+        return None, meta, "its shapes do not match"
+    return cached, meta, ""
+
+
+def cache_teacher_logits(target, dataset, path: Path, top_k: int, batch: int = 8) -> tuple[dict, dict]:
+    """Top-k teacher logits for every training block, on disk (safetensors), indexed by ``idx``.
+
+    Reused only when its key (``teacher_cache_key``) matches; otherwise, or when the file is torn,
+    it is recomputed and replaced atomically. Returns (tensors, metadata); the metadata's
+    ``compute_s`` is how long the forwards took when the cache was made."""
+    import torch
+    from safetensors.torch import save_file
+
+    key = teacher_cache_key(target, dataset, top_k)
+    cached, meta, why = _read_teacher_cache(path, key)
+    if cached is not None:
+        return cached, meta
+    if why:
+        print(f"teacher cache {path}: {why}; recomputing", file=sys.stderr)
+    start = time.perf_counter()
     values, indices = [], []
     with torch.no_grad():
         for i in range(0, len(dataset), batch):
@@ -159,9 +226,25 @@ def cache_teacher_logits(target, dataset, path: Path, top_k: int, batch: int = 8
             values.append(v.half())
             indices.append(ix.int())
     cached = {"values": torch.cat(values), "indices": torch.cat(indices)}
+    meta = {"specdec_teacher": json.dumps(key, sort_keys=True), "compute_s": repr(time.perf_counter() - start)}
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_file(cached, str(path))
-    return cached
+    for stale in path.parent.glob(f".{path.name}.tmp-*"):  # left by a process killed while writing
+        stale.unlink(missing_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    save_file(cached, str(tmp), metadata=meta)
+    # a reader sees the old file or the complete new one, never a torn one, even after a crash
+    fd = os.open(tmp, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return cached, meta
 
 
 # ---------------------------------------------------------------------------------------------
@@ -296,13 +379,18 @@ def train_draft(
         if accelerator.is_main_process:
             cache_teacher_logits(target, train, path, min(teacher_topk, target.config.vocab_size))
         accelerator.wait_for_everyone()
-        from safetensors.torch import load_file
+        from safetensors import safe_open
 
-        cached = {k: v.to(accelerator.device) for k, v in load_file(str(path)).items()}
+        with safe_open(str(path), framework="pt") as f:
+            compute_s = float(f.metadata()["compute_s"])
+            cached = {k: f.get_tensor(k).to(accelerator.device) for k in ("values", "indices")}
         cached["indices"] = cached["indices"].long()  # gather's index type, converted once
         cache_s = time.perf_counter() - start
-        if cfg.budget_minutes > 0:  # the teacher's forwards are training time: a run compares at equal minutes
-            cfg = dataclasses.replace(cfg, budget_minutes=max(cfg.budget_minutes - cache_s / 60, 0.01))
+        # the teacher's forwards are training time: a run compares at equal minutes. They are charged
+        # as recorded when the cache was made, so a resumed run or one reusing the cache gets the same
+        # budget as the run that computed it, and every process the same number
+        if cfg.budget_minutes > 0:
+            cfg = dataclasses.replace(cfg, budget_minutes=max(cfg.budget_minutes - compute_s / 60, 0.01))
     target.to(accelerator.device)
 
     def loss_fn(model, batch):
