@@ -258,6 +258,55 @@ def run_killed(cmd: list[str], trigger, log: Path, timeout: float = 180.0) -> in
                 proc.wait()
 
 
+def _weights(out: Path) -> dict:
+    return _cache(out / "model.safetensors")
+
+
+def test_sigkilled_train_draft_resumes_to_identical_weights(work, tmp_path):
+    steps = ["--max-steps", "6", "--checkpoint-every", "1", "--cache-teacher"]
+    ref = tmp_path / "ref"
+    assert run_killed(_cmd(work, ref, *steps), lambda: False, tmp_path / "ref.log") == 0, (tmp_path / "ref.log").read_text()[-3000:]
+
+    out, log = tmp_path / "killed", tmp_path / "killed.log"
+    ckpts = out / "checkpoints"
+    began = {}
+
+    def after(seconds):
+        def trigger():
+            began.setdefault(seconds, time.monotonic())
+            return time.monotonic() - began[seconds] > seconds
+        return trigger
+
+    triggers = [
+        # while the teacher cache is written (or, if that was too quick to catch, just after)
+        lambda: any(out.glob(".teacher_cache*")) or (ckpts / "step-1").exists(),
+        lambda: (ckpts / "step-3.tmp").exists() or (ckpts / "step-3").exists(),  # inside a checkpoint write
+        lambda: (ckpts / "step-5").exists(),  # right after a rename
+        after(random.Random(0).uniform(3.0, 6.0)),  # anywhere, the final save included
+    ]
+    killed, torn = 0, []
+    for i, trigger in enumerate(triggers):
+        flag = [] if i == 0 else ["--resume"]
+        rc = run_killed(_cmd(work, out, *steps, *flag), trigger, log)
+        if rc is None:
+            killed += 1
+            torn += [p.name for p in ckpts.glob("*.tmp")] + [p.name for p in out.glob(".teacher_cache*")]
+        else:  # it finished before the trigger fired: nothing left to interrupt
+            assert rc == 0, log.read_text()[-3000:]
+            break
+    print("killed", killed, "times; left half-written:", torn)
+    assert killed >= 3
+    for _ in range(3):
+        if run_killed(_cmd(work, out, *steps, "--resume"), lambda: False, log) == 0:
+            break
+    else:
+        pytest.fail(log.read_text()[-3000:])
+    assert "Traceback" not in log.read_text()
+    got, want = _weights(out), _weights(ref)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    assert json.loads((out / "metrics.json").read_text())["loss_curve"] == json.loads((ref / "metrics.json").read_text())["loss_curve"]
+
+
 def test_sigkill_then_resume_keeps_the_budget(work, tmp_path):
     budget_s = 4.2
     out, log = tmp_path / "b", tmp_path / "b.log"
