@@ -7,10 +7,23 @@ imported inside the command bodies so ``specdec --help`` stays instant.
 from __future__ import annotations
 
 import json
+from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+
+from specdec.models.errors import SpecdecError, UsageError
+
+
+class DllmAttention(str, Enum):
+    block = "block"
+    bidirectional = "bidirectional"
+
+
+class LabelCache(str, Enum):
+    none = "none"
+    prefix = "prefix"
 
 
 def register(app: typer.Typer) -> None:
@@ -18,21 +31,14 @@ def register(app: typer.Typer) -> None:
     app.command("train-filter", help="Train a Learn2PD filter for a dLLM (used by --strategy learn2pd --filter DIR).")(train_filter_command)
 
 
-def _fail(exc: Exception) -> typer.Exit:
-    from rich.console import Console
-
-    Console(stderr=True).print(f"[red]error:[/red] {exc}", markup=True, highlight=False)
-    return typer.Exit(getattr(exc, "exit_code", 1))
-
-
 def train_dllm_command(
     out: Annotated[Path, typer.Option("--out", help="Output directory for the dLLM.")],
     data: Annotated[list[Path], typer.Option("--data", help="JSONL (prompt[+completion] or text) or plain-text file; repeat for more.")],
-    from_dir: Annotated[Optional[Path], typer.Option("--from", help="AR checkpoint to adapt (or a dLLM, for --certainty-forcing).")] = None,
-    config: Annotated[Optional[Path], typer.Option("--config", help="JSON LlamaConfig kwargs: train from scratch instead of --from.")] = None,
+    from_dir: Annotated[Optional[Path], typer.Option("--target", help="The AR checkpoint to adapt (or a dLLM, for --certainty-forcing).")] = None,
+    config: Annotated[Optional[Path], typer.Option("--config", help="JSON LlamaConfig kwargs: train from scratch instead of --target.")] = None,
     tokenizer: Annotated[Optional[Path], typer.Option("--tokenizer", help="Tokenizer directory when training from --config.")] = None,
     block_size: Annotated[int, typer.Option(help="Block size of block diffusion (and of decoding).")] = 32,
-    attention: Annotated[str, typer.Option(help="block (block diffusion) or bidirectional.")] = "block",
+    attention: Annotated[DllmAttention, typer.Option("--attention", help="block (block diffusion) or bidirectional.")] = DllmAttention.block,
     max_steps: Annotated[int, typer.Option(help="Optimizer steps at most.")] = 500,
     budget_minutes: Annotated[Optional[float], typer.Option(help="Stop after this many minutes.")] = None,
     list_tasks: Annotated[int, typer.Option(help="Add this many generated list tasks (copy/reverse/sort) to the mix.")] = 0,
@@ -40,26 +46,25 @@ def train_dllm_command(
     lora: Annotated[bool, typer.Option("--lora", help="Train a LoRA (merged into the saved model).")] = False,
     cf_prompts: Annotated[int, typer.Option(help="Certainty forcing: code prompts cut from --data whose own answers are distilled.")] = 256,
     gen_length: Annotated[int, typer.Option(help="Certainty forcing: answer length of the self-generated decodes (decode at this length).")] = 128,
-    cf_cache: Annotated[str, typer.Option(help="Certainty forcing: cache of the self-generating static decodes (none, or prefix: same result up to rounding under block attention, much faster).")] = "none",
+    cf_cache: Annotated[LabelCache, typer.Option(help="Certainty forcing: cache of the self-generating static decodes (none, or prefix: same result up to rounding under block attention, much faster).")] = LabelCache.none,
     lr: Annotated[Optional[float], typer.Option(help="Peak learning rate (default 3e-4).")] = None,
     seed: Annotated[int, typer.Option(help="Random seed.")] = 0,
 ) -> None:
-    from specdec.decode.artifacts import SpecdecError
     from specdec.train.dllm import train_dllm
     from specdec.train.listtasks import list_tasks as make_list_tasks
 
     if (from_dir is None) == (config is None):
-        raise _fail(SpecdecError("give exactly one of --from DIR or --config FILE"))
+        raise UsageError("give exactly one of --target DIR or --config FILE")
     try:
         model_config = json.loads(config.read_text()) if config is not None else None
         extra = [(t.prompt, t.completion) for t in make_list_tasks(list_tasks, seed=seed)]
         metrics = train_dllm(
-            from_dir, data, out, block_size=block_size, attention=attention, max_steps=max_steps, budget_minutes=budget_minutes,
+            from_dir, data, out, block_size=block_size, attention=attention.value, max_steps=max_steps, budget_minutes=budget_minutes,
             seed=seed, certainty_forcing=certainty_forcing, lora=lora, extra_examples=extra, model_config=model_config, tokenizer_dir=tokenizer,
-            cf_prompts=cf_prompts, cf_gen_length=gen_length, cf_cache=cf_cache, **({} if lr is None else {"lr": lr}),
+            cf_prompts=cf_prompts, cf_gen_length=gen_length, cf_cache=cf_cache.value, **({} if lr is None else {"lr": lr}),
         )  # fmt: skip
-    except (SpecdecError, OSError, json.JSONDecodeError) as exc:
-        raise _fail(exc) from None
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"--config {config}: not valid JSON ({exc})") from None
     typer.echo(
         f"wrote {out}: {metrics['steps']} steps, loss {metrics['loss_first']:.4f} -> {metrics['loss_last']:.4f}, "
         f"held-out masked CE {_fmt(metrics['heldout_masked_ce_before'])} -> {_fmt(metrics['heldout_masked_ce'])}"
@@ -67,7 +72,7 @@ def train_dllm_command(
 
 
 def train_filter_command(
-    dllm: Annotated[Path, typer.Option("--dllm", help="The dLLM the filter is for.")],
+    dllm: Annotated[Path, typer.Option("--target", help="The dLLM the filter is for.")],
     data: Annotated[Path, typer.Option("--data", help="prompts.jsonl: one {\"prompt\": ...} per line (texts with --code-prompts).")],
     out: Annotated[Path, typer.Option("--out", help="Output directory for the filter.")],
     gen_length: Annotated[int, typer.Option(help="Answer length of the labelling decodes.")] = 128,
@@ -76,24 +81,20 @@ def train_filter_command(
     max_steps: Annotated[int, typer.Option(help="Optimizer steps at most.")] = 2000,
     budget_minutes: Annotated[Optional[float], typer.Option(help="Stop after this many minutes.")] = None,
     code_prompts: Annotated[int, typer.Option(help="Cut this many code prompts (64-256 tokens, as the held-out prompts) from --data's texts instead of using them as prompts.")] = 0,
-    cache: Annotated[str, typer.Option(help="Cache of the labelling decodes (none, or prefix: same result up to rounding under block attention, much faster).")] = "none",
+    cache: Annotated[LabelCache, typer.Option(help="Cache of the labelling decodes (none, or prefix: same result up to rounding under block attention, much faster).")] = LabelCache.none,
     seed: Annotated[int, typer.Option(help="Random seed.")] = 0,
     trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code", help="Allow LLaDA/Dream-style remote code.")] = False,
 ) -> None:
-    from specdec.decode.artifacts import SpecdecError
-    from specdec.train.dllm import cut_code_prompts
+    from specdec.train.prompts import cut_code_prompts
     from specdec.train.filter import train_filter
 
-    try:
-        prompts = read_prompts(data)
-        if code_prompts:
-            prompts = cut_code_prompts(dllm, prompts, code_prompts, seed)
-        metrics = train_filter(
-            dllm, prompts, out, gen_length=gen_length, block_size=block_size, hidden=hidden, max_steps=max_steps,
-            budget_minutes=budget_minutes, seed=seed, trust_remote_code=trust_remote_code, cache=cache,
-        )  # fmt: skip
-    except (SpecdecError, OSError) as exc:
-        raise _fail(exc) from None
+    prompts = read_prompts(data)
+    if code_prompts:
+        prompts = cut_code_prompts(dllm, prompts, code_prompts, seed)
+    metrics = train_filter(
+        dllm, prompts, out, gen_length=gen_length, block_size=block_size, hidden=hidden, max_steps=max_steps,
+        budget_minutes=budget_minutes, seed=seed, trust_remote_code=trust_remote_code, cache=cache.value,
+    )  # fmt: skip
     held = metrics["heldout"]
     typer.echo(
         f"wrote {out}: {metrics['records']} labelled steps, BCE {metrics['loss_first']:.4f} -> {metrics['loss_last']:.4f}, "
@@ -104,10 +105,8 @@ def train_filter_command(
 def read_prompts(path: Path) -> list[str]:
     from datasets import load_dataset
 
-    from specdec.decode.artifacts import SpecdecError
-
     if not path.is_file():
-        raise SpecdecError(f"no such prompts file: {path}")
+        raise UsageError(f"no such prompts file: {path}")
     prompts = [row["prompt"] for row in load_dataset("json", data_files=str(path), split="train") if row.get("prompt")]
     if not prompts:
         raise SpecdecError(f"{path} has no records with a prompt")

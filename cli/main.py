@@ -1,15 +1,25 @@
-"""The ``specdec`` command line. Commands declare options and hand off to one function each;
-torch and transformers are imported inside the commands so ``specdec --help`` is instant."""
+"""The ``specdec`` command line and its one error boundary.
+
+Commands declare options and hand off to one function each; torch and transformers are imported
+inside the commands so ``specdec --help`` is instant. ``main`` turns every failure into one
+``error:`` line and a documented exit code: 2 for usage errors (bad option values, paths, option
+combinations), 1 for other errors, 3 when a decode job wrote error records, 130/143 when interrupted.
+Set ``SPECDEC_DEBUG=1`` to see the traceback of an unexpected error.
+"""
 
 from __future__ import annotations
 
-import importlib
+import os
 import sys
 from typing import Annotated, Optional
 
 import typer
+from typer._click import exceptions as click_exceptions
 
-from specdec.decode.artifacts import SpecdecError
+from specdec.cli import diffusion as diffusion_cli
+from specdec.cli import options as o
+from specdec.cli import train as train_cli
+from specdec.models.errors import SpecdecError, UsageError
 
 app = typer.Typer(
     name="specdec",
@@ -28,100 +38,124 @@ def _console():
     return Console(stderr=True)
 
 
-def _fail(exc: SpecdecError) -> typer.Exit:
-    _console().print(f"[red]error:[/red] {exc}")
-    return typer.Exit(exc.exit_code)
+def default_target(console) -> str:
+    """The default family's target, built by its recipe first when it is not cached (said up front:
+    the build takes minutes)."""
+    from specdec.models.artifacts import family_dir
+
+    target = family_dir() / "target"
+    if not (target / "metrics.json").exists():
+        from specdec.train.recipe import recipe_minutes, run_recipe
+
+        console.print(
+            f"[yellow]No --target given and the default model family is not built yet: building it in {family_dir()} "
+            f"now (about {recipe_minutes('tiny-stdlib'):.0f} minutes, once). Pass --target DIR|HUB_ID to use your own model.[/yellow]"
+        )
+        run_recipe("tiny-stdlib", console=console)
+    return str(target)
 
 
-TargetOpt = Annotated[Optional[str], typer.Option("--target", help="Target model dir or default-family member (default: the embedded family's target).")]
-DrafterOpt = Annotated[str, typer.Option("--drafter", help="ar, ngram, recycle, layerskip[:i,j], a default-family member (draft, medusa, clover, eagle) or an artifact dir.")]
+DrafterOpt = Annotated[str, typer.Option("--drafter", help="ar, ngram, recycle, layerskip[:i,j], a default-family member (draft, medusa, clover, eagle) or an artifact folder.")]
 
 
 @app.command()
 def decode(
     in_path: Annotated[str, typer.Option("--in", help="Input JSONL ('-' for stdin).")],
     out_path: Annotated[str, typer.Option("--out", help="Output JSONL ('-' for stdout). Re-running resumes it.")] = "-",
-    target: TargetOpt = None,
+    target: o.Target = None,
     drafter: DrafterOpt = "ar",
-    num_draft: Annotated[Optional[int], typer.Option("--num-draft", "-k", help="Drafted tokens per round (tree nodes for tree drafters).")] = None,
-    max_new_tokens: Annotated[int, typer.Option(help="Default new-token budget per record.")] = 128,
-    temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
-    top_p: Annotated[float, typer.Option(help="Nucleus sampling mass.")] = 1.0,
-    seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
-    batch_size: Annotated[int, typer.Option(help="Records decoded together.")] = 8,
+    num_draft: Annotated[Optional[int], typer.Option("--num-draft", "-k", min=1, max=256, help="Drafted tokens per round (tree depth for tree drafters).")] = None,
+    max_new_tokens: o.MaxNewTokens = 128,
+    temperature: o.Temperature = 0.0,
+    top_p: o.TopP = 1.0,
+    seed: o.Seed = 0,
+    batch_size: o.BatchSize = 8,
     stop: Annotated[Optional[list[str]], typer.Option("--stop", help="Stop string (repeatable).")] = None,
-    strict: Annotated[bool, typer.Option(help="Stop at the first bad record.")] = False,
-    overwrite: Annotated[bool, typer.Option(help="Start --out over instead of resuming it.")] = False,
-    acceptance: Annotated[Optional[str], typer.Option(help="Acceptance-head artifact: adaptive draft length (SpecDec++).")] = None,
-    stop_threshold: Annotated[Optional[float], typer.Option(help="Adaptive drafting stops when 1 - prod(P_accept) exceeds this (default: the acceptance artifact's policy for the decode mode).")] = None,
-    min_draft: Annotated[Optional[int], typer.Option(help="Adaptive drafting: fewest drafts per round; 0 lets a round draft nothing (default: the artifact's policy).")] = None,
-    max_draft: Annotated[Optional[int], typer.Option(help="Adaptive drafting: most drafts per round (default: the artifact's policy).")] = None,
-    tree: Annotated[str, typer.Option(help="Tree drafters: static or dynamic (EAGLE-2).")] = "static",
-    tree_tokens: Annotated[Optional[int], typer.Option(help="Tree drafters: nodes per tree.")] = None,
-    strategy: Annotated[str, typer.Option(help="Diffusion targets: static, threshold, factor, localleap, credit, entropy, learn2pd, freedave; options as in bench specs (threshold+tau=0.8).")] = "static",
-    adablock: Annotated[bool, typer.Option(help="Diffusion targets: adaptive block ends at a confident newline (AdaBlock).")] = False,
-    gen_length: Annotated[Optional[int], typer.Option(help="Diffusion targets: tokens to generate (default --max-new-tokens).")] = None,
-    block_size: Annotated[int, typer.Option(help="Diffusion targets: block length.")] = 32,
-    steps: Annotated[Optional[int], typer.Option(help="Diffusion targets: steps for static (default: one token per step).")] = None,
-    cache: Annotated[str, typer.Option(help="Diffusion targets: none, prefix or dual (approximate).")] = "none",
-    filter_dir: Annotated[Optional[str], typer.Option("--filter", help="Diffusion targets: Learn2PD filter artifact.")] = None,
-    kernels: Annotated[str, typer.Option(help="auto, triton or torch.")] = "auto",
-    threads: Annotated[int, typer.Option(help="CPU intra-op threads (0: one; small models decode fastest single-threaded).")] = 0,
-    dtype: Annotated[str, typer.Option(help="float32, bfloat16, float16.")] = "float32",
-    trust_remote_code: Annotated[bool, typer.Option(help="Allow the checkpoint's own Python code (off by default).")] = False,
+    strict: Annotated[bool, typer.Option("--strict", help="Stop at the first bad record (exit 3).")] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Start --out over instead of resuming it.")] = False,
+    acceptance: Annotated[Optional[str], typer.Option("--acceptance", help="Acceptance-head artifact: adaptive draft length (SpecDec++).")] = None,
+    stop_threshold: Annotated[Optional[float], typer.Option("--stop-threshold", help="Adaptive drafting stops when 1 - prod(P_accept) exceeds this (default: the artifact's policy).")] = None,
+    min_draft: Annotated[Optional[int], typer.Option("--min-draft", min=0, help="Adaptive drafting: fewest drafts per round; 0 lets a round draft nothing.")] = None,
+    max_draft: Annotated[Optional[int], typer.Option("--max-draft", min=1, help="Adaptive drafting: most drafts per round.")] = None,
+    tree: Annotated[Optional[o.Tree], typer.Option("--tree", help="Tree drafters: static, or dynamic (EAGLE-2; EAGLE's default).")] = None,
+    tree_tokens: Annotated[Optional[int], typer.Option("--tree-tokens", min=1, max=1024, help="Tree drafters: nodes per tree.")] = None,
+    strategy: Annotated[str, typer.Option("--strategy", help="Diffusion LMs: static, threshold, factor, localleap, credit, entropy, learn2pd, freedave, with options as in bench specs (threshold+tau=0.8).")] = "static",
+    adablock: Annotated[bool, typer.Option("--adablock", help="Diffusion LMs: adaptive block ends at a confident newline (AdaBlock).")] = False,
+    gen_length: Annotated[Optional[int], typer.Option("--gen-length", min=1, help="Diffusion LMs: tokens to generate (default --max-new-tokens).")] = None,
+    block_size: Annotated[int, typer.Option("--block-size", min=1, help="Diffusion LMs: block length.")] = 32,
+    steps: Annotated[Optional[int], typer.Option("--steps", min=1, help="Diffusion LMs: steps for static (default: one token per step).")] = None,
+    cache: Annotated[o.DiffusionCache, typer.Option("--cache", help="Diffusion LMs: none, prefix or dual (approximate).")] = o.DiffusionCache.none,
+    filter_dir: Annotated[Optional[str], typer.Option("--filter", help="Diffusion LMs: Learn2PD filter artifact.")] = None,
+    kernels: o.KernelsOpt = o.Kernels.auto,
+    device: o.Device = "auto",
+    dtype: o.DtypeOpt = o.Dtype.auto,
+    device_map: o.DeviceMapOpt = None,
+    attn_implementation: o.AttnImpl = None,
+    trust_remote_code: o.TrustRemoteCode = False,
+    threads: o.Threads = 0,
 ) -> None:
     """Decode a JSONL file of prompts: one output line per input line, in order, resumable."""
-    from specdec.decode.job import print_summary, run_decode_job
-    from specdec.decode.loading import DecodeOptions
+    from specdec.decode.job import print_summary, run_decode_job, validate_paths
+    from specdec.decode.options import DecodeOptions
+    from specdec.decode.validate import validate_options
 
     console = _console()
     opts = DecodeOptions(
         drafter=drafter, num_draft=num_draft, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
         seed=seed, batch_size=batch_size, stop=list(stop or []), acceptance=acceptance, stop_threshold=stop_threshold,
-        min_draft=min_draft, max_draft=max_draft, tree=tree, tree_tokens=tree_tokens, strategy=strategy,
-        gen_length=gen_length, block_size=block_size, steps=steps, cache=cache, filter=filter_dir, adablock=adablock, kernels=kernels,
-        threads=threads, dtype=dtype, trust_remote_code=trust_remote_code,
+        min_draft=min_draft, max_draft=max_draft, tree=tree.value if tree else None, tree_tokens=tree_tokens,
+        strategy=strategy, gen_length=gen_length, block_size=block_size, steps=steps, cache=cache.value, filter=filter_dir,
+        adablock=adablock, kernels=kernels.value, device=device, dtype=dtype.value,
+        device_map=device_map.value if device_map else None, attn_implementation=attn_implementation,
+        trust_remote_code=trust_remote_code, threads=threads,
     )
-    try:
-        summary, code = run_decode_job(in_path, out_path, target, opts, strict=strict, overwrite=overwrite, console=console)
-    except SpecdecError as exc:
-        raise _fail(exc)
+    validate_options(opts)
+    opts.placement  # validates device, dtype and attention before anything loads
+    validate_paths(in_path, out_path)
+    summary, code = run_decode_job(in_path, out_path, target or default_target(console), opts, strict=strict,
+                                   overwrite=overwrite, console=console)
     print_summary(summary, console)
     raise typer.Exit(code)
 
 
 @app.command()
 def bench(
-    in_path: Annotated[str, typer.Option("--in", help="Prompts JSONL (with optional category).")] = "examples/prompts.jsonl",
-    target: TargetOpt = None,
-    methods: Annotated[str, typer.Option(help="Comma-separated method specs, e.g. ar,ngram,draft+k=4,hf-assisted:draft,hf-lookup.")] = "ar,ngram,recycle,draft",
-    max_new_tokens: Annotated[int, typer.Option(help="New tokens per prompt.")] = 128,
-    temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
-    batch_size: Annotated[int, typer.Option(help="Batch size for specdec methods (peers run at bs=1).")] = 1,
-    repeats: Annotated[int, typer.Option(help="Timed passes, each decoding every prompt with every method, interleaved batch by batch; speedup is the median of per-pass ratios to ar.")] = 1,
-    warmup: Annotated[int, typer.Option(help="Warm-up prompts per method before timing.")] = 2,
-    limit: Annotated[Optional[int], typer.Option(help="Use only the first N prompts.")] = None,
-    json_path: Annotated[Optional[str], typer.Option("--json", help="Write the JSON report here.")] = None,
-    plot: Annotated[Optional[str], typer.Option(help="Write a PNG plot (speedup and tau per method and category).")] = None,
-    kernels: Annotated[str, typer.Option(help="auto, triton or torch.")] = "auto",
-    threads: Annotated[int, typer.Option(help="CPU intra-op threads for every method (0: one).")] = 0,
-    trust_remote_code: Annotated[bool, typer.Option(help="Allow the checkpoint's own Python code.")] = False,
-    device: Annotated[str, typer.Option(help="Where the models run: cpu, cuda, cuda:N.")] = "cpu",
+    in_path: Annotated[str, typer.Option("--in", help="Prompts JSONL (with optional category); the shipped examples/prompts.jsonl by default.")] = "",
+    target: o.Target = None,
+    methods: Annotated[str, typer.Option("--methods", help="Comma-separated method specs, e.g. ar,ngram,draft+k=4,hf-assisted:draft,hf-lookup.")] = "ar,ngram,recycle,draft",
+    max_new_tokens: o.MaxNewTokens = 128,
+    temperature: o.Temperature = 0.0,
+    batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Batch size for specdec methods (peers run at bs=1).")] = 1,
+    repeats: Annotated[int, typer.Option("--repeats", min=1, help="Timed passes, each decoding every prompt with every method, interleaved batch by batch; speedup is the median of per-pass ratios to ar.")] = 1,
+    warmup: Annotated[int, typer.Option("--warmup", min=0, help="Warm-up prompts per method before timing.")] = 2,
+    limit: Annotated[Optional[int], typer.Option("--limit", min=1, help="Use only the first N prompts.")] = None,
+    out: Annotated[Optional[str], typer.Option("--out", help="Write the JSON report here.")] = None,
+    plot: Annotated[Optional[str], typer.Option("--plot", help="Write a PNG plot (speedup and tau per method and category).")] = None,
+    kernels: o.KernelsOpt = o.Kernels.auto,
+    device: o.Device = "auto",
+    dtype: o.DtypeOpt = o.Dtype.auto,
+    device_map: o.DeviceMapOpt = None,
+    attn_implementation: o.AttnImpl = None,
+    trust_remote_code: o.TrustRemoteCode = False,
+    threads: o.Threads = 0,
 ) -> None:
-    """Benchmark methods against plain decoding (and peers) in one process, on the same prompts."""
+    """Benchmark methods against plain decoding (and transformers' own) in one process, on the same prompts."""
     from specdec.decode.bench import BenchConfig, render, run_bench
+    from specdec.examples import example_path
 
     console = _console()
+    in_path = in_path or str(example_path("prompts.jsonl"))
+    if not os.path.isfile(in_path):
+        raise UsageError(f"--in {in_path}: no such file")
+    o.placement(device, dtype, device_map, attn_implementation, trust_remote_code, threads)
     cfg = BenchConfig(
-        in_path=in_path, target=target, methods=[m for m in methods.split(",") if m], max_new_tokens=max_new_tokens,
-        temperature=temperature, batch_size=batch_size, repeats=repeats, warmup=warmup, limit=limit,
-        kernels=kernels, threads=threads, trust_remote_code=trust_remote_code, device=device,
+        in_path=in_path, target=target or default_target(console), methods=[m for m in methods.split(",") if m],
+        max_new_tokens=max_new_tokens, temperature=temperature, batch_size=batch_size, repeats=repeats, warmup=warmup,
+        limit=limit, kernels=kernels.value, threads=threads, trust_remote_code=trust_remote_code, device=device,
+        dtype=dtype.value, device_map=device_map.value if device_map else None, attn_implementation=attn_implementation,
     )
-    try:
-        report = run_bench(cfg, console)
-    except SpecdecError as exc:
-        raise _fail(exc)
-    render(report, console, json_path, plot)
+    report = run_bench(cfg, console)
+    render(report, console, out, plot)
 
 
 @recipe_app.command("list")
@@ -136,39 +170,64 @@ def recipe_list() -> None:
 @recipe_app.command("run")
 def recipe_run(
     name: Annotated[str, typer.Argument(help="Recipe name (see `specdec recipe list`).")],
-    budget_minutes: Annotated[Optional[float], typer.Option(help="Wall-clock budget for the whole recipe.")] = None,
-    force: Annotated[bool, typer.Option(help="Rebuild members that are already cached.")] = False,
-    only: Annotated[Optional[list[str]], typer.Option(help="Stages to run: target, prompts, drafters, dllm.")] = None,
+    budget_minutes: Annotated[Optional[float], typer.Option("--budget-minutes", min=0.0, help="Wall-clock budget for the whole recipe.")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Rebuild members that are already cached.")] = False,
+    only: Annotated[Optional[list[str]], typer.Option("--only", help="Stages to run: target, prompts, drafters, dllm.")] = None,
 ) -> None:
     """Build a model family into $SPECDEC_HOME/<name>/ (cached members are kept)."""
     import json
 
-    from specdec.train.recipe import run_recipe
+    from specdec.train.recipe import STAGES, run_recipe
 
+    bad = sorted(set(only or []) - set(STAGES))
+    if bad:
+        raise UsageError(f"--only must name stages among {', '.join(STAGES)}, not {', '.join(bad)}")
     console = _console()
-    try:
-        report = run_recipe(name, budget_minutes=budget_minutes, force=force, only=only, console=console)
-    except SpecdecError as exc:
-        raise _fail(exc)
+    report = run_recipe(name, budget_minutes=budget_minutes, force=force, only=only, console=console)
     console.print_json(json.dumps(report, default=str))
 
 
-def _register_optional(module: str) -> None:
-    """Command groups living in their own modules register themselves on the app."""
+# after decode and bench, so --help lists the commands in the order a user meets them
+train_cli.register(app)
+diffusion_cli.register(app)
+
+
+def _error(message: str, code: int) -> int:
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    return code
+
+
+def run(argv: list[str] | None = None) -> int:
+    """Run the CLI on ``argv``; returns the exit code. Nothing escapes as a traceback."""
     try:
-        mod = importlib.import_module(module)
-    except ImportError:
-        return
-    mod.register(app)
-
-
-for _module in ("specdec.cli.train", "specdec.cli.diffusion"):
-    _register_optional(_module)
+        code = app(args=argv, prog_name="specdec", standalone_mode=False)
+    except click_exceptions.NoArgsIsHelpError as exc:
+        print(exc.format_message(), file=sys.stderr)
+        return 0
+    except click_exceptions.UsageError as exc:
+        # typer words a rejected value through pydantic ("Value error, ..."): keep the sentence
+        return _error(exc.format_message().replace("Value error, ", ""), 2)
+    except typer.Exit as exc:
+        return exc.exit_code
+    except typer.Abort:
+        return _error("aborted", 130)
+    except SpecdecError as exc:
+        return _error(str(exc), exc.exit_code)
+    except KeyboardInterrupt:
+        return _error("interrupted", 130)
+    except MemoryError:
+        return _error("out of memory: try a smaller --batch-size or --max-new-tokens", 1)
+    except OSError as exc:
+        return _error(f"{exc.strerror or exc}{f': {exc.filename}' if getattr(exc, 'filename', None) else ''}", 1)
+    except Exception as exc:
+        if os.environ.get("SPECDEC_DEBUG"):
+            raise
+        name = type(exc).__name__
+        if "OutOfMemory" in name:
+            return _error(f"out of GPU memory ({exc}): try a smaller --batch-size, --dtype bfloat16 or --device-map auto", 1)
+        return _error(f"unexpected {name}: {exc} (set SPECDEC_DEBUG=1 for the traceback)", 1)
+    return code or 0
 
 
 def main() -> None:
-    try:
-        app()
-    except SpecdecError as exc:  # errors raised outside a command body
-        _console().print(f"[red]error:[/red] {exc}")
-        sys.exit(exc.exit_code)
+    sys.exit(run())

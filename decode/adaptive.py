@@ -21,40 +21,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from specdec.decode.drafters import ModelDrafter, Proposal
-
-
-FEATURES = "prev-hidden+q-stats"  # recorded in the artifact; decode refuses heads that read anything else
-N_STATS = 3
-HEAD_MODES = ("sampling", "greedy")  # greedy: T = 0, label 1[argmax q == argmax p]
-
-
-def acceptance_features(hidden, logits, tokens):
-    """[..., H + 3]: the draft's hidden state where it proposed ``tokens`` and, from its logits there
-    (softmax at T=1), q(token), max q and the entropy of q. Training and decoding both call this."""
-    logq = torch.log_softmax(logits.float(), -1)
-    q = logq.exp()
-    # entropy as -sum q log q with log q clamped finite (q = 0 then adds 0): xlogy's cost, without xlogy
-    entropy = -(q * logq.clamp(min=torch.finfo(logq.dtype).min)).sum(-1)
-    stats = torch.stack([q.gather(-1, tokens[..., None]).squeeze(-1), q.max(-1).values, entropy], -1)
-    return torch.cat([hidden.float(), stats], -1)
-
-
-def greedy_features(hidden, logits):
-    """(argmax tokens, ``acceptance_features`` of them) in fewer ops, for the per-step greedy path: with
-    x = argmax q, q(x) = max q = exp(max logit - logsumexp), entropy = logsumexp - E_q[logit]."""
-    logits = logits.float()
-    top, tokens = logits.max(-1)
-    lse = torch.logsumexp(logits, -1)
-    q_max = torch.exp(top - lse)
-    entropy = lse - (torch.exp(logits - lse[..., None]) * logits).sum(-1)
-    return tokens, torch.cat([hidden.float(), torch.stack([q_max, q_max, entropy], -1)], -1)
+from specdec.models.acceptance import HEAD_MODES, acceptance_features, greedy_features, load_acceptance_heads
+from specdec.models.artifacts import check_fingerprint, read_config, tokenizer_fingerprint
+from specdec.models.errors import SpecdecError
 
 
 @dataclass(frozen=True)
@@ -84,13 +59,11 @@ class AdaptiveDrafter(ModelDrafter):
     """
 
     def __init__(self, model, head, stop_threshold: float = 0.3, min_draft: int = 2, max_draft: int = 20,
-                 greedy_head=None, greedy_policy: StopPolicy | None = None, on_greedy_fallback=None):
+                 greedy_head=None, greedy_policy: StopPolicy | None = None):
         super().__init__(model)
         sampling = StopPolicy(stop_threshold, min_draft, max_draft)
         self.policies = {"sampling": sampling, "greedy": greedy_policy or sampling}
         self.heads = {"sampling": head, "greedy": greedy_head if greedy_head is not None else head}
-        self.has_greedy_head = greedy_head is not None
-        self._on_greedy_fallback = on_greedy_fallback  # called once when a greedy round must use the sampling head
         self.default_k = max(p.max_draft for p in self.policies.values())  # the engine bounds it by the room left
         self._dtypes = {m: _dtype(h) for m, h in self.heads.items()}
         # the head runs once per drafted token: a head that offers ``fast()`` (AcceptanceHead) is called
@@ -104,9 +77,6 @@ class AdaptiveDrafter(ModelDrafter):
 
     def propose(self, batch) -> Proposal | None:
         mode = "greedy" if batch.sampling.greedy else "sampling"
-        if mode == "greedy" and not self.has_greedy_head and self._on_greedy_fallback is not None:
-            self._on_greedy_fallback()
-            self._on_greedy_fallback = None
         policy, score, dtype = self.policies[mode], self._scorers[mode], self._dtypes[mode]
         kmax = min(policy.max_draft, batch.num_draft)
         if kmax <= 0:
@@ -190,13 +160,8 @@ def build_adaptive(acceptance_dir: Path, draft_model, options, tokenizer=None) -
     artifact's default policy for the decode mode).
 
     The acceptance artifact's target fingerprint is checked against ``tokenizer`` (or
-    ``options.tokenizer``) when one is given, and its hidden size against the draft's. An artifact
-    of the one-head format (a sampling head only) still loads; greedy rounds then use its sampling
-    head and say so once on stderr.
+    ``options.tokenizer``) when one is given, and its hidden size against the draft's.
     """
-    from specdec.decode.artifacts import SpecdecError, check_fingerprint, read_config, tokenizer_fingerprint
-    from specdec.train.acceptance import load_acceptance_heads
-
     cfg = read_config(acceptance_dir)
     if cfg.get("kind") != "acceptance":
         raise SpecdecError(f"{acceptance_dir} is not an acceptance artifact (kind {cfg.get('kind')!r})")
@@ -216,18 +181,12 @@ def build_adaptive(acceptance_dir: Path, draft_model, options, tokenizer=None) -
     policies = resolve_policies(cfg.get("policy") or {}, options)
     sampling = policies["sampling"]
 
-    def fallback():
-        print(f"note: acceptance head {acceptance_dir} has no greedy head (one-head format): greedy rounds use its "
-              f"sampling head, whose P(accept) is not the probability that the target's argmax agrees; retrain it "
-              f"with `specdec train-acceptance` for a greedy head", file=sys.stderr)
-
     return AdaptiveDrafter(
         draft_model,
         heads["sampling"],
         stop_threshold=sampling.stop_threshold,
         min_draft=sampling.min_draft,
         max_draft=sampling.max_draft,
-        greedy_head=heads.get("greedy"),
+        greedy_head=heads["greedy"],
         greedy_policy=policies["greedy"],
-        on_greedy_fallback=fallback,
     )

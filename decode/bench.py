@@ -18,18 +18,15 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from specdec.decode.artifacts import SpecdecError, resolve_member
+from specdec.decode import diffusion_bench
 from specdec.decode.io import read_records
-from specdec.decode.loading import (
-    DecodeOptions,
-    apply_threads,
-    build_drafter,
-    kernel_backend,
-    load_causal_lm,
-    load_target,
-    parse_method,
-)
+from specdec.decode.job import is_diffusion_model
+from specdec.decode.options import DecodeOptions, parse_method
+from specdec.decode.registry import build_drafter, kernel_backend, load_decode_target
 from specdec.decode.types import GenRequest
+from specdec.models.artifacts import resolve_member
+from specdec.models.errors import SpecdecError
+from specdec.models.loading import input_device, load_draft, resolve_source
 
 
 @dataclass
@@ -47,7 +44,10 @@ class BenchConfig:
     threads: int = 0
     trust_remote_code: bool = False
     seed: int = 0
-    device: str = "cpu"
+    device: str = "auto"
+    dtype: str = "auto"
+    device_map: str | None = None
+    attn_implementation: str | None = None
 
 
 @dataclass
@@ -61,9 +61,7 @@ class Run:
 
 
 def run_bench(cfg: BenchConfig, console=None) -> dict:
-    from specdec.decode.job import ensure_default_family, is_diffusion_model
-
-    target_path = resolve_member(cfg.target or ensure_default_family(console))
+    target_path = resolve_source(cfg.target)
     records = [r for r in read_records(cfg.in_path) if r.error is None and r.prompt is not None]
     if cfg.limit:
         records = records[: cfg.limit]
@@ -73,9 +71,9 @@ def run_bench(cfg: BenchConfig, console=None) -> dict:
         return _diffusion_bench(cfg, target_path, records)
     base = DecodeOptions(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=cfg.seed,
                          batch_size=cfg.batch_size, kernels=cfg.kernels, threads=cfg.threads,
-                         trust_remote_code=cfg.trust_remote_code)
-    apply_threads(base)  # one setting for every method of the run
-    model, tok, _ = load_target(str(target_path), base, device=cfg.device)
+                         trust_remote_code=cfg.trust_remote_code, device=cfg.device, dtype=cfg.dtype,
+                         device_map=cfg.device_map, attn_implementation=cfg.attn_implementation)
+    model, tok, _ = load_decode_target(str(target_path), base)  # one thread setting for every method of the run
     prompts = [tok(r.prompt)["input_ids"] for r in records]
     categories = [r.category or "all" for r in records]
     methods = list(cfg.methods)
@@ -206,7 +204,7 @@ def _prepare_peer(spec: str, model, tok, prompts, base: DecodeOptions, cfg: Benc
     elif name == "hf-assisted":
         if not arg:
             raise SpecdecError("hf-assisted needs a draft: hf-assisted:DIR")
-        kwargs["assistant_model"] = load_causal_lm(resolve_member(arg), base, device=model.device)
+        kwargs["assistant_model"] = load_draft(resolve_member(arg), base.placement, device=input_device(model), dtype=model.dtype)
     elif name != "hf-generate":
         raise SpecdecError(f"unknown peer {spec!r} (hf-generate, hf-lookup, hf-assisted:DIR)")
 
@@ -276,7 +274,6 @@ def _time_forward(model, prefix: list[int], t: int, repeats: int) -> float:
 
 
 def _entry(spec, run: Run, ar: Run, categories, costs, model, tok, base, cfg) -> dict:
-    from specdec.train.lm import distinct_ngram_ratio
 
     def summarize(idx: list[int]) -> dict:
         toks = sum(len(run.outputs[i]) for i in idx)
@@ -356,9 +353,7 @@ def _draft_cost_per_round(spec, run: Run, costs, model, tok, base) -> float:
 
 
 def _diffusion_bench(cfg: BenchConfig, target_path, records) -> dict:
-    from specdec.decode.loading import _hook
-
-    bench = _hook("specdec.decode.diffusion_bench", "bench_diffusion")
+    bench = diffusion_bench.bench_diffusion
     return bench(
         str(target_path),
         [r.extra for r in records],
@@ -380,11 +375,9 @@ def render(report: dict, console, json_path: str | None = None, plot_path: str |
     import json
 
     if report["methods"] and "steps_per_token" in report["methods"][0]:
-        from specdec.decode.loading import _hook
-
-        console.print(_hook("specdec.decode.diffusion_bench", "render_table")(report))
+        console.print(diffusion_bench.render_table(report))
         if plot_path:
-            _hook("specdec.decode.diffusion_bench", "plot")(report, plot_path)
+            diffusion_bench.plot(report, plot_path)
     else:
         console.print(table(report))
         if plot_path:
@@ -458,3 +451,13 @@ def plot(report: dict, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def distinct_ngram_ratio(token_lists: list[list[int]], n: int = 4) -> float:
+    """Distinct n-grams over all n-grams, each output counted on its own: text that loops scores low."""
+    grams, total = set(), 0
+    for toks in token_lists:
+        for i in range(len(toks) - n + 1):
+            grams.add((id(toks), tuple(toks[i : i + n])))
+            total += 1
+    return len(grams) / total if total else 0.0

@@ -5,6 +5,11 @@ validity mask over the slots: a slot that a row did not keep (a rejected draft, 
 becomes a hole that row never attends to again. A verification round therefore appends
 1 + max(accepted) slots for the whole batch, and no row waits for or redoes another row's work.
 Positions are explicit (position_ids), so holes never shift a row's positions.
+
+Sliding-window layers keep every key too (transformers' sliding cache layers keep only the last
+window-1, which a shared slot axis with holes cannot use); the window lives in the mask instead,
+from each slot's position per row. A model mixing full and sliding layers takes one mask per layer
+type, ``{layer_type: mask}``, as its own forward builds them.
 """
 
 from __future__ import annotations
@@ -13,28 +18,41 @@ import torch
 from transformers import DynamicCache
 
 from specdec.decode.lean import lean_output, lean_step
+from specdec.models import arch
 
 
 class SlotBook:
-    """Which slots of the shared axis each row keeps (``valid`` [B, S]) and each row's next position id:
-    the bookkeeping of every cache with holes (the target's ``KVState``, the EAGLE drafter's own)."""
+    """Which slots of the shared axis each row keeps (``valid`` [B, S]), the position id each slot holds
+    per row (``positions`` [B, S], meaningless in holes) and each row's next position id: the
+    bookkeeping of every cache with holes (the target's ``KVState``, the EAGLE drafter's own)."""
 
     def __init__(self, batch_size: int, device: torch.device):
         self.valid = torch.zeros(batch_size, 0, dtype=torch.bool, device=device)  # [B, S]
+        self.positions = torch.zeros(batch_size, 0, dtype=torch.long, device=device)  # [B, S]
         self.pos = torch.zeros(batch_size, dtype=torch.long, device=device)  # next position id per row
 
     @property
     def length(self) -> int:
         return self.valid.shape[1]
 
-    def _append(self, keep_valid: torch.Tensor) -> None:
-        """New slots after the committed ones; a row's position advances by the slots it keeps."""
+    def _append(self, keep_valid: torch.Tensor, keep_pos: torch.Tensor | None = None) -> None:
+        """New slots after the committed ones; a row's position advances by the slots it keeps.
+        keep_pos: their positions (default: a row's kept slots continue its text, holes not counted)."""
+        if keep_pos is None:
+            keep_pos = self.pos[:, None] + (keep_valid.long().cumsum(-1) - 1).clamp_(min=0)
         self.valid = torch.cat([self.valid, keep_valid], dim=1)
+        self.positions = torch.cat([self.positions, keep_pos], dim=1)
         self.pos = self.pos + keep_valid.long().sum(-1)
 
     def _select(self, rows: torch.Tensor) -> None:
         self.valid = self.valid[rows]
+        self.positions = self.positions[rows]
         self.pos = self.pos[rows]
+
+    def _truncate(self, length: int, first: int = 0) -> None:
+        """Keep slots first..length-1 of the axis."""
+        self.valid = self.valid[:, first:length]
+        self.positions = self.positions[:, first:length]
 
 
 class KVState(SlotBook):
@@ -43,9 +61,16 @@ class KVState(SlotBook):
         (small Llama-architecture drafts; others keep HF's forward)."""
         super().__init__(batch_size, device)
         self.model = model
-        self._lean = lean_step(model) if lean else None
-        self.cache = DynamicCache(config=model.config)
+        # full cache layers only (no config): every layer keeps every slot, sliding ones included
+        self.cache = DynamicCache()
+        types, window = arch.layer_types(model.config), arch.sliding_window(model.config)
+        # the window applies where some layer slides; the full mask too where others do not
+        self._window = window if window is not None and arch.SLIDING in types else None
+        self._mixed = self._window is not None and arch.FULL in types
+        # decode.lean reproduces a forward that takes one mask
+        self._lean = lean_step(model) if lean and not self._mixed else None
         self._pending: torch.Tensor | None = None  # validity of the last forward's segment
+        self._pending_pos: torch.Tensor | None = None  # and its positions
         # the Triton tree-attention kernel reads a bool mask; everything else gets an additive float mask
         self._bool_mask = model.config._attn_implementation == "specdec_tree"
 
@@ -76,34 +101,42 @@ class KVState(SlotBook):
         # each token sees itself, so a padded query never has an empty softmax row
         seg = seg | torch.eye(t, dtype=torch.bool, device=input_ids.device)[None]
         visible = torch.cat([self.valid[:, None, :].expand(bsz, t, self.length), seg], dim=-1)[:, None]
-        if self._bool_mask:
-            full = visible.contiguous()
-        else:
-            # additive and materialised: CPU SDPA takes a very slow path for broadcast bool masks
-            dtype = self.model.dtype
-            full = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, torch.finfo(dtype).min)
         positions = self.pos[:, None] + depth
+        mask = self._mask(visible)
+        if self._window is not None:
+            # sliding layers: a key is visible iff query_pos - key_pos < window (transformers' sliding_window_overlay)
+            keys = torch.cat([self.positions, positions], dim=1)
+            near = (positions[:, :, None] - keys[:, None, :]) < self._window
+            sliding = self._mask(visible & near[:, None])
+            mask = {arch.FULL: mask, arch.SLIDING: sliding} if self._mixed else sliding
         if self._lean is not None and not model_kwargs:
-            out = lean_output(*self._lean(input_ids, full, positions, self.cache))
+            out = lean_output(*self._lean(input_ids, mask, positions, self.cache))
         else:
             out = self.model(
                 input_ids=input_ids,
-                attention_mask=full,
+                attention_mask=mask,
                 position_ids=positions,
                 past_key_values=self.cache,
                 use_cache=True,
                 output_hidden_states=hidden,
                 **model_kwargs,
             )
-        self._pending = input_valid
+        self._pending, self._pending_pos = input_valid, positions
         return out
+
+    def _mask(self, visible: torch.Tensor) -> torch.Tensor:
+        if self._bool_mask:
+            return visible.contiguous()
+        # additive and materialised: CPU SDPA takes a very slow path for broadcast bool masks
+        dtype = self.model.dtype
+        return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, torch.finfo(dtype).min)
 
     def commit_prefix(self, keep: int, keep_valid: torch.Tensor) -> None:
         """Keep the first ``keep`` slots of the last segment; keep_valid [B, keep] marks holes."""
         t = self._pending.shape[1]
         if keep < t:
             self.cache.crop(-(t - keep))
-        self._append(keep_valid[:, :keep])
+        self._append(keep_valid[:, :keep], self._pending_pos[:, :keep])
 
     def commit_gather(self, index: torch.Tensor, keep_valid: torch.Tensor) -> None:
         """Keep, per row, the segment slots listed in index [B, M] (a tree's accepted path)."""
@@ -118,7 +151,7 @@ class KVState(SlotBook):
                 buf[:, :, start : start + m] = seg.gather(2, idx)
         if m < t:
             self.cache.crop(-(t - m))
-        self._append(keep_valid)
+        self._append(keep_valid, self._pending_pos.gather(1, index))
 
     def rollback(self, n_tail: int, keep: list[int]) -> None:
         """Of the last n_tail committed slots (speculative drafts), row r keeps its first keep[r]."""
@@ -128,12 +161,13 @@ class KVState(SlotBook):
         base = self.length - n_tail
         kept = torch.tensor(keep, device=self.pos.device)
         tail = self.valid[:, base : base + m] & (torch.arange(m, device=self.pos.device)[None] < kept[:, None])
+        self._truncate(base + m)
         self.valid = torch.cat([self.valid[:, :base], tail], dim=1)
         self.pos = self.pos - n_tail + kept
 
-    def _append(self, keep_valid: torch.Tensor) -> None:
-        super()._append(keep_valid)
-        self._pending = None
+    def _append(self, keep_valid: torch.Tensor, keep_pos: torch.Tensor | None = None) -> None:
+        super()._append(keep_valid, keep_pos)
+        self._pending = self._pending_pos = None
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """Drop finished rows (rows: indices of the rows that continue)."""
@@ -147,4 +181,4 @@ class KVState(SlotBook):
                 for layer in self.cache.layers:
                     layer.keys = layer.keys[:, :, first:]
                     layer.values = layer.values[:, :, first:]
-                self.valid = self.valid[:, first:]
+                self._truncate(self.length, first)

@@ -12,49 +12,15 @@ A method is ``strategy[+key=value...]``: ``threshold+tau=0.8``, ``static+cache=d
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-from specdec.decode.artifacts import SpecdecError, resolve_member
-from specdec.decode.diffusion import DiffusionGenerator, load_dllm
+from specdec.models.artifacts import SpecdecError
+from specdec.decode.diffusion import DiffusionGenerator, Method, parse_method  # noqa: F401  (bench specs)
+from specdec.models.dllm import encode_prompt, load_dllm
 from specdec.decode.types import GenRequest, GenResult
 
 REFERENCE = "static"  # one token per step: the quality reference of every method
-
-
-@dataclass
-class Method:
-    label: str
-    strategy: str
-    options: dict = field(default_factory=dict)
-
-    def generator_kwargs(self) -> dict:
-        kwargs = {k: v for k, v in self.options.items() if k != "filter"}
-        if "filter" in self.options:
-            kwargs["filter_dir"] = resolve_member(str(self.options["filter"]))
-        return kwargs
-
-
-def parse_method(text: str) -> Method:
-    strategy, *pairs = text.strip().split("+")
-    options = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise SpecdecError(f"method {text!r}: options are written +key=value")
-        options[key.replace("-", "_")] = _parse_value(value)
-    return Method(text.strip(), strategy, options)
-
-
-def _parse_value(value: str):
-    if value.lower() in ("true", "false"):
-        return value.lower() == "true"
-    for cast in (int, float):
-        try:
-            return cast(value)
-        except ValueError:
-            pass
-    return value
 
 
 def is_reference(method: Method) -> bool:
@@ -96,6 +62,12 @@ def token_agreement(output: list[int], reference: list[int]) -> tuple[int, int]:
     return sum(a == b for a, b in zip(output, reference)), max(len(output), len(reference))
 
 
+def first_line_matches(completion: str, answer: str) -> bool:
+    """Exact match of the completion's first line, ignoring surrounding whitespace."""
+    lines = completion.strip().splitlines()
+    return bool(lines) and lines[0].strip() == answer.strip()
+
+
 def summarise(run: Run, reference: Run, records: list[dict], tokenizer) -> dict:
     results = run.results
     decoded = sum(r.stats["decoded_tokens"] for r in results)
@@ -103,7 +75,6 @@ def summarise(run: Run, reference: Run, records: list[dict], tokenizer) -> dict:
     pairs = [token_agreement(r.token_ids, ref.token_ids) for r, ref in zip(results, reference.results)]
     matched, compared = sum(m for m, _ in pairs), sum(c for _, c in pairs)
     probes = [(r, rec["answer"]) for r, rec in zip(results, records) if rec.get("answer") is not None]
-    from specdec.train.listtasks import first_line_matches
 
     return {
         "method": run.method.label,
@@ -138,7 +109,6 @@ def bench_diffusion(
 
     The reference (``static``, one token per step) is run even when not listed.
     """
-    from specdec.train.dllm import encode_prompt
 
     if not records:
         raise SpecdecError("the diffusion bench needs at least one record with a prompt")

@@ -20,6 +20,8 @@ import torch
 
 from specdec.decode.cache import KVState
 from specdec.decode.verify import Sampling, logits_to_probs
+from specdec.models import arch
+from specdec.models.errors import UsageError
 
 
 @dataclass
@@ -334,32 +336,41 @@ class ModelDrafter(Drafter):
 def layer_skip_view(model, skip: list[int]):
     """The target with some decoder layers skipped, sharing all weights (SWIFT / Draft&Verify).
 
-    Shallow copies only: kept layers are re-indexed so the view has a cache of its own.
+    Shallow copies only: the modules from the model down to its layer list, and each kept layer and
+    its attention, which is re-indexed so the view has a cache of its own. The view's config (every
+    copied module's) lists only the kept layers, their layer types included.
     """
-    inner_name = "model"
-    inner = getattr(model, inner_name)
-    layers = inner.layers
+    parent, name, layers = arch.decoder_layers(model)
     keep = [i for i in range(len(layers)) if i not in set(skip)]
-    if not keep:
-        raise ValueError("layerskip would skip every layer")
+    if not keep or len(keep) == len(layers):
+        raise UsageError(f"layerskip must skip some but not all of the {len(layers)} layers (asked to skip {sorted(set(skip))})")
     config = copy.deepcopy(model.config)
     config.num_hidden_layers = len(keep)
     if getattr(config, "layer_types", None):
         config.layer_types = [config.layer_types[i] for i in keep]
+    index_attr = arch.layer_index_attr(config)
     new_layers = []
     for new_idx, old_idx in enumerate(keep):
         layer = _shallow(layers[old_idx])
-        attn = _shallow(layer.self_attn)
-        attn.layer_idx = new_idx
-        layer.self_attn = attn
+        attn_name, attn = arch.attention_module(layer, config)
+        attn = _shallow(attn)
+        setattr(attn, index_attr, new_idx)
+        setattr(layer, attn_name, attn)
+        if isinstance(getattr(layer, index_attr, None), int):  # some layers carry their index too (Gemma-3)
+            setattr(layer, index_attr, new_idx)
         new_layers.append(layer)
-    view_inner = _shallow(inner)
-    view_inner.layers = torch.nn.ModuleList(new_layers)
-    view_inner.config = config
-    view = _shallow(model)
-    setattr(view, inner_name, view_inner)
-    view.config = config
-    return view
+    # copy the chain model -> ... -> parent, so the original model keeps its layers and config
+    path = next(q for q, m in model.named_modules() if m is parent)
+    chain = [_shallow(model)]
+    for part in filter(None, path.split(".")):
+        child = _shallow(getattr(chain[-1], part))
+        setattr(chain[-1], part, child)
+        chain.append(child)
+    setattr(chain[-1], name, torch.nn.ModuleList(new_layers))
+    for module in chain:
+        if getattr(module, "config", None) is not None:
+            module.config = config
+    return chain[0]
 
 
 def _shallow(module: torch.nn.Module) -> torch.nn.Module:
@@ -371,9 +382,23 @@ def _shallow(module: torch.nn.Module) -> torch.nn.Module:
 
 
 def parse_layerskip(spec: str, num_layers: int) -> list[int]:
-    """``layerskip`` skips the middle half of the layers; ``layerskip:2,3`` names them."""
+    """``layerskip`` skips the middle half of the layers; ``layerskip:2,3`` names them (0-based).
+
+    A draft that skips nothing is the target itself, one that skips everything is no model: both,
+    and targets too shallow to leave a useful draft, are usage errors."""
+    if num_layers < 3:
+        raise UsageError(f"layerskip needs a target with at least 3 decoder layers; this one has {num_layers}")
     _, _, arg = spec.partition(":")
-    if arg:
-        return [int(x) for x in arg.split(",") if x]
-    lo, hi = num_layers // 4, num_layers - num_layers // 4
-    return list(range(max(lo, 1), min(hi, num_layers - 1)))
+    if not arg:
+        lo, hi = num_layers // 4, num_layers - num_layers // 4
+        return list(range(max(lo, 1), min(hi, num_layers - 1)))
+    try:
+        skip = sorted({int(x) for x in arg.split(",") if x.strip()})
+    except ValueError:
+        raise UsageError(f"{spec!r}: layerskip:I,J,... names the layers to skip by integer index") from None
+    bad = [i for i in skip if not 0 <= i < num_layers]
+    if bad:
+        raise UsageError(f"{spec!r}: the target has layers 0..{num_layers - 1}; no layer {bad[0]}")
+    if not skip or len(skip) == num_layers:
+        raise UsageError(f"{spec!r}: layerskip must skip some but not all of the target's {num_layers} layers")
+    return skip

@@ -23,6 +23,9 @@ import torch
 
 from specdec.decode.cache import SlotBook
 from specdec.decode.drafters import Drafter, Proposal, Segment, TreeTemplate
+from specdec.models.artifacts import check_fingerprint, read_config, tokenizer_fingerprint
+from specdec.models.errors import SpecdecError
+from specdec.models.heads import load_heads
 
 DEFAULTS = {"medusa": (24, 4), "clover": (24, 4), "eagle": (32, 5)}  # (tree tokens, depth)
 # a dynamic tree spends its tokens where acceptance is likely, so it can afford to go deeper
@@ -484,15 +487,13 @@ class EagleDrafter(HeadTreeDrafter):
 DRAFTERS = {"medusa": MedusaDrafter, "clover": CloverDrafter, "eagle": EagleDrafter}
 
 
-def build_drafter(artifact_dir: Path, target, tokenizer, options) -> Drafter:
+def build_head_drafter(artifact_dir: Path, target, tokenizer, options) -> Drafter:
     """Factory for ``--drafter DIR`` of kind medusa/clover/eagle.
 
-    options: ``num_draft`` (tree depth; None = the kind's default), ``tree`` ("static" or "dynamic"),
-    ``tree_tokens`` (nodes per tree; None = default), optional ``top_k``.
+    options: ``num_draft`` (tree depth; None = the kind's default), ``tree`` ("static" or "dynamic";
+    None = dynamic for EAGLE, static for the others), ``tree_tokens`` (nodes per tree; None = default),
+    optional ``top_k``.
     """
-    from specdec.decode.artifacts import SpecdecError, check_fingerprint, read_config, tokenizer_fingerprint
-    from specdec.train.heads import load_heads
-
     cfg = read_config(artifact_dir)
     kind = cfg.get("kind")
     if kind not in DRAFTERS:

@@ -7,17 +7,34 @@ r, r+N, ... into its own resumable shard, and rank 0 merges the shards in input 
 
 from __future__ import annotations
 
-import json
+import contextlib
 import os
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specdec.decode.artifacts import SpecdecError, artifact_kind, resolve_member
-from specdec.decode.io import JsonlWriter, Record, read_records
-from specdec.decode.loading import DecodeOptions, build_drafter, load_target
+from specdec.decode.diffusion import generator_from_options
+from specdec.decode.engine import SpecEngine
+from specdec.decode.io import (
+    JsonlWriter,
+    OutputLock,
+    OutputWriteError,
+    Record,
+    atomic_write_lines,
+    encode_record_line,
+    read_jsonl_objects,
+    read_records,
+)
+from specdec.decode.options import DecodeOptions
+from specdec.decode.registry import build_drafter, kernel_backend, load_decode_target
 from specdec.decode.types import GenRequest
+from specdec.decode.verify import Sampling
+from specdec.models.artifacts import artifact_kind, read_config
+from specdec.models.errors import SpecdecError, UsageError
+from specdec.models.loading import input_device, resolve_source
 
 
 @dataclass
@@ -33,6 +50,9 @@ class JobSummary:
     pos_accepted: list = field(default_factory=list)
     wall_s: float = 0.0
     diffusion_steps: int = 0  # per-row denoising steps (diffusion decoding only)
+    failed_before: int = 0  # error records already in the output when a resumed job started
+    stopped_at_line: int | None = None  # --strict: the input line of the first bad record
+    stop_reason: str | None = None
 
     def add(self, stats: dict) -> None:
         self.ok += 1
@@ -67,39 +87,31 @@ class JobSummary:
 class Decoder:
     """Loads the target and the generator once; ``run`` decodes a stream of records."""
 
-    def __init__(self, target: str | None, options: DecodeOptions, console=None):
+    def __init__(self, target: str, options: DecodeOptions, console=None):
         self.options = options
         self.console = console
-        from specdec.decode.loading import apply_threads
-
-        apply_threads(options)
-        target = target or ensure_default_family(console)
-        path = resolve_member(target)
+        path = resolve_source(target)
         self.is_diffusion = is_diffusion_model(path, options)
         if self.is_diffusion:
-            from specdec.decode.loading import _hook
-
-            self.generator, self.tokenizer, self.max_context = _hook("specdec.decode.diffusion", "generator_from_options")(
-                path, options
-            )
-        else:
-            model, self.tokenizer, _ = load_target(str(path), options)
-            from specdec.decode.engine import SpecEngine
-            from specdec.decode.loading import kernel_backend
-            from specdec.decode.verify import Sampling
-
-            drafter = build_drafter(options.drafter, model, self.tokenizer, options)
-            self.generator = SpecEngine(
-                model,
-                self.tokenizer,
-                drafter,
-                Sampling(options.temperature, options.top_p),
-                num_draft=options.num_draft,
-                seed=options.seed,
-                stop=options.stop,
-                kernels=kernel_backend(options, next(model.parameters()).device),
-            )
-            self.max_context = getattr(model.config, "max_position_embeddings", None) or 1 << 30
+            if options.drafter != "ar" or options.acceptance:
+                raise UsageError(f"{target} is a diffusion LM: --drafter and --acceptance apply to causal LMs only")
+            self.generator, self.tokenizer, self.max_context = generator_from_options(path, options)
+            return
+        if options.strategy != "static" or options.cache != "none" or options.filter or options.adablock:
+            raise UsageError(f"{target} is a causal LM: --strategy, --cache, --filter and --adablock apply to diffusion LMs only")
+        model, self.tokenizer, _ = load_decode_target(str(path), options)
+        drafter = build_drafter(options.drafter, model, self.tokenizer, options)
+        self.generator = SpecEngine(
+            model,
+            self.tokenizer,
+            drafter,
+            Sampling(options.temperature, options.top_p),
+            num_draft=options.num_draft,
+            seed=options.seed,
+            stop=options.stop,
+            kernels=kernel_backend(options, input_device(model)),
+        )
+        self.max_context = getattr(model.config, "max_position_embeddings", None) or 1 << 30
 
     def encode(self, rec: Record) -> list[int]:
         return encode_record(self.tokenizer, rec)
@@ -108,6 +120,9 @@ class Decoder:
         """A request, or the error message that replaces the record."""
         if rec.error:
             return rec.error
+        chars = prompt_chars(rec)
+        if chars > self.max_context * MAX_CHARS_PER_TOKEN:
+            return f"prompt has {chars} characters, more than the model's context can hold"
         try:
             ids = self.encode(rec)
         except Exception as exc:  # a tokenizer/chat-template failure concerns this record only
@@ -125,7 +140,7 @@ class Decoder:
         for s in self.options.stop:
             if s and s in text:
                 text, finish = text[: text.index(s)], "stop"
-        out = {"id": rec.id}
+        out = {"id": rec.id, "line": rec.line}
         if rec.category is not None:
             out["category"] = rec.category
         # the input is echoed so an output file is training data on its own (train-draft reads prompt + completion)
@@ -138,11 +153,15 @@ class Decoder:
         out.update(completion=text, finish_reason=finish, stats=stats)
         return out
 
-    def run(self, records, writer: JsonlWriter, strict: bool = False, progress=None, line_key: bool = False) -> JobSummary:
+    def run(self, records, writer: JsonlWriter, strict: bool = False, progress=None) -> JobSummary:
+        """Decode ``records`` into ``writer``, skipping input lines it already holds a record for.
+
+        ``strict``: stop at the first bad record (its error record is written), or at an error record
+        already in the output; ``summary.stopped_at_line`` says where.
+        """
         summary = JobSummary()
         start = time.perf_counter()
         pending: list[tuple[Record, GenRequest | str]] = []
-        stop = False
 
         def flush_batch():
             reqs = [(r, q) for r, q in pending if isinstance(q, GenRequest)]
@@ -158,8 +177,6 @@ class Decoder:
                     summary.failed += 1
                 else:
                     summary.add(obj["stats"])
-                if line_key:
-                    obj = {**obj, "_line": rec.line}
                 writer.write(obj)
             writer.flush()
             if progress is not None:
@@ -167,47 +184,38 @@ class Decoder:
             pending.clear()
 
         for rec in records:
-            if rec.id in writer.done:
+            written, prior_error = writer.prior(rec)
+            if written:
                 summary.skipped += 1
+                if prior_error is not None:
+                    summary.failed_before += 1
+                    if strict:
+                        summary.stopped_at_line, summary.stop_reason = rec.line, prior_error
+                        break
                 if progress is not None:
                     progress(1, summary)
                 continue
             req = self.prepare(rec)
             pending.append((rec, req))
             if isinstance(req, str) and strict:
-                stop = True
+                summary.stopped_at_line, summary.stop_reason = rec.line, req
                 break
             if sum(isinstance(q, GenRequest) for _, q in pending) >= self.options.batch_size:
                 flush_batch()
         if pending:
             flush_batch()
         summary.wall_s = time.perf_counter() - start
-        summary.stopped_early = stop
         return summary
 
 
 def is_diffusion_model(path: Path, options: DecodeOptions) -> bool:
     """specdec's dLLMs say so in config.json; third-party ones (LLaDA, Dream) carry a mask token id
     and run their own code, so they are recognised only with --trust-remote-code."""
-    from specdec.decode.artifacts import read_config
-
+    if not Path(path).is_dir():  # a hub id: a causal LM (diffusion checkpoints load from folders)
+        return False
     if artifact_kind(path) == "dllm":
         return True
     return options.trust_remote_code and read_config(path).get("mask_token_id") is not None
-
-
-def ensure_default_family(console=None) -> str:
-    """The default family's target, building the recipe first when it is not cached."""
-    from specdec.decode.artifacts import family_dir
-
-    target = family_dir() / "target"
-    if not (target / "metrics.json").exists():
-        if console is not None:
-            console.print(f"[yellow]The default model family is not built yet: building it in {family_dir()} (once).[/yellow]")
-        from specdec.train.recipe import run_recipe
-
-        run_recipe("tiny-stdlib", console=console)
-    return str(target)
 
 
 # -- sharding under accelerate launch -----------------------------------------------------------
@@ -218,15 +226,112 @@ def shard_path(out: str, rank: int, world: int) -> str:
 
 
 def merge_shards(out: str, world: int) -> None:
+    """Join the ranks' shards into ``out`` in input-line order, replacing it atomically."""
     rows = []
     for r in range(world):
         path = Path(shard_path(out, r, world))
         if path.exists():
-            rows.extend(json.loads(line) for line in path.read_text().splitlines() if line.strip())
-    rows.sort(key=lambda o: o.pop("_line"))
-    tmp = Path(out + ".tmp")
-    tmp.write_text("".join(json.dumps(o, ensure_ascii=False) + "\n" for o in rows))
-    os.replace(tmp, out)
+            for obj in read_jsonl_objects(path):
+                legacy = obj.pop("_line", None)  # shards of older versions kept the line under "_line"
+                if "line" not in obj and legacy is not None:
+                    obj["line"] = legacy
+                rows.append(obj)
+    rows.sort(key=lambda o: o.get("line") or 0)
+    try:
+        atomic_write_lines(out, (encode_record_line(o) for o in rows))
+    except OSError as exc:
+        raise OutputWriteError(
+            f"merging the shards into {out} failed ({exc.strerror or exc}); the shards are kept: run the same command again"
+        ) from None
+
+
+# -- paths, signals and the job -----------------------------------------------------------------
+
+
+def validate_paths(in_path: str, out_path: str) -> None:
+    """Refuse an unusable ``--in`` or ``--out`` with one ``UsageError`` before any model loads.
+
+    Creates nothing. ``-`` is stdin / stdout. The output's nearest existing ancestor must be a
+    writable directory (the output, its lock file and missing parent folders are created there).
+    """
+    try:
+        _validate_paths(in_path, out_path)
+    except OSError as exc:  # e.g. a folder on the way that may not be searched
+        flag = "--out" if exc.filename and in_path not in (exc.filename, "-") else "--in"
+        raise UsageError(f"{flag} {exc.filename or ''}: {exc.strerror or exc}".replace(" :", ":")) from None
+
+
+def _validate_paths(in_path: str, out_path: str) -> None:
+    if in_path != "-":
+        src = Path(in_path)
+        if not src.exists():
+            raise UsageError(f"--in {in_path}: no such file")
+        if src.is_dir():
+            raise UsageError(f"--in {in_path} is a directory, not a JSONL file")
+        if not os.access(src, os.R_OK):
+            raise UsageError(f"--in {in_path}: permission denied")
+    if out_path == "-":
+        return
+    out = Path(out_path)
+    if out_path.endswith(os.sep) or out.is_dir():
+        raise UsageError(f"--out {out_path} is a directory; give a file path (or - for stdout)")
+    if out.exists():
+        if not out.is_file():
+            raise UsageError(f"--out {out_path} is not a regular file (use - for stdout)")
+        if not os.access(out, os.W_OK):
+            raise UsageError(f"--out {out_path}: permission denied")
+        if in_path != "-" and os.path.samefile(in_path, out):
+            raise UsageError(f"--in and --out are the same file ({out_path})")
+    parent = out.absolute().parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise UsageError(f"--out {out_path}: {parent} is a file, not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UsageError(f"--out {out_path}: cannot create files in {parent} (permission denied)")
+
+
+class Interrupted(SpecdecError):
+    """SIGINT / SIGTERM: the exit code is 128 + the signal's number, as a shell reports it."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.exit_code = 128 + signum
+
+
+class StrictStop(SpecdecError):
+    """--strict met a bad record: exit 3, like a job whose output holds error records."""
+
+    exit_code = 3
+
+
+class _Signal(BaseException):
+    """Raised by the handler; a BaseException so that ``except Exception`` in a batch cannot swallow it."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _signals_raise():
+    """SIGINT and SIGTERM raise ``_Signal`` in the main thread while the job runs."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        # a second signal while the job winds down ends the process the ordinary way
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, signal.SIG_DFL)
+        raise _Signal(signum)
+
+    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
 
 
 def run_decode_job(
@@ -238,38 +343,93 @@ def run_decode_job(
     overwrite: bool = False,
     console=None,
 ) -> tuple[JobSummary, int]:
-    """Returns (summary, exit code): 0 all records succeeded, 3 some failed."""
+    """Returns (summary, exit code): 0 when every record in the output succeeded, 3 when some are
+    error records (written now or by the run this one resumes).
+
+    Raises ``UsageError`` (exit 2) for bad options and paths before any model loads, and when
+    another process writes the same output; ``Interrupted`` (130 / 143) on SIGINT / SIGTERM once
+    the records already decoded are durable; ``StrictStop`` (3) where ``--strict`` stopped;
+    ``OutputWriteError`` (1) when the output cannot be written (disk full).
+    """
+    from specdec.decode.validate import validate_options
+
+    validate_options(options)
+    validate_paths(in_path, out_path)
+    held: list[JsonlWriter] = []
+    with _signals_raise():
+        try:
+            return _decode_job(in_path, out_path, target, options, strict, overwrite, console, held)
+        except _Signal as sig:
+            name = signal.Signals(sig.signum).name
+            if not held:
+                raise Interrupted(f"interrupted ({name}) before any record was decoded", sig.signum) from None
+            writer = held[0]
+            try:
+                writer.close()
+            except SpecdecError:
+                pass
+            resume = "" if writer.to_stdout else "; run the same command again to resume"
+            where = "stdout" if writer.to_stdout else writer.path
+            raise Interrupted(f"interrupted ({name}): {writer.records} records written to {where}{resume}", sig.signum) from None
+
+
+def _decode_job(in_path, out_path, target, options, strict, overwrite, console, held) -> tuple[JobSummary, int]:
     from accelerate import PartialState
 
     state = PartialState(cpu=True) if os.environ.get("WORLD_SIZE", "1") != "1" else None
     world, rank = (state.num_processes, state.process_index) if state else (1, 0)
     if world > 1 and out_path == "-":
-        raise SpecdecError("multi-process decoding needs --out FILE (shards are merged into it)")
-    decoder = Decoder(target, options, console)
-    records = read_records(in_path)
-    if world > 1:
-        records = (r for i, r in enumerate(records) if i % world == rank)
-    writer = JsonlWriter(shard_path(out_path, rank, world) if world > 1 else out_path, overwrite=overwrite)
-    total = _count_lines(in_path)
+        raise UsageError("multi-process decoding needs --out FILE (shards are merged into it)")
+    # rank 0 holds the merged output's lock from the start, so a second job on it is refused at once
+    out_lock = OutputLock(out_path) if world > 1 and rank == 0 else None
     try:
-        with _progress(console, total if world == 1 else None) as advance:
-            summary = decoder.run(records, writer, strict=strict, progress=advance, line_key=world > 1)
+        writer = JsonlWriter(shard_path(out_path, rank, world) if world > 1 else out_path, overwrite=overwrite)
+        held.append(writer)
+        try:
+            decoder = Decoder(target, options, console)
+            records = read_records(in_path, warn=_warn if rank == 0 else None)
+            if world > 1:
+                records = (r for i, r in enumerate(records) if i % world == rank)
+            with _progress(console, _count_lines(in_path) if world == 1 else None) as advance:
+                summary = decoder.run(records, writer, strict=strict, progress=advance)
+            writer.finish()
+        finally:
+            writer.close()
+        if world > 1:
+            state.wait_for_everyone()
+            if rank == 0:
+                merge_shards(out_path, world)
+            state.wait_for_everyone()
     finally:
-        writer.close()
-    if world > 1:
-        state.wait_for_everyone()
-        if rank == 0:
-            merge_shards(out_path, world)
-        state.wait_for_everyone()
-    code = 3 if summary.failed else 0
+        if out_lock is not None:
+            out_lock.release()
+    if summary.stopped_at_line is not None:
+        print_summary(summary, console)
+        raise StrictStop(f"stopped at line {summary.stopped_at_line} (--strict): {summary.stop_reason}")
+    code = 3 if summary.failed or summary.failed_before else 0
     return summary, code
 
 
+def _warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
 def _count_lines(path: str) -> int | None:
-    if path == "-":
+    """Non-blank lines of a regular file (a pipe cannot be read twice), in blocks: a huge line is
+    never held whole."""
+    if path == "-" or not Path(path).is_file():
         return None
+    count, blank = 0, True
     with open(path, "rb") as fh:
-        return sum(1 for line in fh if line.strip())
+        while chunk := fh.read(1 << 20):
+            parts = chunk.split(b"\n")
+            for i, part in enumerate(parts):
+                if part.strip():
+                    blank = False
+                if i < len(parts) - 1:
+                    count += not blank
+                    blank = True
+    return count + (not blank)
 
 
 class _progress:
@@ -291,7 +451,7 @@ class _progress:
         task = self.bar.add_task("", total=self.total)
 
         def advance(n, summary: JobSummary):
-            self.bar.update(task, advance=n, description=f"{summary.rate_label()} failed {summary.failed}")
+            self.bar.update(task, advance=n, description=f"{summary.rate_label()} failed {summary.failed + summary.failed_before}")
 
         return advance
 
@@ -305,8 +465,9 @@ def print_summary(summary: JobSummary, console) -> None:
     if console is None:
         return
     tps = summary.new_tokens / summary.wall_s if summary.wall_s else 0.0
+    earlier = f" ({summary.failed_before} of them error records)" if summary.failed_before else ""
     console.print(
-        f"records ok {summary.ok}, failed {summary.failed}, skipped (already done) {summary.skipped}; "
+        f"records ok {summary.ok}, failed {summary.failed}, skipped (already done) {summary.skipped}{earlier}; "
         f"{summary.new_tokens} tokens in {summary.wall_s:.2f}s ({tps:.1f} tokens/s); "
         + (
             f"{summary.diffusion_steps / max(summary.new_tokens, 1):.3f} denoising steps per token"
@@ -318,10 +479,16 @@ def print_summary(summary: JobSummary, console) -> None:
         console.print(f"acceptance by position: {summary.acceptance_by_position}")
 
 
-def stderr_console():
-    from rich.console import Console
+# A token spans at most a few dozen characters in the tokenizers specdec meets (long tokens are
+# runs of spaces or punctuation, and a text averages far fewer), so a prompt over this many
+# characters per context position cannot fit: it is refused without tokenizing megabytes.
+MAX_CHARS_PER_TOKEN = 32
 
-    return Console(stderr=True, file=sys.stderr)
+
+def prompt_chars(rec: Record) -> int:
+    if rec.messages is not None:
+        return sum(len(m.get("content") or "") + len(m.get("role") or "") for m in rec.messages if isinstance(m, dict))
+    return len(rec.prompt or "")
 
 
 def encode_record(tokenizer, rec: Record) -> list[int]:

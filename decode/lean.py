@@ -161,7 +161,7 @@ class LeanStep:
         visible[1, :, 1:, 0] = False  # row 1's first slot is padding
         pos = torch.arange(6)[None].repeat(2, 1).to(dev)
         steps = [(ids, visible, pos), (ids[:, :1], torch.ones(2, 1, 1, 7, dtype=torch.bool), pos[:, -1:] + 1)]
-        caches = [DynamicCache(config=cfg), DynamicCache(config=cfg)]
+        caches = [DynamicCache(), DynamicCache()]  # full layers, as KVState builds them
         dtype = self.embed.dtype
         with torch.no_grad():
             for seg, vis, p in steps:

@@ -22,6 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.kernels import backend as pick_backend
+from specdec.kernels.verify import verify_chain_triton
+
 
 @dataclass
 class Sampling:
@@ -113,6 +116,22 @@ def verify_chain_core(
     return accepted, sample_from(p_at, u_sample)
 
 
+def verify_chain_accelerated(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    sampling: Sampling,
+    u_accept: torch.Tensor | None,
+    u_sample: torch.Tensor | None,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``verify_chain_core`` through the Triton kernel where it applies (the backend resolves to triton,
+    top-p = 1, at least one draft); the reference everywhere else."""
+    if pick_backend(backend, logits.device) == "torch" or sampling.top_p < 1.0 or tokens.shape[1] == 0:
+        return verify_chain_core(logits, tokens, draft_probs, sampling, u_accept, u_sample)
+    return verify_chain_triton(logits, tokens, draft_probs, sampling.greedy, sampling.temperature, u_accept, u_sample)
+
+
 def verify_chain(
     logits: torch.Tensor,
     tokens: torch.Tensor,
@@ -128,10 +147,7 @@ def verify_chain(
         u = torch.rand(bsz, k + 1, generator=generator, device=logits.device)
         u_accept, u_sample = u[:, :k], u[:, k]
     if kernels != "torch" and lengths is None:
-        # imported here: kernels/verify.py imports this module for its reference
-        from specdec.kernels.verify import verify_chain_fused
-
-        accepted, next_token = verify_chain_fused(logits, tokens, draft_probs, sampling, u_accept, u_sample, kernels)
+        accepted, next_token = verify_chain_accelerated(logits, tokens, draft_probs, sampling, u_accept, u_sample, kernels)
     else:
         accepted, next_token = verify_chain_core(logits, tokens, draft_probs, sampling, u_accept, u_sample, lengths)
     steps = torch.arange(k, device=tokens.device)

@@ -1,6 +1,6 @@
 """Triton kernels for the decode hot spots, each beside the PyTorch reference it must reproduce.
 
-- ``verify.verify_chain_fused``: chain verification (greedy and exact sampling), two launches, no
+- ``verify.verify_chain_triton``: chain verification (greedy and exact sampling), two launches, no
   host sync; reference ``decode.verify.verify_chain_core``.
 - ``tree_attention.tree_attention`` and the transformers attention function ``specdec_tree``:
   attention of the tree tokens over the cache under a 4-D boolean mask.

@@ -1,4 +1,6 @@
-"""Fused chain verification: ``decode.verify.verify_chain_core`` in two Triton launches.
+"""Fused chain verification: ``decode.verify.verify_chain_core`` in two Triton launches (dispatched
+by ``decode.verify.verify_chain_accelerated``, which falls back to the reference where the kernel does
+not apply).
 
 Stage 1 (one program per row b and position j <= K) streams the logits row over V tiles once and
 keeps what verification needs: the argmax (greedy) or the online-softmax max and sum of
@@ -18,34 +20,16 @@ from __future__ import annotations
 
 import torch
 
-from specdec.decode.verify import Sampling, verify_chain_core
-from specdec.kernels import backend as pick_backend
 from specdec.kernels import load_triton
 
 triton, tl = load_triton()
 
 
-def verify_chain_fused(
-    logits: torch.Tensor,
-    tokens: torch.Tensor,
-    draft_probs: torch.Tensor | None,
-    sampling: Sampling,
-    u_accept: torch.Tensor | None,
-    u_sample: torch.Tensor | None,
-    backend: str = "auto",
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as ``verify_chain_core``: returns (accepted [B], next_token [B]), int64."""
-    # top-p needs a sorted row (not in the kernel); K = 0 leaves no draft row for the kernel to index
-    if pick_backend(backend, logits.device) == "torch" or sampling.top_p < 1.0 or tokens.shape[1] == 0:
-        return verify_chain_core(logits, tokens, draft_probs, sampling, u_accept, u_sample)
-    return _verify_triton(logits, tokens, draft_probs, sampling, u_accept, u_sample)
-
-
-def _verify_triton(logits, tokens, draft_probs, sampling, u_accept, u_sample):
+def verify_chain_triton(logits, tokens, draft_probs, greedy: bool, temperature: float, u_accept, u_sample):
+    """(accepted [B], next_token [B]) int64, as the reference for the same uniforms; top-p = 1, K >= 1."""
     bsz, k = tokens.shape
     vocab = logits.shape[-1]
     dev = logits.device
-    greedy = sampling.greedy
     has_q = draft_probs is not None and not greedy
     logits = _unit_last_stride(logits)
     tokens = _unit_last_stride(tokens)
@@ -58,7 +42,7 @@ def _verify_triton(logits, tokens, draft_probs, sampling, u_accept, u_sample):
     best = torch.empty(bsz, k + 1, dtype=torch.int64, device=dev)
     accepted = torch.empty(bsz, dtype=torch.int64, device=dev)
     next_token = torch.empty(bsz, dtype=torch.int64, device=dev)
-    temperature = max(sampling.temperature, 1e-5)  # the reference's clamp
+    temperature = max(temperature, 1e-5)  # the reference's clamp
     block_v = min(4096, triton.next_power_of_2(vocab))
 
     _row_stats_kernel[(bsz, k + 1)](

@@ -14,7 +14,7 @@ def list_recipes() -> list[str]:
 def recipe_path(name: str) -> Path:
     path = RECIPES_DIR / f"{name}.yaml"
     if not path.exists():
-        from specdec.decode.artifacts import UsageError
+        from specdec.models.artifacts import UsageError
 
         raise UsageError(f"no recipe named {name!r}; known: {', '.join(list_recipes())}")
     return path

@@ -120,3 +120,22 @@ def tiny_family(tmp_path_factory):
     other.add_tokens(["<extra_token>"])
     save_tiny_lm(root / "foreign-draft", other, seed=2, layers=1, hidden=32)
     return root
+
+
+class CliResult:
+    def __init__(self, exit_code: int, stdout: str, stderr: str):
+        self.exit_code, self.stdout, self.stderr = exit_code, stdout, stderr
+        self.output = stdout + stderr
+
+
+def invoke(args) -> CliResult:
+    """Run the ``specdec`` CLI in-process through its error boundary (``cli.main.run``), as a user's shell would."""
+    import contextlib
+    import io
+
+    from specdec.cli.main import run
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = run([str(a) for a in args])
+    return CliResult(code, out.getvalue(), err.getvalue())

@@ -9,22 +9,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from specdec.decode.adaptive import (
-    FEATURES,
-    N_STATS,
-    AdaptiveDrafter,
-    StopPolicy,
-    acceptance_features,
-    build_adaptive,
-    greedy_features,
-    resolve_policies,
-)
+from specdec.decode.adaptive import AdaptiveDrafter, StopPolicy, build_adaptive, resolve_policies
 from specdec.decode.engine import SpecEngine
 from specdec.decode.types import GenRequest
 from specdec.decode.verify import Sampling
-from specdec.decode.artifacts import UsageError
-from specdec.tests.conftest import ByteTokenizer, make_prompts, tiny_llama, tiny_tokenizer
-from specdec.train.acceptance import AcceptanceHead
+from specdec.models.artifacts import UsageError
+from conftest import ByteTokenizer, make_prompts, tiny_llama, tiny_tokenizer
+from specdec.models.acceptance import FEATURES, N_STATS, AcceptanceHead, acceptance_features, greedy_features
 
 
 def _head(hidden: int, seed: int = 3):
@@ -92,13 +83,15 @@ def test_adaptive_sampling_runs(target, draft_model):
 def test_build_adaptive_checks(tmp_path, draft_model):
     from safetensors.torch import save_file
 
-    from specdec.decode.artifacts import SpecdecError, write_json
+    from specdec.models.artifacts import SpecdecError, write_json
 
     head = _head(draft_model.config.hidden_size)
-    save_file({k: v.float().contiguous() for k, v in head.state_dict().items()}, str(tmp_path / "model.safetensors"))
+    save_file({f"{m}.{k}": v.float().contiguous() for m in ("sampling", "greedy") for k, v in head.state_dict().items()},
+              str(tmp_path / "model.safetensors"))
     fp = {"vocab_size": 5, "tokenizer_hash": "abc"}
     hidden = draft_model.config.hidden_size
-    config = {"kind": "acceptance", "target": fp, "hidden_size": hidden, "features": FEATURES, "input_size": hidden + N_STATS, "num_layers": 3}
+    config = {"kind": "acceptance", "target": fp, "hidden_size": hidden, "features": FEATURES, "input_size": hidden + N_STATS,
+              "num_layers": 3, "heads": ["sampling", "greedy"]}
     write_json(tmp_path / "config.json", config)
     opts = SimpleNamespace(stop_threshold=0.2, min_draft=3, max_draft=9)
     drafter = build_adaptive(tmp_path, draft_model, opts)
@@ -115,7 +108,7 @@ def test_build_adaptive_checks(tmp_path, draft_model):
         build_adaptive(tmp_path, tiny_llama(hidden=64, layers=1), opts)
 
     write_json(tmp_path / "config.json", {k: v for k, v in config.items() if k not in ("features", "input_size")})
-    with pytest.raises(SpecdecError, match="older format"):
+    with pytest.raises(SpecdecError, match="retrain it"):
         build_adaptive(tmp_path, draft_model, opts)
 
 
@@ -278,7 +271,7 @@ def test_greedy_policy_applies_to_greedy_rounds(target, draft_model):
 def _save_artifact(path, heads: dict, hidden: int, two_heads: bool, policy: dict | None = None):
     from safetensors.torch import save_file
 
-    from specdec.decode.artifacts import write_json
+    from specdec.models.artifacts import write_json
 
     if two_heads:
         state = {f"{m}.{k}": v.float().contiguous() for m, h in heads.items() for k, v in h.state_dict().items()}
@@ -301,7 +294,6 @@ def test_two_head_artifact_loads_both_heads_and_its_policy(tmp_path, draft_model
     _save_artifact(tmp_path, heads, hidden, two_heads=True, policy=policy)
     unset = SimpleNamespace(stop_threshold=None, min_draft=None, max_draft=None)
     drafter = build_adaptive(tmp_path, draft_model, unset)
-    assert drafter.has_greedy_head
     x = torch.randn(4, hidden + N_STATS, dtype=torch.float64)
     for mode in ("sampling", "greedy"):
         assert torch.allclose(drafter.heads[mode](x), heads[mode](x), atol=1e-5)
@@ -311,22 +303,6 @@ def test_two_head_artifact_loads_both_heads_and_its_policy(tmp_path, draft_model
     # user flags win over the artifact's default, field by field
     drafter = build_adaptive(tmp_path, draft_model, SimpleNamespace(stop_threshold=0.6, min_draft=None, max_draft=None))
     assert drafter.policies["greedy"] == StopPolicy(0.6, 1, 12) and drafter.policies["sampling"] == StopPolicy(0.6, 2, 20)
-
-
-def test_one_head_artifact_keeps_working_and_says_so_at_t0(tmp_path, target, draft_model, capsys):
-    hidden = draft_model.config.hidden_size
-    _save_artifact(tmp_path, {"sampling": _head(hidden)}, hidden, two_heads=False)
-    drafter = build_adaptive(tmp_path, draft_model, SimpleNamespace(stop_threshold=None, min_draft=None, max_draft=None))
-    assert not drafter.has_greedy_head
-    assert drafter.policies == {"sampling": StopPolicy(), "greedy": StopPolicy()}  # SpecDec++'s 0.3 / 2 / 20
-    prompts = make_prompts(2, seed=4)
-    _generate(target, drafter, prompts, max_new=8, sampling=Sampling(temperature=0.8))
-    assert "no greedy head" not in capsys.readouterr().err  # sampling: the head it was trained for
-    out = _generate(target, drafter, prompts, max_new=16)
-    assert [r.token_ids for r in out] == [r.token_ids for r in _generate(target, None, prompts, max_new=16)]
-    _generate(target, drafter, prompts, max_new=8)
-    err = capsys.readouterr().err
-    assert err.count("no greedy head") == 1 and "retrain" in err  # once per drafter
 
 
 def test_resolve_policies_defaults():
@@ -423,7 +399,8 @@ def test_fixed_policy_skips_the_head_and_equals_the_draft_model(target, draft_mo
 def test_train_acceptance_writes_two_heads_calibration_and_policy(tiny_family, tmp_path, target):
     import json
 
-    from specdec.train.acceptance import load_acceptance_heads, train_acceptance
+    from specdec.models.acceptance import load_acceptance_heads
+    from specdec.train.acceptance import train_acceptance
     from specdec.train.loop import config_from_dict
 
     data = tmp_path / "data.jsonl"
@@ -476,10 +453,10 @@ def test_train_acceptance_writes_two_heads_calibration_and_policy(tiny_family, t
     chosen = m["policy_simulation"]["greedy"]["chosen"]
     heads, _ = load_acceptance_heads(out)
     assert set(heads) == {"sampling", "greedy"}
-    from specdec.train.draft import load_draft
+    from specdec.models.loading import load_draft
 
     drafter = build_adaptive(out, load_draft(tiny_family / "draft"), SimpleNamespace(stop_threshold=None, min_draft=None, max_draft=None))
-    assert drafter.has_greedy_head and drafter.policies["greedy"] == StopPolicy(**chosen)
+    assert drafter.policies["greedy"] == StopPolicy(**chosen)
     assert drafter.policies["sampling"] == StopPolicy(**m["policy_simulation"]["sampling"]["chosen"])
 
 

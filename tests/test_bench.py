@@ -5,10 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from typer.testing import CliRunner
+from conftest import invoke
 
-from specdec.cli.main import app
-from specdec.decode.loading import DecodeOptions, parse_method
+from specdec.decode.options import DecodeOptions, parse_method
 
 
 def test_method_specs_parse_into_decode_options():
@@ -23,10 +22,10 @@ def test_bench_report(tiny_family, tmp_path):
     prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
     report_path, plot_path = tmp_path / "r.json", tmp_path / "r.png"
     draft = str(tiny_family / "draft")
-    res = CliRunner().invoke(app, [
+    res = invoke([
         "bench", "--in", str(prompts), "--target", str(tiny_family / "target"), "--max-new-tokens", "12",
         "--methods", f"ngram,recycle,{draft}+k=3,hf-lookup,hf-assisted:{draft}", "--warmup", "1", "--repeats", "2",
-        "--json", str(report_path), "--plot", str(plot_path),
+        "--out", str(report_path), "--plot", str(plot_path),
     ])
     assert res.exit_code == 0, res.output
     report = json.loads(report_path.read_text())

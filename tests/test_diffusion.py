@@ -6,8 +6,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from specdec.decode.artifacts import SpecdecError
-from specdec.decode.diffusion import PUBLIC_STRATEGIES, ConfidenceFilter, DiffusionGenerator, DllmSpec, save_filter
+from specdec.models.artifacts import SpecdecError
+from specdec.decode.diffusion import PUBLIC_STRATEGIES, DiffusionGenerator
+from specdec.models.dllm import ConfidenceFilter, DllmSpec, save_filter
 from specdec.decode.types import GenRequest
 
 VOCAB, MASK, EOS = 64, 63, 1

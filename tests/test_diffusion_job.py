@@ -5,12 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import invoke
 import torch
 from test_train_dllm import FAST, TINY, task_pairs, word_tokenizer
 from transformers import LlamaConfig, LlamaForCausalLM
-from typer.testing import CliRunner
 
-from specdec.cli.main import app
 from specdec.train.dllm import train_dllm
 
 
@@ -33,7 +32,7 @@ def test_decode_routes_a_dllm_to_diffusion_decoding(dllm_dir, tmp_path):
     outs = {}
     for strategy in ["static", "threshold+tau=0.5", "freedave"]:
         out = tmp_path / f"{strategy.split('+')[0]}.jsonl"
-        res = CliRunner().invoke(app, ["decode", "--in", str(src), "--out", str(out), "--target", str(dllm_dir),
+        res = invoke(["decode", "--in", str(src), "--out", str(out), "--target", str(dllm_dir),
                                        "--strategy", strategy, "--gen-length", "16", "--block-size", "8", "--batch-size", "2"])
         assert res.exit_code == 3, res.output  # two bad records
         got = [json.loads(line) for line in out.read_text().splitlines()]

@@ -8,12 +8,14 @@ import pytest
 import torch
 
 from specdec.decode.engine import SpecEngine
-from specdec.decode.heads import DRAFTERS, build_drafter
+from specdec.decode.heads import DRAFTERS
+from specdec.decode.heads import build_head_drafter as build_drafter
 from specdec.decode.types import GenRequest
 from specdec.decode.verify import Sampling, verify_tree
-from specdec.tests.conftest import ByteTokenizer, make_prompts
+from conftest import ByteTokenizer, make_prompts
 from specdec.tests.test_train import make_target_dir, make_tokenizer, tiny_cfg, write_decode_output
-from specdec.train.heads import KINDS, build_heads, export_artifact, train_heads
+from specdec.models.heads import KINDS, build_heads
+from specdec.train.heads import export_artifact, train_heads
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +123,7 @@ def test_tree_ancestors_track_parents():
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_heads_train_loss_falls_and_artifact_loads(workdir, kind):
-    from specdec.train.draft import load_target
+    from specdec.models.loading import load_target
 
     out = workdir / kind
     extra = {"window": 16} if kind == "clover" else {}
@@ -131,13 +133,13 @@ def test_heads_train_loss_falls_and_artifact_loads(workdir, kind):
     for f in ("config.json", "model.safetensors", "metrics.json", "training_config.yaml"):
         assert (out / f).exists()
     assert len(m["top1_accuracy"]) >= 4 and "1" in m["expected_tau"]
-    target, tok = load_target(workdir / "target")
+    target, tok, _ = load_target(workdir / "target")
     drafter = build_drafter(out, target, tok, SimpleNamespace(num_draft=None, tree="static", tree_tokens=10))
     res = SpecEngine(target, tok, drafter).generate([GenRequest(prompt_ids=tok("the cat sat")["input_ids"], max_new_tokens=10)])
     ar = SpecEngine(target, tok, None).generate([GenRequest(prompt_ids=tok("the cat sat")["input_ids"], max_new_tokens=10)])
     assert res[0].token_ids == ar[0].token_ids
     # a tokenizer with another vocabulary is refused before any work
-    from specdec.decode.artifacts import SpecdecError
+    from specdec.models.artifacts import SpecdecError
 
     with pytest.raises(SpecdecError, match="another tokenizer"):
         build_drafter(out, target, make_tokenizer(80, seed=1), SimpleNamespace(num_draft=None, tree="static", tree_tokens=None))

@@ -11,12 +11,9 @@ import time
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
+from conftest import invoke
 
-from specdec.cli.main import app
 from specdec.decode.io import repair_and_scan
-
-runner = CliRunner()
 
 
 def write_jsonl(path: Path, rows: list) -> Path:
@@ -29,7 +26,7 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def decode(tiny_family, *args):
-    return runner.invoke(app, ["decode", "--target", str(tiny_family / "target"), "--max-new-tokens", "8", *args])
+    return invoke(["decode", "--target", str(tiny_family / "target"), "--max-new-tokens", "8", *args])
 
 
 PROMPTS = [{"prompt": f"def f{i}(x):\n    return x + {i}\n", "category": "code"} for i in range(6)]
@@ -98,7 +95,7 @@ def test_strict_stops_at_first_bad_record(tiny_family, tmp_path):
 
 
 def test_usage_error_exit_code(tiny_family, tmp_path):
-    res = runner.invoke(app, ["decode", "--no-such-flag"])
+    res = invoke(["decode", "--no-such-flag"])
     assert res.exit_code == 2
 
 

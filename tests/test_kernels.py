@@ -25,7 +25,7 @@ from specdec.kernels.tree_attention import (  # noqa: E402
     tree_attention,
     tree_attention_reference,
 )
-from specdec.kernels.verify import verify_chain_fused  # noqa: E402
+from specdec.decode.verify import verify_chain_accelerated as verify_chain_fused  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -8,9 +8,8 @@ import subprocess
 import sys
 
 import pytest
-from typer.testing import CliRunner
+from conftest import invoke
 
-from specdec.cli.main import app
 from specdec.recipes import list_recipes, recipe_path
 from specdec.train.corpus import stdlib_corpus
 from specdec.train.recipe import RecipeConfig
@@ -54,7 +53,7 @@ def test_dev_prompts_keep_away_from_the_benchmark_prompts(tmp_path):
     distance of a benchmark prompt's anchor, at most two a file."""
     from types import SimpleNamespace
 
-    from specdec.train.recipe import dev_prompts
+    from specdec.train.prompts import dev_prompts
 
     def source(n_funcs):
         return "".join(f"\n\ndef f{i}(x):\n    y = x + {i}\n    return y * 2\n    # a comment line\n" for i in range(n_funcs))
@@ -93,7 +92,7 @@ def test_list_task_probes_are_held_out_and_match_the_shipped_file(tmp_path):
 
 
 def test_recipe_list_command():
-    res = CliRunner().invoke(app, ["recipe", "list"])
+    res = invoke(["recipe", "list"])
     assert res.exit_code == 0 and "tiny-stdlib" in res.output
 
 

@@ -10,9 +10,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import invoke
 import torch
 
-from specdec.decode.artifacts import SpecdecError, UsageError, tokenizer_fingerprint
+from specdec.models.artifacts import SpecdecError, UsageError, tokenizer_fingerprint
 from specdec.train.loop import TrainConfig, config_from_dict, load_config, run_training
 
 WORDS = "the a cat dog sat on mat ran far near big small red blue tree house went to and then it was".split()
@@ -186,7 +187,8 @@ def test_budget_stops(tmp_path):
 
 
 def test_kd_loss_falls_and_artifact(workdir):
-    from specdec.train.draft import load_draft, train_draft
+    from specdec.models.loading import load_draft
+    from specdec.train.draft import train_draft
 
     out = workdir / "draft"
     m = train_draft(workdir / "target", [workdir / "data.jsonl"], out, tiny_cfg(steps=10), arch="layers=1,hidden=32,heads=4", kd_weight=1.0)
@@ -235,7 +237,8 @@ def test_kd_loss_terms_on_a_hand_built_example():
 
 
 def test_ce_only_cached_teacher_and_lora(workdir):
-    from specdec.train.draft import load_draft, train_draft
+    from specdec.models.loading import load_draft
+    from specdec.train.draft import train_draft
 
     base = workdir / "draft-base"
     train_draft(workdir / "target", [workdir / "data.jsonl"], base, tiny_cfg(steps=2), arch="layers=1,hidden=32,heads=4", kd_weight=0.0)
@@ -250,7 +253,7 @@ def test_ce_only_cached_teacher_and_lora(workdir):
 
 
 def test_draft_for_other_tokenizer_refused(workdir, tmp_path):
-    from specdec.decode.artifacts import check_fingerprint, read_config
+    from specdec.models.artifacts import check_fingerprint, read_config
     from specdec.train.draft import train_draft
 
     other = make_target_dir(tmp_path / "other", vocab_size=80, tok_seed=1)
@@ -290,7 +293,7 @@ def test_acceptance_labels_hand_built():
 
 def test_acceptance_features_from_one_causal_forward_match_incremental(draft_model):
     """Training labels every position from one forward; decoding sees one prefix at a time."""
-    from specdec.decode.adaptive import N_STATS, acceptance_features
+    from specdec.models.acceptance import N_STATS, acceptance_features
 
     ids = torch.randint(3, 90, (2, 7))
     tokens = torch.randint(3, 90, (2, 6))  # tokens[:, j-1] is proposed after ids[:, :j]
@@ -310,7 +313,7 @@ def test_acceptance_features_from_one_causal_forward_match_incremental(draft_mod
 def test_train_acceptance_artifact(workdir):
     from specdec.decode.adaptive import build_adaptive
     from specdec.train.acceptance import train_acceptance
-    from specdec.train.draft import load_draft
+    from specdec.models.loading import load_draft
 
     if not (workdir / "draft").exists():
         pytest.skip("needs the draft from test_kd_loss_falls_and_artifact")
@@ -332,23 +335,17 @@ def test_train_acceptance_artifact(workdir):
 
 
 def test_cli_train_draft(workdir):
-    import typer
-    from typer.testing import CliRunner
+    
 
-    from specdec.cli.train import register
-
-    app = typer.Typer()
-    register(app)
-    runner = CliRunner()
-    res = runner.invoke(app, ["train-draft", "--target", str(workdir / "target"), "--data", str(workdir / "data.jsonl"),
+    res = invoke(["train-draft", "--target", str(workdir / "target"), "--data", str(workdir / "data.jsonl"),
                               "--out", str(workdir / "cli-draft"), "--arch", "layers=1,hidden=32,heads=4", "--max-steps", "2",
-                              "--batch", "4", "--seq-len", "32", "--checkpoint-every", "0"])
+                              "--batch-size", "4", "--seq-len", "32", "--checkpoint-every", "0"])
     assert res.exit_code == 0, res.output
     assert (workdir / "cli-draft" / "model.safetensors").exists()
-    res = runner.invoke(app, ["train-draft", "--target", str(workdir / "target"), "--data", str(workdir / "nope.jsonl"),
+    res = invoke(["train-draft", "--target", str(workdir / "target"), "--data", str(workdir / "nope.jsonl"),
                               "--out", str(workdir / "cli-bad"), "--arch", "layers=1"])
     assert res.exit_code == 1 and "no such data file" in res.output
-    res = runner.invoke(app, ["train-draft", "--target", str(workdir / "target"), "--data", str(workdir / "data.jsonl"),
+    res = invoke(["train-draft", "--target", str(workdir / "target"), "--data", str(workdir / "data.jsonl"),
                               "--out", str(workdir / "cli-bad"), "--arch", "depth=3"])
     assert res.exit_code == 2 and "--arch" in res.output
 
@@ -358,9 +355,9 @@ def test_accelerate_launch_two_processes(workdir):
     exe = Path(sys.executable).with_name("accelerate")
     out = workdir / "ddp-draft"
     cmd = [str(exe), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "bf16",
-           "--dynamo_backend", "no", "-m", "specdec.cli.train", "train-draft", "--target", str(workdir / "target"),
+           "--dynamo_backend", "no", "-m", "specdec", "train-draft", "--target", str(workdir / "target"),
            "--data", str(workdir / "data.jsonl"), "--out", str(out), "--arch", "layers=1,hidden=32,heads=4",
-           "--max-steps", "3", "--batch", "2", "--seq-len", "32", "--checkpoint-every", "2"]
+           "--max-steps", "3", "--batch-size", "2", "--seq-len", "32", "--checkpoint-every", "2"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": str(29500 + os.getpid() % 1000)}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -373,7 +370,7 @@ def test_accelerate_launch_two_processes(workdir):
 def test_recipe_hook_builds_family(workdir, tmp_path):
     import shutil
 
-    from specdec.cli.train import build_drafters_for_recipe
+    from specdec.train.recipe import build_drafters as build_drafters_for_recipe
 
     shutil.copytree(workdir / "target", tmp_path / "target")
     res = build_drafters_for_recipe(tmp_path, [workdir / "data.jsonl"], budget_minutes=0.2, seed=0)
@@ -388,9 +385,7 @@ def test_recipe_hook_builds_family(workdir, tmp_path):
 def test_self_distill_writes_the_targets_greedy_continuations(workdir, tmp_path):
     """The recipe's self-distillation data is `specdec decode` output: prompt echoed, completion equal to
     plain greedy decoding (the n-gram drafter it uses is lossless); a spent budget writes nothing."""
-    from typer.testing import CliRunner
-
-    from specdec.cli.main import app
+    
     from specdec.train.data import load_texts, self_distill
 
     prompts = [t[:30] for t in corpus(12, seed=3)]
@@ -398,7 +393,7 @@ def test_self_distill_writes_the_targets_greedy_continuations(workdir, tmp_path)
     assert n == 12
     got = [json.loads(line) for line in (tmp_path / "regen.jsonl").read_text().splitlines()]
     (tmp_path / "in.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
-    res = CliRunner().invoke(app, ["decode", "--in", str(tmp_path / "in.jsonl"), "--out", str(tmp_path / "ar.jsonl"),
+    res = invoke(["decode", "--in", str(tmp_path / "in.jsonl"), "--out", str(tmp_path / "ar.jsonl"),
                                    "--target", str(workdir / "target"), "--max-new-tokens", "12"])
     assert res.exit_code == 0, res.output
     ar = [json.loads(line) for line in (tmp_path / "ar.jsonl").read_text().splitlines()]

@@ -5,26 +5,26 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import invoke
 import torch
-import typer
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-from typer.testing import CliRunner
 
-from specdec.cli.diffusion import register
-from specdec.decode.artifacts import artifact_kind
-from specdec.decode.diffusion import DiffusionGenerator, load_dllm, load_filter
+from specdec.models.artifacts import artifact_kind
+from specdec.decode.diffusion import DiffusionGenerator
+from specdec.models.dllm import load_dllm, load_filter
 from specdec.decode.types import GenRequest
 from specdec.train.dllm import (
     CertaintyForcingCollate,
     DllmTrainConfig,
     Example,
     certainty_terms,
-    code_prompts,
     self_generated_examples,
     train_dllm,
 )
 from specdec.train.filter import train_filter
-from specdec.train.listtasks import OPERATIONS, WORDS, first_line_matches, list_tasks
+from specdec.train.prompts import code_prompts
+from specdec.decode.diffusion_bench import first_line_matches
+from specdec.train.listtasks import OPERATIONS, WORDS, list_tasks
 
 TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
 FAST = dict(seq_len=32, batch_size=8, warmup_steps=5, lr=3e-3, progress=False)
@@ -142,7 +142,7 @@ def cf_rows() -> list[Example]:
 
 @pytest.mark.parametrize("attention", ["bidirectional", "block"])
 def test_certainty_forcing_views_are_complementary_over_the_current_block(attention):
-    from specdec.decode.diffusion import DllmSpec
+    from specdec.models.dllm import DllmSpec
 
     mask = 99
     spec = DllmSpec(mask, eos_token_id=1, attention=attention, block_size=4)
@@ -227,7 +227,7 @@ def python_text(seed: int) -> str:
 
 
 def test_code_prompts_end_at_anchors_within_the_length_range():
-    from specdec.train.recipe import _ANCHORS
+    from specdec.train.prompts import _ANCHORS
 
     tokenizer = word_tokenizer()
     texts = [python_text(i) for i in range(4)]
@@ -244,20 +244,17 @@ def test_code_prompts_end_at_anchors_within_the_length_range():
 
 
 def test_cli_train_dllm_and_errors(tmp_path, ar_dir):
-    app = typer.Typer()
-    register(app)
     data = tmp_path / "data.jsonl"
     data.write_text("\n".join(json.dumps({"prompt": p, "completion": c}) for p, c in task_pairs(20)) + "\n")
-    runner = CliRunner()
-    result = runner.invoke(app, ["train-dllm", "--from", str(ar_dir), "--data", str(data), "--out", str(tmp_path / "d"), "--block-size", "8", "--max-steps", "3"])
+    result = invoke(["train-dllm", "--target", str(ar_dir), "--data", str(data), "--out", str(tmp_path / "d"), "--block-size", "8", "--max-steps", "3"])
     assert result.exit_code == 0, result.output
     assert artifact_kind(tmp_path / "d") == "dllm"
-    bad = runner.invoke(app, ["train-filter", "--dllm", str(ar_dir), "--data", str(data), "--out", str(tmp_path / "f")])
+    bad = invoke(["train-filter", "--target", str(ar_dir), "--data", str(data), "--out", str(tmp_path / "f")])
     assert bad.exit_code == 1 and "not a specdec dLLM" in bad.output
     texts = tmp_path / "texts.jsonl"
     texts.write_text("\n".join(json.dumps({"prompt": python_text(i)}) for i in range(3)) + "\n")
-    args = ["train-filter", "--dllm", str(tmp_path / "d"), "--data", str(texts), "--out", str(tmp_path / "f"), "--gen-length", "8", "--block-size", "8"]
-    result = runner.invoke(app, [*args, "--code-prompts", "2", "--max-steps", "3"])
+    args = ["train-filter", "--target", str(tmp_path / "d"), "--data", str(texts), "--out", str(tmp_path / "f"), "--gen-length", "8", "--block-size", "8"]
+    result = invoke([*args, "--code-prompts", "2", "--max-steps", "3"])
     assert result.exit_code == 0, result.output
     assert json.loads((tmp_path / "f" / "metrics.json").read_text())["prompts"] == 2
 

@@ -25,60 +25,10 @@ import math
 import time
 from pathlib import Path
 
-from specdec.decode.artifacts import SpecdecError, UsageError, check_fingerprint, read_config, tokenizer_fingerprint, write_json
-from specdec.decode.adaptive import FEATURES, HEAD_MODES, N_STATS, StopPolicy, acceptance_features, greedy_features
+from specdec.models.artifacts import SpecdecError, UsageError, check_fingerprint, read_config, tokenizer_fingerprint, write_json
+from specdec.decode.adaptive import StopPolicy
+from specdec.models.acceptance import FEATURES, HEAD_MODES, N_STATS, AcceptanceHead, acceptance_features, greedy_features
 from specdec.train.loop import TrainConfig, make_accelerator, run_training, save_config
-
-
-def _nn():
-    import torch
-
-    class ResBlock(torch.nn.Module):
-        """x + SiLU(W x + b), W zero-initialised so a fresh block is the identity (Medusa)."""
-
-        def __init__(self, hidden: int):
-            super().__init__()
-            self.linear = torch.nn.Linear(hidden, hidden)
-            torch.nn.init.zeros_(self.linear.weight)
-
-        def forward(self, x):
-            return x + torch.nn.functional.silu(self.linear(x))
-
-    class AcceptanceHead(torch.nn.Module):
-        """ResBlock x num_layers then Linear(H, 1): a logit of P(accept)."""
-
-        def __init__(self, hidden: int, num_layers: int = 3):
-            super().__init__()
-            self.blocks = torch.nn.Sequential(*[ResBlock(hidden) for _ in range(num_layers)])
-            self.out = torch.nn.Linear(hidden, 1)
-
-        def forward(self, h):
-            return self.out(self.blocks(h)).squeeze(-1)
-
-        def fast(self):
-            """``forward`` as a plain function of the current weights, for decoding: the head runs once per
-            drafted token, where nn.Module call overhead is most of its cost. No gradients."""
-            silu = torch.nn.functional.silu
-            blocks = [(b.linear.bias.detach(), b.linear.weight.detach().t().contiguous()) for b in self.blocks]
-            bias, weight = self.out.bias.detach(), self.out.weight.detach().t().contiguous()
-
-            def run(h):
-                x = h.reshape(-1, h.shape[-1])
-                for b, w in blocks:
-                    x = x + silu(torch.addmm(b, x, w))
-                return torch.addmm(bias, x, weight).reshape(h.shape[:-1])
-
-            return run
-
-    return ResBlock, AcceptanceHead
-
-
-def ResBlock(hidden: int):
-    return _nn()[0](hidden)
-
-
-def AcceptanceHead(hidden: int, num_layers: int = 3):
-    return _nn()[1](hidden, num_layers)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -148,7 +98,7 @@ def label_blocks(draft, target, blocks, temperature: float, target_frac: float, 
         for i in range(0, len(blocks), batch):
             if deadline is not None and out[modes[0]][0] and time.perf_counter() > deadline:
                 break
-            ids = blocks[i : i + batch]["input_ids"]
+            ids = blocks[i : i + batch]["input_ids"].to(target.get_input_embeddings().weight.device)
             d = draft(input_ids=ids, output_hidden_states=True)
             hidden = d.hidden_states[-1][:, :-1]
             q_logits = d.logits.float()[:, :-1]  # position t proposes token t+1
@@ -191,7 +141,7 @@ def target_continuations(target, blocks, prefix_len: int, new_tokens: int, tempe
     for i in range(0, n, batch):
         if deadline is not None and rows and time.perf_counter() > deadline:
             break
-        ids = blocks[i : min(i + batch, n)]["input_ids"][:, :prefix_len]
+        ids = blocks[i : min(i + batch, n)]["input_ids"][:, :prefix_len].to(target.get_input_embeddings().weight.device)
         results = engine.generate([GenRequest(prompt_ids=row.tolist(), max_new_tokens=new_tokens) for row in ids])
         rows.append(torch.cat([ids, torch.tensor([r.token_ids for r in results], dtype=ids.dtype)], 1))
     return torch.cat(rows) if rows else torch.zeros(0, prefix_len + new_tokens, dtype=torch.long)
@@ -544,6 +494,7 @@ def train_acceptance(
     cost_reps: int | None = None,
     policy_prompts: str | Path | None = None,
     resume: bool = False,
+    placement=None,
 ) -> dict:
     """Train the sampling head and the greedy head of one acceptance artifact; choose each mode's default
     stop policy by simulation (``choose_policy``) under the engine's measured round costs: the greedy
@@ -567,19 +518,18 @@ def train_acceptance(
     import torch
     from safetensors.torch import save_file
 
-    from specdec.train.data import load_blocks
-    from specdec.train.draft import load_draft, load_target
+    from specdec.models.loading import Placement, input_device, load_draft
+    from specdec.train.data import load_blocks, load_teacher
 
     if temperature <= 0 or not 0 <= target_token_frac <= 1 or reject_weight <= 0 or greedy_reject_weight <= 0:
         raise UsageError("temperature and reject weights must be > 0 and target_token_frac in [0, 1]")
     out_dir = Path(out_dir)
-    target, tokenizer = load_target(target_dir)
+    target, tokenizer = load_teacher(target_dir, placement, make_accelerator(cfg))
     fp = tokenizer_fingerprint(tokenizer)
     dcfg = read_config(draft_dir)
     if "specdec_target" in dcfg:
         check_fingerprint(dcfg["specdec_target"], fp, f"draft {draft_dir}")
-    draft = load_draft(draft_dir)
-    draft.requires_grad_(False)
+    draft = load_draft(draft_dir, placement or Placement(), device=input_device(target), dtype=target.dtype)
     if draft.config.vocab_size != target.config.vocab_size:
         raise SpecdecError(f"draft {draft_dir} has vocabulary size {draft.config.vocab_size}, the target {target.config.vocab_size}")
     user_prompts = read_policy_prompts(policy_prompts, tokenizer) if policy_prompts else None
@@ -720,38 +670,3 @@ def read_policy_prompts(path: str | Path, tokenizer, limit: int = POLICY_PROMPTS
     if not out:
         raise UsageError(f"{path} holds no prompts")
     return out
-
-
-def load_acceptance_heads(acceptance_dir: str | Path) -> tuple[dict, dict]:
-    """({mode: head}, config) from an acceptance artifact; weights through safetensors only.
-
-    Two-head artifacts hold "sampling.*" and "greedy.*" weights; the one-head format (no ``heads`` in
-    config.json) is a sampling head only.
-    """
-    from safetensors.torch import load_file
-
-    cfg = read_config(acceptance_dir)
-    if cfg.get("kind") != "acceptance":
-        raise SpecdecError(f"{acceptance_dir} is not an acceptance artifact (kind {cfg.get('kind')!r})")
-    if cfg.get("features") != FEATURES:
-        raise SpecdecError(f"{acceptance_dir} is an acceptance head of an older format (it reads the hidden state of the "
-                           f"drafted token itself); retrain it with `specdec train-acceptance`")
-    state = load_file(str(Path(acceptance_dir) / "model.safetensors"))
-    modes = cfg.get("heads")
-    parts = {m: {k[len(m) + 1:]: v for k, v in state.items() if k.startswith(m + ".")} for m in modes} if modes else {"sampling": state}
-    heads = {}
-    for mode, sd in parts.items():
-        if mode not in HEAD_MODES:
-            raise SpecdecError(f"{acceptance_dir}: unknown acceptance head {mode!r} (known: {', '.join(HEAD_MODES)})")
-        head = AcceptanceHead(int(cfg["input_size"]), int(cfg.get("num_layers", 3)))
-        head.load_state_dict(sd)
-        heads[mode] = head.eval().requires_grad_(False)
-    if "sampling" not in heads:
-        raise SpecdecError(f"{acceptance_dir} has no sampling head; retrain it with `specdec train-acceptance`")
-    return heads, cfg
-
-
-def load_acceptance_head(acceptance_dir: str | Path):
-    """(sampling head, config): the head that judges sampled drafts."""
-    heads, cfg = load_acceptance_heads(acceptance_dir)
-    return heads["sampling"], cfg

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from specdec.decode.artifacts import SpecdecError
+from specdec.models.artifacts import SpecdecError
 
 TEXT_FIELDS = ("text", "content")
 
@@ -115,7 +115,7 @@ def self_distill(target_dir: str | Path, prompts: list[str], out: str | Path, bu
 
     from specdec.decode.io import JsonlWriter, Record
     from specdec.decode.job import Decoder
-    from specdec.decode.loading import DecodeOptions
+    from specdec.decode.options import DecodeOptions
 
     decoder = Decoder(str(target_dir), DecodeOptions(drafter=drafter, max_new_tokens=max_new_tokens, batch_size=batch_size))
     deadline = time.perf_counter() + budget_s
@@ -128,3 +128,21 @@ def self_distill(target_dir: str | Path, prompts: list[str], out: str | Path, bu
     finally:
         writer.close()
     return summary.ok
+
+
+def load_teacher(target: str | Path, placement, accelerator):
+    """A trainer's frozen target and its tokenizer: on this process's device (or spread over the GPUs
+    by ``--device-map auto``), in the placement's dtype (the checkpoint's on a GPU, float32 on a CPU)."""
+    from specdec.models.loading import Placement, load_target
+
+    placement = placement or Placement()
+    model, tokenizer, _ = load_target(target, placement, device=None if placement.device_map else accelerator.device)
+    return model, tokenizer
+
+
+def trainable_draft(path: str | Path, placement):
+    """A draft checkpoint to train further: float32 weights on the CPU (accelerate places it), with gradients."""
+    from specdec.models.loading import Placement, load_draft
+
+    trust = bool(placement and placement.trust_remote_code)
+    return load_draft(path, Placement(device="cpu", dtype="float32", trust_remote_code=trust)).requires_grad_(True)

@@ -31,8 +31,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from specdec.decode.artifacts import SpecdecError, read_config, tokenizer_fingerprint, write_json
-from specdec.decode.diffusion import DiffusionGenerator, DllmSpec, dllm_attention, model_mask
+from specdec.decode.diffusion import DiffusionGenerator
+from specdec.models.artifacts import read_config, tokenizer_fingerprint, write_json
+from specdec.models.dllm import DllmSpec, dllm_attention, encode_prompt, model_mask
+from specdec.models.errors import SpecdecError
+from specdec.train.prompts import code_prompts
 from specdec.decode.types import GenRequest
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -127,11 +130,6 @@ def _as_existing_file(item) -> Path | None:
         return None
 
 
-def encode_prompt(tokenizer, text: str) -> list[int]:
-    """How every dLLM prompt is tokenized (training, filter labels, bench): the tokenizer's defaults."""
-    return tokenizer(text)["input_ids"]
-
-
 def text_examples(tokenizer, texts: list[str], seq_len: int, eos_id: int) -> list[Example]:
     stream: list[int] = []
     for text in texts:
@@ -147,18 +145,6 @@ def pair_examples(tokenizer, pairs: list[tuple[str, str]], seq_len: int, eos_id:
         a = (tokenizer(completion, add_special_tokens=False)["input_ids"] + [eos_id])[: seq_len - len(p)]
         out.append(Example(p + a + [eos_id] * (seq_len - len(p) - len(a)), len(p)))
     return out
-
-
-def code_prompts(tokenizer, texts: list[str], n: int, seed: int, min_tokens: int = 64, max_tokens: int = 256) -> list[str]:
-    """``n`` prompts cut from training texts as the recipe cuts its held-out prompts (examples/prompts.jsonl):
-    a prefix of ``min_tokens``..``max_tokens`` tokens ending at a function header and its first body line,
-    a docstring opening or a data literal, the three kinds in turn."""
-    from specdec.train.recipe import _ANCHORS, anchored_prompts  # one definition of the prompt distribution
-
-    order = list(range(len(texts)))
-    random.Random(seed).shuffle(order)
-    found = anchored_prompts(((i, texts[i]) for i in order), tokenizer, math.ceil(n / len(_ANCHORS)), min_tokens, max_tokens)
-    return [prompt for _, _, _, prompt in found][:n]
 
 
 def sample_batch(examples: list[Example], batch_size: int, rng: random.Random) -> tuple[Tensor, Tensor]:
@@ -534,78 +520,6 @@ def save_dllm(model, tokenizer, out_dir: str | Path, cfg: DllmTrainConfig, metri
     tokenizer.save_pretrained(out)
     write_json(out / "metrics.json", metrics)
     write_json(out / "train_config.json", {**asdict(cfg), "source": str(source) if source else None, "tokenizer": tokenizer_fingerprint(tokenizer)})
-
-
-# --------------------------------------------------------------------------------------------
-# The tiny-stdlib recipe hook
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass
-class RecipePlan:
-    """How the recipe spends its budget: masked-CE adaptation of the target, then dParallel certainty
-    forcing on the dLLM's own decodes of code prompts, then the Learn2PD filter labelled on code prompts.
-
-    Certainty forcing is what makes the parallel strategies commit several tokens per step: on the
-    default family, 10 CPU minutes of it after 10 of masked CE took ``threshold`` from 1.00 to 0.50 steps
-    per token at 93% agreement with static decoding (README, diffusion figures).
-    """
-
-    ce_share: float = 0.45
-    cf_share: float = 0.4  # the rest labels and fits the filter
-    max_texts: int = 2000  # the budget allows ~1e5 training tokens; tokenizing the whole corpus would waste it
-    list_tasks: int = 3000
-    lr: float = 1e-3  # short budgets: a larger step than the 3e-4 default
-    cf_prompts: int = 256
-    filter_prompts: int = 32  # code prompts cut from the training texts, as the held-out prompts
-    gen_length: int = 128  # certainty forcing and the filter's labelling decodes: the length the family is benchmarked at
-
-
-def build_for_recipe(target_dir, family_dir, train_texts: list[str], budget_minutes: float, seed: int) -> dict:
-    """Build ``family_dir/dllm`` from the AR target and ``family_dir/filter``; returns the metrics.
-
-    The masked-CE mix is a sample of the recipe's stdlib text chunks plus generated list tasks, so the
-    list-task quality probes (the held-out split) exist offline. The self-generated decodes of certainty
-    forcing and of the filter's labels reuse the prompt's and finished blocks' K/V (``cache="prefix"``,
-    the same computation under block attention).
-    """
-    from specdec.train.filter import train_filter
-    from specdec.train.listtasks import list_tasks
-
-    plan = RecipePlan()
-    family = Path(family_dir)
-    texts = list(train_texts)
-    random.Random(seed).shuffle(texts)
-    texts = texts[: plan.max_texts]
-    tasks = [(t.prompt, t.completion) for t in list_tasks(plan.list_tasks, seed=seed)]
-    with tempfile.TemporaryDirectory(dir=family) as scratch:
-        ce_dir = Path(scratch) / "dllm-ce"
-        ce_metrics = train_dllm(
-            target_dir, texts, ce_dir, max_steps=100_000, budget_minutes=budget_minutes * plan.ce_share,
-            seed=seed, extra_examples=tasks, lr=plan.lr, progress=False,
-        )  # fmt: skip
-        cf_metrics = train_dllm(
-            ce_dir, texts, family / "dllm", max_steps=100_000, budget_minutes=budget_minutes * plan.cf_share, seed=seed,
-            certainty_forcing=True, extra_examples=tasks, cf_prompts=plan.cf_prompts, cf_gen_length=plan.gen_length,
-            cf_cache="prefix", progress=False,
-        )  # fmt: skip
-    prompts = cut_code_prompts(family / "dllm", texts, plan.filter_prompts, seed + 1)
-    filter_metrics = train_filter(
-        family / "dllm", prompts, family / "filter", gen_length=plan.gen_length, cache="prefix",
-        budget_minutes=budget_minutes * (1 - plan.ce_share - plan.cf_share), seed=seed,
-    )  # fmt: skip
-    return {"dllm": {"masked_ce": ce_metrics, "certainty_forcing": cf_metrics}, "filter": filter_metrics}
-
-
-def cut_code_prompts(model_dir, texts: list[str], n: int, seed: int) -> list[str]:
-    """``code_prompts`` with the tokenizer of the model in ``model_dir`` (a dLLM, or the AR target); an
-    error when none can be cut."""
-    from transformers import AutoTokenizer
-
-    prompts = code_prompts(AutoTokenizer.from_pretrained(model_dir), texts, n, seed)
-    if not prompts:
-        raise SpecdecError("no code prompts could be cut from --data: it needs Python source texts")
-    return prompts
 
 
 def _device(model):

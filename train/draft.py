@@ -4,7 +4,7 @@ The artifact is a normal Hugging Face causal LM directory (save_pretrained, safe
 target's tokenizer) whose config.json also carries ``specdec_kind: draft`` and
 ``specdec_target`` (the target tokenizer's fingerprint), so ``--drafter DIR`` and
 AutoModelForCausalLM both load it. ``--lora`` with ``lora_save="adapter"`` writes a peft adapter
-instead of merged weights; ``load_draft`` handles both.
+instead of merged weights; ``models.loading.load_draft`` handles both.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from specdec.decode.artifacts import SpecdecError, UsageError, check_fingerprint, read_config, tokenizer_fingerprint, write_json
+from specdec.models.artifacts import SpecdecError, UsageError, check_fingerprint, read_config, tokenizer_fingerprint, write_json
 from specdec.train.loop import TrainConfig, run_training, save_config
 
 TAU_KS = tuple(range(1, 9))
@@ -25,38 +25,6 @@ TAU_KS = tuple(range(1, 9))
 
 # ---------------------------------------------------------------------------------------------
 # Loading
-
-
-def load_target(target_dir: str | Path, dtype=None):
-    """The frozen target and its tokenizer."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    target_dir = Path(target_dir)
-    if not (target_dir / "config.json").exists():
-        raise SpecdecError(f"{target_dir} is not a model directory (no config.json)")
-    tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype or torch.float32)
-    model.eval().requires_grad_(False)
-    return model, tokenizer
-
-
-def load_draft(draft_dir: str | Path, dtype=None):
-    """A draft artifact (merged weights or a peft adapter over its --init checkpoint)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    draft_dir = Path(draft_dir)
-    cfg = read_config(draft_dir)
-    if (draft_dir / "adapter_config.json").exists():
-        from peft import PeftModel
-
-        base_dir = cfg.get("specdec_adapter_base") or json.loads((draft_dir / "adapter_config.json").read_text())["base_model_name_or_path"]
-        base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=dtype or torch.float32)
-        model = PeftModel.from_pretrained(base, draft_dir).merge_and_unload()
-    else:
-        model = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=dtype or torch.float32)
-    return model.eval()
 
 
 def parse_arch(spec: str) -> dict:
@@ -84,14 +52,29 @@ def parse_arch(spec: str) -> dict:
 
 
 def new_draft(target_config, arch: str):
-    """A fresh small Llama with the target's vocabulary, special tokens and rope settings."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """A fresh small causal LM of the target's own architecture, sized by ``arch``: the target's rope
+    settings, sliding window and layer-type mix, vocabulary and special tokens. Where that
+    architecture cannot take these sizes (or has no causal-LM class), a Llama with the target's
+    vocabulary, special tokens and rope parameters."""
+    from huggingface_hub.errors import StrictDataclassError
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    from specdec.models.arch import FULL, resized_config, text_config
 
     kw = {"num_hidden_layers": 2, "hidden_size": 128, "num_attention_heads": 4}
     kw.update(parse_arch(arch))
     kw.setdefault("num_key_value_heads", kw["num_attention_heads"])
     kw.setdefault("intermediate_size", kw["hidden_size"] * 3)
-    tc = target_config
+    try:
+        config = resized_config(target_config, **kw)
+        config.tie_word_embeddings = False
+        return AutoModelForCausalLM.from_config(config)
+    except (SpecdecError, StrictDataclassError, ValueError, TypeError, KeyError, AttributeError):
+        pass
+    tc = text_config(target_config)
+    rope = dict(getattr(tc, "rope_parameters", None) or {})
+    rope = dict(rope.get(FULL, rope))  # per-layer-type parameters (Gemma-3): the full layers'
+    rope.pop("partial_rotary_factor", None)  # Llama rotates the whole head
     config = LlamaConfig(
         vocab_size=tc.vocab_size,
         max_position_embeddings=getattr(tc, "max_position_embeddings", 2048),
@@ -99,6 +82,7 @@ def new_draft(target_config, arch: str):
         eos_token_id=tc.eos_token_id,
         pad_token_id=getattr(tc, "pad_token_id", None),
         tie_word_embeddings=False,
+        **({"rope_parameters": rope} if rope.get("rope_type") else {}),
         **kw,
     )
     return LlamaForCausalLM(config)
@@ -220,7 +204,7 @@ def cache_teacher_logits(target, dataset, path: Path, top_k: int, batch: int = 8
     values, indices = [], []
     with torch.no_grad():
         for i in range(0, len(dataset), batch):
-            ids = dataset[i : i + batch]["input_ids"]
+            ids = dataset[i : i + batch]["input_ids"].to(target.get_input_embeddings().weight.device)
             logits = target(input_ids=ids).logits.float()
             v, ix = logits.topk(top_k, dim=-1)
             values.append(v.half())
@@ -285,7 +269,7 @@ def evaluate_draft(draft, target, heldout, batch: int = 8, temperature: float = 
     ces, agree, greedy, sampled = [], [], [], []
     with torch.no_grad():
         for i in range(0, len(heldout), batch):
-            ids = heldout[i : i + batch]["input_ids"]
+            ids = heldout[i : i + batch]["input_ids"].to(target.get_input_embeddings().weight.device)
             q = draft(input_ids=ids).logits.float()
             p = target(input_ids=ids).logits.float()
             ces.append(F.cross_entropy(q[:, :-1].reshape(-1, q.shape[-1]), ids[:, 1:].reshape(-1), reduction="none"))
@@ -331,12 +315,14 @@ def train_draft(
     teacher_topk: int = 64,
     ce_labels: str = "data",
     resume: bool = False,
+    placement=None,
 ) -> dict:
-    """Train a draft and write its artifact; returns metrics (empty on non-main processes)."""
+    """Train a draft and write its artifact; returns metrics (empty on non-main processes).
+    ``placement`` (models.loading.Placement): how the frozen target loads."""
     import torch
     from transformers import AutoConfig
 
-    from specdec.train.data import load_blocks
+    from specdec.train.data import load_blocks, load_teacher, trainable_draft
     from specdec.train.loop import make_accelerator
 
     out_dir = Path(out_dir)
@@ -350,7 +336,8 @@ def train_draft(
         raise UsageError("kd_weight must lie in [0, 1] and temperature be > 0")
     if ce_labels not in ("data", "target"):
         raise UsageError("ce_labels must be data or target")
-    target, tokenizer = load_target(target_dir)
+    accelerator = make_accelerator(cfg)
+    target, tokenizer = load_teacher(target_dir, placement, accelerator)
     fp = tokenizer_fingerprint(tokenizer)
     if init:
         init_cfg = read_config(init)
@@ -358,19 +345,22 @@ def train_draft(
             check_fingerprint(init_cfg["specdec_target"], fp, f"--init {init}")
         if AutoConfig.from_pretrained(init).vocab_size != target.config.vocab_size:
             raise SpecdecError(f"--init {init} has another vocabulary size than the target")
-        draft = load_draft(init)
+        draft = trainable_draft(init, placement)
     else:
         torch.manual_seed(cfg.seed)
         draft = new_draft(target.config, arch or "")
     if lora:
         from peft import LoraConfig, get_peft_model
 
+        from specdec.models.arch import attention_projections
+
+        # every attention projection, by this architecture's names; none found: peft's default for the model type
+        targets = attention_projections(draft) or None
         draft = get_peft_model(
             draft,
-            LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
+            LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, lora_dropout=0.0, target_modules=targets),
         )
 
-    accelerator = make_accelerator(cfg)
     train, held = load_blocks(data_files, tokenizer, cfg.seq_len, cfg.heldout, cfg.seed)
     cached, cache_s = None, 0.0
     if cache_teacher and kd_weight > 0:
@@ -391,7 +381,6 @@ def train_draft(
         # budget as the run that computed it, and every process the same number
         if cfg.budget_minutes > 0:
             cfg = dataclasses.replace(cfg, budget_minutes=max(cfg.budget_minutes - compute_s / 60, 0.01))
-    target.to(accelerator.device)
 
     def loss_fn(model, batch):
         ids = batch["input_ids"]

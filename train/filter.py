@@ -18,10 +18,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from specdec.decode.artifacts import SpecdecError, tokenizer_fingerprint, write_json
-from specdec.decode.diffusion import ConfidenceFilter, DiffusionGenerator, load_dllm, save_filter
+from specdec.decode.diffusion import DiffusionGenerator
+from specdec.models.artifacts import tokenizer_fingerprint, write_json
+from specdec.models.dllm import ConfidenceFilter, encode_prompt, load_dllm, save_filter
+from specdec.models.errors import SpecdecError
 from specdec.decode.types import GenRequest
-from specdec.train.dllm import curve_summary, encode_prompt
+from specdec.train.dllm import curve_summary
 
 
 @dataclass

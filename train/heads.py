@@ -1,415 +1,19 @@
-"""train-heads: Medusa, Clover and EAGLE drafting heads on a frozen target, through the shared loop.
-
-Every head module exposes the same three things:
-  forward(hidden_states, input_ids, target_logits) -> (loss, parts)   training (one call per step)
-  chain_logits(hidden_states, input_ids, k) -> [k, B, T, V]            teacher-forced chains for metrics:
-      entry k at position t predicts token t+2+k from the target's states up to t
-  plus the decode-side steps decode/heads.py calls (medusa_logits / clover step / eagle step).
-The target's embedding and LM head are used frozen and are not part of the artifact; the artifact
-holds only the trained head weights (model.safetensors) and config.json with the target's
-tokenizer fingerprint.
-"""
+"""train-heads: Medusa, Clover and EAGLE drafting heads on a frozen target, through the shared loop;
+export to the methods' public checkpoint layouts."""
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
-from specdec.decode.artifacts import SpecdecError, UsageError, read_config, tokenizer_fingerprint, write_json
-from specdec.train.acceptance import ResBlock
+from specdec.models.artifacts import read_config, tokenizer_fingerprint, write_json
+from specdec.models.errors import SpecdecError, UsageError
+from specdec.models.heads import KINDS, build_heads, save_heads
 from specdec.train.loop import TrainConfig, run_training, save_config
-
-KINDS = ("medusa", "clover", "eagle")
-
-
-def _frozen(target):
-    """(embedding, lm_head) of the target, kept outside the module's parameters."""
-    return (target.get_input_embeddings(), target.get_output_embeddings())
-
-
-# ---------------------------------------------------------------------------------------------
-# Medusa (Cai et al. 2024): head i = ResBlock^L then Linear(H, V) on h_t, predicts token t+2+i
-
-
-class MedusaHeads(nn.Module):
-    kind = "medusa"
-
-    def __init__(self, hidden: int, vocab: int, num_heads: int = 4, num_layers: int = 1, decay: float = 0.8):
-        super().__init__()
-        self.num_heads, self.num_layers, self.decay = num_heads, num_layers, decay
-        self.heads = nn.ModuleList(
-            nn.Sequential(*[ResBlock(hidden) for _ in range(num_layers)], nn.Linear(hidden, vocab, bias=False)) for _ in range(num_heads)
-        )
-        self._target = None
-
-    def attach(self, target, init_from_lm_head: bool = False):
-        self._target = _frozen(target)
-        if init_from_lm_head:
-            with torch.no_grad():
-                for head in self.heads:
-                    head[-1].weight.copy_(target.get_output_embeddings().weight)
-        return self
-
-    def hparams(self) -> dict:
-        return {"num_heads": self.num_heads, "num_layers": self.num_layers}
-
-    def medusa_logits(self, h):
-        """[num_heads, ..., V] from last hidden states h [..., H]."""
-        return torch.stack([head(h) for head in self.heads])
-
-    def chain_logits(self, hidden_states, input_ids, k):
-        return self.medusa_logits(hidden_states[-1])[:k]
-
-    def forward(self, hidden_states, input_ids, target_logits):
-        return decayed_head_loss(self.medusa_logits(hidden_states[-1]), input_ids, self.decay)
-
-
-def decayed_head_loss(logits, input_ids, decay: float):
-    """sum_i decay^i * CE(head i at t, token t+2+i) (Medusa-1 weights); logits [heads, B, T, V]."""
-    t = input_ids.shape[1]
-    loss, parts = 0.0, {}
-    for i in range(logits.shape[0]):
-        if t - 2 - i <= 0:
-            break
-        ce = F.cross_entropy(logits[i, :, : t - 2 - i].float().reshape(-1, logits.shape[-1]), input_ids[:, 2 + i :].reshape(-1))
-        loss = loss + decay**i * ce
-        parts[f"ce{i}"] = float(ce.detach())
-    return loss, parts
-
-
-# ---------------------------------------------------------------------------------------------
-# Clover (Xiao et al. 2024): Regressive Connection + Attention Decoder + Augmenting Block
-
-
-class _Attention(nn.Module):
-    """Multi-head attention without positions (the target's hidden states already carry them)."""
-
-    def __init__(self, hidden: int, heads: int):
-        super().__init__()
-        self.heads = heads
-        self.q = nn.Linear(hidden, hidden, bias=False)
-        self.kv = nn.Linear(hidden, 2 * hidden, bias=False)
-        self.o = nn.Linear(hidden, hidden, bias=False)
-        nn.init.zeros_(self.o.weight)  # a fresh block is the identity on its residual path
-
-    def forward(self, x, mem, mask):
-        """x [B, Q, H] queries, mem [B, S, H] keys/values, mask [B, Q, S] bool (True = attend)."""
-        b, q, h = x.shape
-        d = h // self.heads
-        qs = self.q(x).view(b, q, self.heads, d).transpose(1, 2)
-        k, v = self.kv(mem).view(b, mem.shape[1], 2, self.heads, d).permute(2, 0, 3, 1, 4)
-        out = F.scaled_dot_product_attention(qs, k.to(qs.dtype), v.to(qs.dtype), attn_mask=mask[:, None])
-        return self.o(out.transpose(1, 2).reshape(b, q, h))
-
-
-class _Block(nn.Module):
-    """Pre-norm attention + MLP (the Augmenting Block and the Attention Decoder share this shape)."""
-
-    def __init__(self, hidden: int, heads: int):
-        super().__init__()
-        self.norm1, self.norm2 = nn.RMSNorm(hidden, eps=1e-6), nn.RMSNorm(hidden, eps=1e-6)
-        self.attn = _Attention(hidden, heads)
-        self.mlp = nn.Sequential(nn.Linear(hidden, 2 * hidden), nn.SiLU(), nn.Linear(2 * hidden, hidden))
-        nn.init.zeros_(self.mlp[-1].weight)
-        nn.init.zeros_(self.mlp[-1].bias)
-
-    def forward(self, x, mem, mask):
-        x = x + self.attn(self.norm1(x), mem, mask)
-        return x + self.mlp(self.norm2(x))
-
-
-def window_mask(t: int, window: int, device) -> torch.Tensor:
-    """[T, T]: query t sees keys t-window < j <= t."""
-    i = torch.arange(t, device=device)
-    diff = i[:, None] - i[None, :]
-    return (diff >= 0) & (diff < window)
-
-
-class CloverHeads(nn.Module):
-    kind = "clover"
-
-    def __init__(self, hidden: int, vocab: int, num_heads: int = 4, attn_heads: int = 4, window: int = 64, decay: float = 0.8):
-        super().__init__()
-        self.num_heads, self.attn_heads, self.window, self.decay = num_heads, attn_heads, window, decay
-        self.augment = _Block(hidden, attn_heads)  # Augmenting Block: self-attention over the target's states
-        self.embed_norm = nn.RMSNorm(hidden, eps=1e-6)
-        self.fc = nn.Linear(2 * hidden, hidden)  # Regressive Connection: [embed(prev token), state] -> query
-        with torch.no_grad():  # start as "the state", so head 0 begins where Medusa does
-            self.fc.weight.zero_()
-            self.fc.weight[:, hidden:].copy_(torch.eye(hidden))
-            self.fc.bias.zero_()
-        self.decoder = _Block(hidden, attn_heads)  # Attention Decoder: cross-attention to the target's states
-        self.heads = nn.ModuleList(ResBlock(hidden) for _ in range(num_heads))
-        self._target = None
-
-    def attach(self, target, init_from_lm_head: bool = False):
-        self._target = _frozen(target)
-        return self
-
-    def hparams(self) -> dict:
-        return {"num_heads": self.num_heads, "attn_heads": self.attn_heads, "window": self.window}
-
-    def augmented(self, x, mem, mask):
-        """The Augmenting Block: states x [B, Q, H] attending to the target's states mem [B, S, H]."""
-        return self.augment(x, mem, mask)
-
-    def step(self, tokens, state, mem, mask):
-        """One regressive step: tokens [B, Q], state [B, Q, H], mem [B, S, H], mask [B, Q, S]."""
-        embed, _ = self._target
-        x = self.fc(torch.cat([self.embed_norm(embed(tokens).to(state.dtype)), state], dim=-1))
-        return self.decoder(x, mem, mask)
-
-    def head_logits(self, i, state):
-        _, lm_head = self._target
-        return lm_head(self.heads[i](state).to(lm_head.weight.dtype))
-
-    def chain_logits(self, hidden_states, input_ids, k):
-        h = hidden_states[-1]
-        b, t, _ = h.shape
-        mask = window_mask(t, self.window, h.device)[None].expand(b, t, t)
-        state = self.augmented(h, h, mask)
-        out = []
-        for i in range(k):
-            # the token fed at step i is token t+1+i (teacher-forced); past the end, pad
-            tok = F.pad(input_ids[:, 1 + i :], (0, 1 + i), value=0)
-            state = self.step(tok, state, h, mask)
-            out.append(self.head_logits(min(i, self.num_heads - 1), state))
-        return torch.stack(out)
-
-    def forward(self, hidden_states, input_ids, target_logits):
-        return decayed_head_loss(self.chain_logits(hidden_states, input_ids, self.num_heads), input_ids, self.decay)
-
-
-# ---------------------------------------------------------------------------------------------
-# EAGLE (Li et al. 2024): fc(concat(embed(x_{t+1}), f_t)) -> one decoder layer -> f_hat_{t+1}
-
-
-class _RMSNorm(nn.Module):
-    def __init__(self, hidden: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden))
-        self.eps = eps
-
-    def forward(self, x):
-        x32 = x.float()
-        return self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
-
-
-class DraftLayer(nn.Module):
-    """One pre-norm Llama decoder layer (RoPE attention + SwiGLU), the EAGLE drafter's body.
-
-    Parameter names follow the Llama checkpoint layout (``self_attn.q_proj``, ``mlp.gate_proj``, ...)
-    so exports need no renaming. Written out here, rather than borrowed from transformers, because
-    the drafter runs it once per tree level: per-call overhead is what a tree costs on small
-    models, and the decode side writes tree nodes' keys straight into its own slot cache
-    (``store``) instead of re-running the expanded tree every level.
-    """
-
-    def __init__(self, hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int, eps: float):
-        super().__init__()
-        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
-        self.input_layernorm = _RMSNorm(hidden, eps)
-        self.post_attention_layernorm = _RMSNorm(hidden, eps)
-        self.self_attn = nn.Module()
-        self.self_attn.q_proj = nn.Linear(hidden, heads * head_dim, bias=False)
-        self.self_attn.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
-        self.self_attn.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
-        self.self_attn.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
-        self.mlp = nn.Module()
-        self.mlp.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.mlp.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.mlp.down_proj = nn.Linear(intermediate, hidden, bias=False)
-        self._fused_cache: dict = {}
-
-    def forward(self, x, cos, sin, mask, store=None):
-        """x [B, T, H]; cos/sin [B, T, D] of each token's position; mask [B, 1, T, S] over the keys (bool,
-        True = attend, or additive float); ``store(k, v)`` puts this segment's keys/values [B, kvh, T, D] into a
-        cache and returns all S keys/values (None: the segment attends to itself only, S = T)."""
-        b, t, _ = x.shape
-        a, d = self.self_attn, self.head_dim
-        qkv = F.linear(self.input_layernorm(x), self._fused("qkv", a.q_proj, a.k_proj, a.v_proj)).view(b, t, -1, d).transpose(1, 2)
-        q, k, v = qkv.split([self.heads, self.kv_heads, self.kv_heads], dim=1)
-        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-        if store is not None:
-            k, v = store(k, v)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.heads != self.kv_heads)
-        x = x + a.o_proj(out.transpose(1, 2).reshape(b, t, self.heads * d))
-        gate, up = F.linear(self.post_attention_layernorm(x), self._fused("gate_up", self.mlp.gate_proj, self.mlp.up_proj)).chunk(2, -1)
-        return x + self.mlp.down_proj(F.silu(gate) * up)
-
-    def _fused(self, name: str, *linears) -> torch.Tensor:
-        """The linears' weights stacked into one matrix (one matmul instead of several). Cached while
-        the weights neither change nor need gradients: decoding calls this layer once per tree level."""
-        ws = [m.weight for m in linears]
-        if torch.is_grad_enabled() and any(w.requires_grad for w in ws):
-            return torch.cat(ws)
-        key = tuple((w.data_ptr(), w._version, w.dtype) for w in ws)
-        hit = self._fused_cache.get(name)
-        if hit is None or hit[0] != key:
-            hit = self._fused_cache[name] = (key, torch.cat(ws))
-        return hit[1]
-
-
-def _rope(x, cos, sin):
-    """Rotary embedding, half-split convention (Llama): x [B, h, T, D], cos/sin [B, T, D]."""
-    cos, sin = cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
-
-
-def rope_theta(config) -> float:
-    params = getattr(config, "rope_parameters", None) or {}
-    return float(params.get("rope_theta") or getattr(config, "rope_theta", None) or 10000.0)
-
-
-class EagleHead(nn.Module):
-    kind = "eagle"
-
-    def __init__(self, target_config, feature_layers: list[int] | None = None, noise: float = 0.2, ce_weight: float = 0.1,
-                 reg_weight: float = 1.0, unroll: int = 1, decay: float = 0.8):
-        super().__init__()
-        hidden = target_config.hidden_size
-        heads = target_config.num_attention_heads
-        self.feature_layers = list(feature_layers) if feature_layers else None
-        self.noise, self.ce_weight, self.reg_weight, self.unroll, self.decay = noise, ce_weight, reg_weight, unroll, decay
-        # EAGLE-3: low/mid/high layer features fused into one
-        self.fuse = nn.Linear(len(self.feature_layers) * hidden, hidden, bias=False) if self.feature_layers else None
-        self.fc = nn.Linear(2 * hidden, hidden)
-        head_dim = getattr(target_config, "head_dim", None) or hidden // heads
-        self.decoder = nn.Module()  # keeps the ``decoder.layers.0.*`` checkpoint names
-        self.decoder.layers = nn.ModuleList([DraftLayer(
-            hidden, getattr(target_config, "intermediate_size", 4 * hidden), heads,
-            getattr(target_config, "num_key_value_heads", None) or heads, head_dim, getattr(target_config, "rms_norm_eps", 1e-6),
-        )])
-        # the output is a feature for the target's LM head, as f_t is: no final norm
-        max_pos = int(getattr(target_config, "max_position_embeddings", 2048)) + 64  # + room for tree depth
-        inv_freq = 1.0 / rope_theta(target_config) ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-        freqs = torch.outer(torch.arange(max_pos, dtype=torch.float64), inv_freq)
-        emb = torch.cat([freqs, freqs], dim=-1)
-        self.register_buffer("rope_cos", emb.cos().float(), persistent=False)
-        self.register_buffer("rope_sin", emb.sin().float(), persistent=False)
-        self._target = None
-
-    @property
-    def layer(self) -> DraftLayer:
-        return self.decoder.layers[0]
-
-    def attach(self, target, init_from_lm_head: bool = False):
-        self._target = _frozen(target)
-        return self
-
-    def hparams(self) -> dict:
-        return {"feature_layers": self.feature_layers, "unroll": self.unroll, "noise": self.noise, "ce_weight": self.ce_weight,
-                "reg_weight": self.reg_weight}
-
-    def features(self, hidden_states):
-        """The drafter's input feature per position: the last layer, or fused chosen layers."""
-        if self.fuse is None:
-            return hidden_states[-1]
-        return self.fuse(torch.cat([hidden_states[i] for i in self.feature_layers], dim=-1))
-
-    def entry(self, tokens, feats):
-        embed, _ = self._target
-        return self.fc(torch.cat([embed(tokens).to(feats.dtype), feats], dim=-1))
-
-    def rope(self, position_ids):
-        """(cos, sin) [B, T, D] for position ids [B, T]."""
-        return self.rope_cos[position_ids], self.rope_sin[position_ids]
-
-    def run(self, x, mask, position_ids, store=None):
-        return self.layer(x, *self.rope(position_ids), mask, store)
-
-    def lm_logits(self, f):
-        _, lm_head = self._target
-        return lm_head(f.to(lm_head.weight.dtype))
-
-    def unrolled(self, hidden_states, input_ids, steps: int, noise: float = 0.0):
-        """Predicted features [steps, B, T-1, H]: entry s of step u predicts f_{s+u+1}.
-
-        Step 0 feeds the true features; step u feeds step u-1's prediction (EAGLE-3 training-time
-        test). A step-u entry from start s sits at position s+u and sees the true entries 0..s and
-        its own chain, which is the tree attention it gets at decode time.
-        """
-        f = self.features(hidden_states)
-        b, t, h = f.shape
-        n = t - 1
-        dev = f.device
-        feats = f[:, :n]
-        if noise:
-            feats = feats + (torch.rand_like(feats) - 0.5) * noise
-        s = torch.arange(n, device=dev)
-        causal = s[:, None] >= s[None, :]
-        entries, outs = [], []
-        prev = feats
-        for u in range(steps):
-            tok = F.pad(input_ids[:, 1 + u :], (0, u), value=0)[:, :n]  # token s+u+1
-            entries.append(self.entry(tok, prev))
-            m = len(entries)
-            mask = torch.zeros(m * n, m * n, dtype=torch.bool, device=dev)
-            for a in range(m):
-                mask[a * n : (a + 1) * n, :n] = causal  # true entries 0..s
-                for c in range(1, a + 1):
-                    mask[a * n : (a + 1) * n, c * n : (c + 1) * n] = torch.eye(n, dtype=torch.bool, device=dev)
-            pos = torch.cat([s + a for a in range(m)])[None].expand(b, -1)
-            out = self.run(torch.cat(entries, dim=1), mask[None, None].expand(b, 1, -1, -1), pos)
-            prev = out[:, (m - 1) * n :]
-            outs.append(prev)
-        return torch.stack(outs)
-
-    def chain_logits(self, hidden_states, input_ids, k):
-        fh = self.unrolled(hidden_states, input_ids, k)
-        return F.pad(self.lm_logits(fh), (0, 0, 0, 1))  # [k, B, T, V], last position padded
-
-    def forward(self, hidden_states, input_ids, target_logits):
-        fh = self.unrolled(hidden_states, input_ids, self.unroll, noise=self.noise)
-        f = hidden_states[-1]
-        t = input_ids.shape[1]
-        loss, parts = 0.0, {}
-        for u in range(self.unroll):
-            valid = t - 1 - u  # starts s with s+u+1 <= T-1
-            if valid <= 0:
-                break
-            pred = fh[u, :, :valid]
-            true = f[:, 1 + u : 1 + u + valid].to(pred.dtype)
-            reg = F.smooth_l1_loss(pred.float(), true.float())
-            p = F.softmax(target_logits[:, 1 + u : 1 + u + valid].float(), -1)
-            ce = -(p * F.log_softmax(self.lm_logits(pred).float(), -1)).sum(-1).mean()
-            loss = loss + self.decay**u * (self.reg_weight * reg + self.ce_weight * ce)
-            parts[f"reg{u}"], parts[f"ce{u}"] = float(reg.detach()), float(ce.detach())
-        return loss, parts
-
-
-# ---------------------------------------------------------------------------------------------
-# Build, train, save, load
-
-
-def build_heads(kind: str, target, hp: dict):
-    cfg = target.config
-    if kind == "medusa":
-        m = MedusaHeads(cfg.hidden_size, cfg.vocab_size, int(hp.get("num_heads", 4)), int(hp.get("num_layers", 1)))
-    elif kind == "clover":
-        m = CloverHeads(cfg.hidden_size, cfg.vocab_size, int(hp.get("num_heads", 4)), int(hp.get("attn_heads", cfg.num_attention_heads)),
-                        int(hp.get("window", 64)))
-    elif kind == "eagle":
-        layers = hp.get("feature_layers")
-        if layers == "eagle3" or (hp.get("eagle3") and not layers):
-            n = cfg.num_hidden_layers
-            layers = sorted({min(2, n), max(n // 2, 1), max(n - 3, 1)})
-        m = EagleHead(cfg, layers, float(hp.get("noise", 0.2)), float(hp.get("ce_weight", 0.1)), float(hp.get("reg_weight", 1.0)),
-                      int(hp.get("unroll", 7 if hp.get("eagle3") else 1)))
-    else:
-        raise UsageError(f"--kind must be one of {', '.join(KINDS)}, not {kind!r}")
-    return m
-
 
 def evaluate_heads(heads, target, heldout, k: int, batch: int = 8, top_k: int = 5) -> dict:
     """Per-head top-1/top-k accuracy (against the data and the target's greedy choice) and tau."""
-    from specdec.train.draft import chain_tau
 
     hits1 = torch.zeros(k)
     hitsk = torch.zeros(k)
@@ -418,7 +22,7 @@ def evaluate_heads(heads, target, heldout, k: int, batch: int = 8, top_k: int = 
     matches = []
     with torch.no_grad():
         for i in range(0, len(heldout), batch):
-            ids = heldout[i : i + batch]["input_ids"]
+            ids = heldout[i : i + batch]["input_ids"].to(target.get_input_embeddings().weight.device)
             out = target(input_ids=ids, output_hidden_states=True)
             greedy = out.logits.argmax(-1)
             logits = heads.chain_logits(out.hidden_states, ids, k).float()
@@ -459,30 +63,31 @@ def train_heads(
     out_dir: str | Path,
     cfg: TrainConfig,
     resume: bool = False,
+    placement=None,
     **hp,
 ) -> dict:
-    """Train one head kind on the frozen target; writes the artifact, returns metrics."""
-    from specdec.train.data import load_blocks
-    from specdec.train.draft import load_target
+    """Train one head kind on the frozen target; writes the artifact, returns metrics. ``placement``
+    (models.loading.Placement): how the target loads."""
+    from specdec.train.data import load_blocks, load_teacher
     from specdec.train.loop import make_accelerator
 
     if kind not in KINDS:
         raise UsageError(f"--kind must be one of {', '.join(KINDS)}, not {kind!r}")
     hp = {**cfg.extra, **{k: v for k, v in hp.items() if v is not None}}
     out_dir = Path(out_dir)
-    target, tokenizer = load_target(target_dir)
-    fp = tokenizer_fingerprint(tokenizer)
     accelerator = make_accelerator(cfg)
+    target, tokenizer = load_teacher(target_dir, placement, accelerator)
+    fp = tokenizer_fingerprint(tokenizer)
     train, held = load_blocks(data_files, tokenizer, cfg.seq_len, cfg.heldout, cfg.seed)
     torch.manual_seed(cfg.seed)
     heads = build_heads(kind, target, hp).attach(target, init_from_lm_head=bool(hp.get("init_from_lm_head", True)))
-    target.to(accelerator.device)
 
     def loss_fn(model, batch):
         ids = batch["input_ids"]
         with torch.no_grad():
             out = target(input_ids=ids, output_hidden_states=True)
-        return model(out.hidden_states, ids, out.logits)
+        # float32 features: a bf16 target on a GPU feeds heads whose weights train in float32
+        return model(tuple(h.float() for h in out.hidden_states), ids, out.logits.float())
 
     result = run_training(cfg, heads, loss_fn, train, out_dir, resume=resume, accelerator=accelerator)
     if not result.is_main:
@@ -496,37 +101,6 @@ def train_heads(
     save_config(cfg, out_dir, {"trainer": "heads", "kind": kind, "target": str(target_dir), "data": [str(f) for f in data_files], **hp})
     write_json(out_dir / "metrics.json", metrics)
     return metrics
-
-
-def save_heads(heads, out_dir: Path, fingerprint: dict, target_config) -> None:
-    from safetensors.torch import save_file
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().float().contiguous() for k, v in heads.state_dict().items()}, str(out_dir / "model.safetensors"))
-    write_json(out_dir / "config.json", {
-        "kind": heads.kind, "target": fingerprint, "hidden_size": target_config.hidden_size,
-        "vocab_size": target_config.vocab_size, "num_hidden_layers": target_config.num_hidden_layers, **heads.hparams(),
-    })
-
-
-def load_heads(artifact_dir: str | Path, target):
-    """A head module from its artifact, attached to ``target`` (weights through safetensors only)."""
-    from safetensors.torch import load_file
-
-    cfg = read_config(artifact_dir)
-    kind = cfg.get("kind")
-    if kind not in KINDS:
-        raise SpecdecError(f"{artifact_dir} is not a medusa/clover/eagle artifact (kind {kind!r})")
-    if cfg.get("hidden_size") != target.config.hidden_size or cfg.get("vocab_size") != target.config.vocab_size:
-        raise SpecdecError(f"{artifact_dir} was trained for a target with hidden size {cfg.get('hidden_size')} and "
-                           f"vocabulary {cfg.get('vocab_size')}; this target has {target.config.hidden_size} and {target.config.vocab_size}")
-    heads = build_heads(kind, target, cfg)
-    weights = load_file(str(Path(artifact_dir) / "model.safetensors"))
-    weights.pop("decoder.embed_tokens.weight", None)  # EAGLE artifacts written with a transformers LlamaModel body
-    heads.load_state_dict(weights)
-    p = next(target.parameters())
-    return heads.to(device=p.device, dtype=p.dtype).eval().requires_grad_(False).attach(target), cfg
-
 
 # ---------------------------------------------------------------------------------------------
 # Export
@@ -583,17 +157,3 @@ def export_artifact(src: Path, dst: Path, to: str) -> Path:
     conf["specdec_target"] = cfg.get("target")
     write_json(dst / "config.json", conf)
     return dst
-
-
-def expected_tau_from_alpha(alpha: list[float]) -> list[float]:
-    """tau(K) = sum_{i=0..K} prod_{j<i} alpha_j for K = 1..len(alpha)."""
-    out, reach, total = [], 1.0, 1.0
-    for a in alpha:
-        reach *= a
-        total += reach
-        out.append(total)
-    return out
-
-
-__all__ = ["MedusaHeads", "CloverHeads", "EagleHead", "build_heads", "train_heads", "load_heads", "save_heads",
-           "evaluate_heads", "export_artifact", "KINDS", "math"]

@@ -68,9 +68,3 @@ def list_tasks(n: int, seed: int = 0, split: str = "train", min_len: int = 3, ma
         if _is_heldout(task) == (split == "heldout"):
             tasks.append(task)
     return tasks
-
-
-def first_line_matches(completion: str, answer: str) -> bool:
-    """Exact match of the completion's first line, ignoring surrounding whitespace."""
-    lines = completion.strip().splitlines()
-    return bool(lines) and lines[0].strip() == answer.strip()

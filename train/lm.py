@@ -174,15 +174,6 @@ def pretrain(
     }
 
 
-def distinct_ngram_ratio(token_lists: list[list[int]], n: int = 4) -> float:
-    grams, total = set(), 0
-    for toks in token_lists:
-        for i in range(len(toks) - n + 1):
-            grams.add((id(toks), tuple(toks[i : i + n])))
-            total += 1
-    return len(grams) / total if total else 0.0
-
-
 def save_target(model, tokenizer, out_dir: Path, metrics: dict, arch: TargetArch) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)

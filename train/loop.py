@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 import yaml
 
-from specdec.decode.artifacts import SpecdecError, UsageError, write_json
+from specdec.models.artifacts import SpecdecError, UsageError, write_json
 
 
 @dataclass
@@ -426,7 +426,7 @@ def _checkpoint(accelerator, root: Path, step: int, losses: list, logs: list, ke
             fh.flush()
             os.fsync(fh.fileno())
         _fsync(tmp)
-        if final.exists():  # the same step written again (a resumed run's final checkpoint)
+        if final.exists():  # a damaged checkpoint of this step, skipped by the resume that led here
             os.replace(final, final.with_name(final.name + ".old"))
         os.replace(tmp, final)
         _fsync(root)

@@ -7,15 +7,28 @@ Each stage gets a share of the wall-clock budget from the recipe YAML.
 from __future__ import annotations
 
 import json
-import re
+import random
+import sys
+import tempfile
 import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import yaml
 
-from specdec.decode.artifacts import SpecdecError, family_dir, write_json
+from specdec.models.artifacts import family_dir, write_json
+from specdec.models.errors import SpecdecError
+from specdec.recipes import RECIPES_DIR as RECIPES
 from specdec.recipes import recipe_path
+from specdec.train.acceptance import train_acceptance
+from specdec.train.data import load_texts, self_distill
+from specdec.train.dllm import train_dllm
+from specdec.train.filter import train_filter
+from specdec.train.listtasks import list_tasks
+from specdec.train.draft import train_draft
+from specdec.train.heads import train_heads
+from specdec.train.loop import load_config
+from specdec.train.prompts import cut_code_prompts, dev_prompts, held_out_prompts
 
 
 @dataclass
@@ -47,6 +60,14 @@ def log(console, msg: str) -> None:
         console.print(msg)
 
 
+STAGES = ("target", "prompts", "drafters", "dllm")
+
+
+def recipe_minutes(name: str) -> float:
+    """The recipe's default wall-clock budget."""
+    return RecipeConfig.load(recipe_path(name)).budget_minutes
+
+
 def run_recipe(name: str, budget_minutes: float | None = None, force: bool = False, only: list[str] | None = None, console=None) -> dict:
     cfg = RecipeConfig.load(recipe_path(name), budget_minutes=budget_minutes)
     if cfg.name != "tiny-stdlib":
@@ -56,7 +77,7 @@ def run_recipe(name: str, budget_minutes: float | None = None, force: bool = Fal
     budget_s = cfg.budget_minutes * 60
     start = time.perf_counter()
     report: dict = {"recipe": cfg.name, "budget_minutes": cfg.budget_minutes}
-    want = set(only or ["target", "prompts", "drafters", "dllm"])
+    want = set(only or STAGES)
 
     from specdec.train.corpus import stdlib_corpus
 
@@ -70,16 +91,17 @@ def run_recipe(name: str, budget_minutes: float | None = None, force: bool = Fal
     if "drafters" in want:
         report["drafters"] = _stage(
             "drafters", fam, force, console,
-            lambda: _hook("specdec.cli.train", "build_drafters_for_recipe")(
+            lambda: build_drafters(
                 fam, [data], cfg.shares["drafters"] * cfg.budget_minutes, cfg.seed
             ),
             members=("draft", "draft-ce", "acceptance", "medusa", "clover", "eagle"),
         )
     if "dllm" in want:
-        texts = [json.loads(line)["prompt"] for line in data.read_text().splitlines()]
+        # split on "\n" only: splitlines() also breaks at U+2028, U+0085, ... inside JSON strings
+        texts = [json.loads(line)["prompt"] for line in data.read_bytes().split(b"\n") if line.strip()]
         report["dllm"] = _stage(
             "dllm", fam, force, console,
-            lambda: _hook("specdec.train.dllm", "build_for_recipe")(
+            lambda: build_dllm(
                 fam / "target", fam, texts, cfg.shares["dllm"] * cfg.budget_minutes, cfg.seed
             ),
             members=("dllm",),
@@ -94,20 +116,7 @@ def _stage(name, fam: Path, force: bool, console, build, members) -> dict:
         log(console, f"[dim]{name}: cached in {fam}[/dim]")
         return {"cached": True}
     log(console, f"[bold]{name}[/bold]: building")
-    try:
-        return build()
-    except ImportError as exc:  # a stage whose code is not in this checkout
-        log(console, f"[yellow]{name}: skipped ({exc})[/yellow]")
-        return {"skipped": str(exc)}
-
-
-def _hook(module: str, func: str):
-    import importlib
-
-    mod = importlib.import_module(module)
-    if not hasattr(mod, func):
-        raise ImportError(f"{module}.{func} is missing")
-    return getattr(mod, func)
+    return build()
 
 
 def build_target(cfg: RecipeConfig, corpus, out: Path, budget_s: float, force: bool, console) -> dict:
@@ -157,95 +166,12 @@ def build_target(cfg: RecipeConfig, corpus, out: Path, budget_s: float, force: b
 def evaluate_continuations(model, tok, corpus, n: int, new_tokens: int) -> dict:
     from specdec.decode.engine import SpecEngine
     from specdec.decode.types import GenRequest
-    from specdec.train.lm import distinct_ngram_ratio
+    from specdec.decode.bench import distinct_ngram_ratio
 
     prompts = held_out_prompts(corpus, tok, per_category=max(1, n // 3))[:n]
     engine = SpecEngine(model, tok)
     results = engine.generate([GenRequest(tok(p["prompt"])["input_ids"], new_tokens) for p in prompts])
     return {"distinct4": round(distinct_ngram_ratio([r.token_ids for r in results]), 4), "eval_prompts": len(prompts)}
-
-
-# -- held-out prompts -------------------------------------------------------------------------
-
-_ANCHORS = {
-    "docstring": re.compile(r'^\s*[ru]?"""(?!.*""")\s*\w.*$'),  # opens a docstring, prose follows
-    "data": re.compile(r"^\s*\w[\w.]*\s*=\s*[\[{(]\s*$"),
-    "code": re.compile(r"^\s*(async\s+)?def \w+\(.*\)\s*(->.*)?:\s*$"),
-}
-
-
-def held_out_prompts(corpus, tok, per_category: int = 16, lo: int = 64, hi: int = 256) -> list[dict]:
-    """Prefixes of held-out files ending at a function body, a docstring or a data literal."""
-    sources = ((path, corpus.read(path)) for path in corpus.heldout_files)
-    out, numbered = [], {k: 0 for k in _ANCHORS}
-    for cat, path, line, text in anchored_prompts(sources, tok, per_category, lo, hi):
-        numbered[cat] += 1
-        out.append({"id": f"{cat}-{numbered[cat]:02d}", "category": cat, "prompt": text,
-                    "source": f"{path.relative_to(corpus.root)}:{line + 1}"})
-    return out
-
-
-def anchored_prompts(sources, tok, per_kind: int, lo: int = 64, hi: int = 256, kinds=tuple(_ANCHORS)) -> list[tuple[str, object, int, str]]:
-    """(kind, source, line index, prompt) for up to ``per_kind`` prompts of each anchor kind, cut from
-    ``sources`` ((source, text) pairs, read lazily: it stops once every kind is full) as a prefix of
-    ``lo``..``hi`` tokens ending at a function header and its first body line, a docstring opening or
-    a data literal; the kinds in turn. The one definition of specdec's prompt distribution (the
-    held-out prompts, and the training prompts that dLLM distillation answers)."""
-    anchors = {k: _ANCHORS[k] for k in kinds}
-    found: dict[str, list] = {k: [] for k in anchors}
-    for source, text in sources:
-        lines = text.splitlines(keepends=True)
-        used_until = -1
-        for i, line in enumerate(lines):
-            for kind, pattern in anchors.items():
-                if len(found[kind]) >= per_kind or i <= used_until or not pattern.match(line):
-                    continue
-                prompt = _prefix(lines, i + (2 if kind == "code" else 1), tok, lo, hi)
-                if prompt is None:
-                    continue
-                found[kind].append((kind, source, i, prompt))
-                used_until = i + 40  # spread prompts over the text
-        if all(len(v) >= per_kind for v in found.values()):
-            break
-    return [found[kind][i] for i in range(per_kind) for kind in anchors if i < len(found[kind])]
-
-
-def _prefix(lines: list[str], end: int, tok, lo: int, hi: int) -> str | None:
-    start = end
-    text = ""
-    while start > 0:
-        cand = "".join(lines[start - 1 : end])
-        n = len(tok(cand)["input_ids"])
-        if n > hi:
-            break
-        start -= 1
-        text = cand
-        if n >= lo and lines[start].strip() == "":
-            break
-    n = len(tok(text)["input_ids"]) if text else 0
-    return text if lo <= n <= hi else None
-
-
-def dev_prompts(corpus, tok, bench: list[dict], per_category: int = 8, distance: int = 120, lo: int = 64, hi: int = 256) -> list[dict]:
-    """Held-out prompts of the benchmark's kinds, each anchored at least ``distance`` lines from every
-    benchmark prompt's anchor: what a trainer tunes a choice on (train-acceptance --policy-prompts)
-    without seeing the benchmark. Each kind is scanned on its own, up to ``per_category``, at most two
-    from a file."""
-    taken: dict[str, list[int]] = {}
-    for p in bench:
-        source, line = p["source"].rsplit(":", 1)
-        taken.setdefault(source, []).append(int(line) - 1)
-    out = []
-    for kind in _ANCHORS:
-        sources = ((path, corpus.read(path)) for path in corpus.heldout_files)
-        found, per_file = [], {}
-        for _, path, line, text in anchored_prompts(sources, tok, 10 * per_category, lo, hi, kinds=(kind,)):
-            name = str(path.relative_to(corpus.root))
-            if per_file.get(name, 0) < 2 and all(abs(line - b) >= distance for b in taken.get(name, [])):
-                per_file[name] = per_file.get(name, 0) + 1  # at most two a file: spread over the held-out files
-                found.append({"id": f"dev-{kind}-{len(found) + 1:02d}", "category": kind, "prompt": text, "source": f"{name}:{line + 1}"})
-        out += found[:per_category]
-    return out
 
 
 def write_prompts(corpus, target_dir: Path, out: Path, per_category: int = 16) -> Path:
@@ -263,8 +189,6 @@ def write_prompts(corpus, target_dir: Path, out: Path, per_category: int = 16) -
 
 def write_list_task_probes(out: Path, n: int = 48, seed: int = 0) -> Path:
     """Held-out list tasks (copy / reverse / sort) with answers: the dLLM's offline quality probes."""
-    from specdec.train.listtasks import list_tasks
-
     tasks = list_tasks(n, seed=seed, split="heldout")
     out.write_text("".join(json.dumps(t.record(i)) + "\n" for i, t in enumerate(tasks)))
     return out
@@ -283,3 +207,129 @@ def write_training_text(corpus, out: Path, chunk_chars: int = 2000, max_chunks: 
     step = max(1, len(records) // max_chunks)
     out.write_text("".join(json.dumps(r) + "\n" for r in records[::step][:max_chunks]))
     return out
+
+
+
+def build_drafters(family_dir: Path, train_files: list[Path], budget_minutes: float, seed: int) -> dict:
+    """Train every learned drafter of a family from ``family_dir/target`` within ``budget_minutes``.
+
+    First the target's own greedy continuations of code prompts cut from ``train_files`` are written to
+    family_dir/data/regen.jsonl (self-distillation, as `specdec decode` writes them), and every drafter
+    trains on those: a drafter's job is to predict the target, not the corpus. Writes
+    family_dir/{draft, draft-ce, acceptance, medusa, clover, eagle}; draft (KD) and draft-ce (CE only) get
+    the same budget and recipe so their tau is comparable. Returns {member: metrics}.
+    """
+    family_dir = Path(family_dir)
+    target = family_dir / "target"
+    if not (target / "config.json").exists():
+        raise SpecdecError(f"{target} has no config.json: build the target first")
+    # the KD / CE pair gets about 1.6 minutes each at the default 20-minute budget: at 1.1 minutes CE's
+    # extra steps (no teacher forwards) tie KD at T=0 on this family, from 1.5 minutes KD wins at T=0 and
+    # T=0.7 (README, "KD vs CE")
+    share = {"regen": 0.08, "draft": 0.3, "draft-ce": 0.3, "acceptance": 0.08, "medusa": 0.05, "clover": 0.06, "eagle": 0.13}
+    big = 100_000  # steps: the budget is what stops each run
+    results: dict = {}
+
+    texts = load_texts(train_files)
+    try:  # code prompts as the held-out ones are cut
+        prompts = cut_code_prompts(target, texts, 2048, seed)
+    except SpecdecError:  # text that is not Python source: each document's first half
+        prompts = [t[: len(t) // 2] for t in texts]
+    regen = family_dir / "data" / "regen.jsonl"
+    written = self_distill(target, prompts, regen, max(0.75 * budget_minutes * share["regen"], 0.05) * 60)
+    results["regen"] = {"prompts": written, "file": str(regen)}
+    if written >= 16:  # too few documents for a held-out split: the corpus it is
+        train_files = [regen]
+
+    def cfg(recipe: str, section: str, member: str):
+        # a fixed share of the whole budget per run (a share of the time *left* starves the last
+        # runs when loading and metrics overrun); ~25% is kept for loading, features and metrics
+        minutes = max(0.75 * budget_minutes * share[member], 0.05)
+        return load_config(RECIPES / recipe, {"steps": big, "seed": seed, "budget_minutes": minutes, "clock_schedule": True,
+                                              "heldout": 0.02, "progress": sys.stderr.isatty()}, section=section)
+
+    c = cfg("draft.yaml", "draft", "draft")
+    arch = c.extra.get("arch", "layers=2,hidden=128,heads=4")
+    # KD and CE-only get the same training minutes so their tau compares at equal training time
+    c_ce = load_config(RECIPES / "draft.yaml", {"steps": big, "seed": seed, "budget_minutes": c.budget_minutes,
+                                                "clock_schedule": True, "heldout": 0.02, "progress": c.progress}, section="draft")
+    results["draft"] = train_draft(target, train_files, family_dir / "draft", c, arch=arch, **draft_knobs(c.extra))
+    results["draft-ce"] = train_draft(target, train_files, family_dir / "draft-ce", c_ce, arch=arch, kd_weight=0.0)
+    a = cfg("draft.yaml", "acceptance", "acceptance")
+    dev = family_dir / "dev_prompts.jsonl"  # held-out prompts kept apart from the benchmark's (recipe.write_prompts)
+    results["acceptance"] = train_acceptance(target, family_dir / "draft", train_files, family_dir / "acceptance", a,
+                                             policy_prompts=dev if dev.exists() else None, **acceptance_knobs(a.extra))
+    for kind in ("medusa", "clover", "eagle"):
+        results[kind] = train_heads(kind, target, train_files, family_dir / kind, cfg("heads.yaml", kind, kind))
+    return results
+
+
+def draft_knobs(extra: dict) -> dict:
+    """train_draft's loss keyword arguments from a recipe section's ``extra``."""
+    return {"kd_weight": float(extra.get("kd_weight", 0.9)),
+            "temperature": float(extra.get("temperature", 1.0)),
+            "cache_teacher": bool(extra.get("cache_teacher", False)),
+            "ce_labels": str(extra.get("ce_labels", "data"))}
+
+
+def acceptance_knobs(extra: dict) -> dict:
+    """train_acceptance keyword arguments from a recipe section's ``extra``."""
+    return {"reject_weight": float(extra.get("reject_weight", 6.0)),
+            "target_token_frac": float(extra.get("target_token_frac", 0.15)),
+            "temperature": float(extra.get("temperature", 1.0)),
+            "greedy_reject_weight": float(extra.get("greedy_reject_weight", 1.0)),
+            "greedy_sequences": int(extra.get("greedy_sequences", 1024))}
+
+
+
+@dataclass
+class DllmPlan:
+    """How the recipe spends its budget: masked-CE adaptation of the target, then dParallel certainty
+    forcing on the dLLM's own decodes of code prompts, then the Learn2PD filter labelled on code prompts.
+
+    Certainty forcing is what makes the parallel strategies commit several tokens per step: on the
+    default family, 10 CPU minutes of it after 10 of masked CE took ``threshold`` from 1.00 to 0.50 steps
+    per token at 93% agreement with static decoding (README, diffusion figures).
+    """
+
+    ce_share: float = 0.45
+    cf_share: float = 0.4  # the rest labels and fits the filter
+    max_texts: int = 2000  # the budget allows ~1e5 training tokens; tokenizing the whole corpus would waste it
+    list_tasks: int = 3000
+    lr: float = 1e-3  # short budgets: a larger step than the 3e-4 default
+    cf_prompts: int = 256
+    filter_prompts: int = 32  # code prompts cut from the training texts, as the held-out prompts
+    gen_length: int = 128  # certainty forcing and the filter's labelling decodes: the length the family is benchmarked at
+
+
+def build_dllm(target_dir, family_dir, train_texts: list[str], budget_minutes: float, seed: int) -> dict:
+    """Build ``family_dir/dllm`` from the AR target and ``family_dir/filter``; returns the metrics.
+
+    The masked-CE mix is a sample of the recipe's stdlib text chunks plus generated list tasks, so the
+    list-task quality probes (the held-out split) exist offline. The self-generated decodes of certainty
+    forcing and of the filter's labels reuse the prompt's and finished blocks' K/V (``cache="prefix"``,
+    the same computation under block attention).
+    """
+    plan = DllmPlan()
+    family = Path(family_dir)
+    texts = list(train_texts)
+    random.Random(seed).shuffle(texts)
+    texts = texts[: plan.max_texts]
+    tasks = [(t.prompt, t.completion) for t in list_tasks(plan.list_tasks, seed=seed)]
+    with tempfile.TemporaryDirectory(dir=family) as scratch:
+        ce_dir = Path(scratch) / "dllm-ce"
+        ce_metrics = train_dllm(
+            target_dir, texts, ce_dir, max_steps=100_000, budget_minutes=budget_minutes * plan.ce_share,
+            seed=seed, extra_examples=tasks, lr=plan.lr, progress=False,
+        )  # fmt: skip
+        cf_metrics = train_dllm(
+            ce_dir, texts, family / "dllm", max_steps=100_000, budget_minutes=budget_minutes * plan.cf_share, seed=seed,
+            certainty_forcing=True, extra_examples=tasks, cf_prompts=plan.cf_prompts, cf_gen_length=plan.gen_length,
+            cf_cache="prefix", progress=False,
+        )  # fmt: skip
+    prompts = cut_code_prompts(family / "dllm", texts, plan.filter_prompts, seed + 1)
+    filter_metrics = train_filter(
+        family / "dllm", prompts, family / "filter", gen_length=plan.gen_length, cache="prefix",
+        budget_minutes=budget_minutes * (1 - plan.ce_share - plan.cf_share), seed=seed,
+    )  # fmt: skip
+    return {"dllm": {"masked_ce": ce_metrics, "certainty_forcing": cf_metrics}, "filter": filter_metrics}

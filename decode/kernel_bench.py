@@ -1,6 +1,6 @@
 """Micro-benchmark of every kernel against its PyTorch reference.
 
-    python -m specdec.kernels.bench --bs 32 --vocab 32000 --k 8 --json out.json
+    python -m specdec.decode.kernel_bench --bs 32 --vocab 32000 --k 8 --json out.json
 
 Times are medians of CUDA-event timings after a warm-up, with L2 flushed before every repeat (the
 inputs, ~20 MB of logits, would otherwise sit in an H100's 50 MB L2 and flatter both sides).
@@ -21,10 +21,9 @@ from typing import Annotated, Callable
 import torch
 import typer
 
-from specdec.decode.verify import Sampling, verify_chain_core
+from specdec.decode.verify import Sampling, verify_chain_accelerated, verify_chain_core
 from specdec.kernels.diffusion_select import CreditState, select_reference, select_step
 from specdec.kernels.tree_attention import tree_attention, tree_attention_reference
-from specdec.kernels.verify import verify_chain_fused
 
 # peak HBM bandwidth, TB/s, matched as substrings of torch.cuda.get_device_name() in this order
 PEAK_TBPS = (
@@ -86,7 +85,7 @@ def verify_cases(bs: int, vocab: int, k: int, temperature: float, dtype, device)
                 shape=f"bs={bs} K={k} V={vocab}",
                 bytes_moved=one_pass + extra,  # stage 2 re-reads one row (and its q row) twice
                 reference=lambda args=args: verify_chain_core(*args),
-                kernel=lambda args=args: verify_chain_fused(*args, backend="triton"),
+                kernel=lambda args=args: verify_chain_accelerated(*args, backend="triton"),
             )
         )
     return cases

@@ -12,18 +12,10 @@ import json
 import os
 from pathlib import Path
 
+from specdec.models.errors import SpecdecError, UsageError  # noqa: F401  (re-exported)
+
 DEFAULT_FAMILY = "tiny-stdlib"
 FAMILY_MEMBERS = ("target", "draft", "draft-ce", "acceptance", "medusa", "clover", "eagle", "dllm", "filter")
-
-
-class SpecdecError(Exception):
-    """A user-facing error: the CLI prints the message and exits with code 1 (2 for usage)."""
-
-    exit_code = 1
-
-
-class UsageError(SpecdecError):
-    exit_code = 2
 
 
 def specdec_home() -> Path:
@@ -42,10 +34,6 @@ def resolve_member(name_or_dir: str | os.PathLike, family: str = DEFAULT_FAMILY)
     if str(name_or_dir) in FAMILY_MEMBERS:
         return family_dir(family) / str(name_or_dir)
     raise SpecdecError(f"no such model or artifact directory: {name_or_dir}")
-
-
-def is_family_member(name: str) -> bool:
-    return not Path(name).exists() and name in FAMILY_MEMBERS
 
 
 def read_config(path: str | os.PathLike) -> dict:

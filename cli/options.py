@@ -1,0 +1,81 @@
+"""The command-line options every command shares, declared once: the same name, type and help on
+``decode``, ``bench`` and every ``train-*`` command. Enumerated options are Enums, so a bad value is
+a usage error (exit 2) before anything loads."""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+
+class Tree(str, Enum):
+    static = "static"
+    dynamic = "dynamic"
+
+
+class Kernels(str, Enum):
+    auto = "auto"
+    triton = "triton"
+    torch = "torch"
+
+
+class Dtype(str, Enum):
+    auto = "auto"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+    float32 = "float32"
+
+
+class DeviceMap(str, Enum):
+    auto = "auto"
+
+
+class Precision(str, Enum):
+    auto = "auto"
+    no = "no"
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+
+class DiffusionCache(str, Enum):
+    none = "none"
+    prefix = "prefix"
+    dual = "dual"
+
+
+Target = Annotated[Optional[str], typer.Option("--target", help="Model folder, hub id or default-family member (default: the embedded family's target).")]
+TargetRequired = Annotated[str, typer.Option("--target", help="Model folder, hub id or default-family member.")]
+Device = Annotated[str, typer.Option("--device", help="auto (CUDA when present), cpu, cuda or cuda:N.")]
+DtypeOpt = Annotated[Dtype, typer.Option("--dtype", help="auto: the checkpoint's dtype on a GPU, float32 on a CPU without native bf16.")]
+DeviceMapOpt = Annotated[Optional[DeviceMap], typer.Option("--device-map", help="auto: spread a target too large for one GPU over all visible GPUs (accelerate).")]
+AttnImpl = Annotated[Optional[str], typer.Option("--attn-implementation", help="sdpa, eager or flex_attention (default: the model's own choice).")]
+TrustRemoteCode = Annotated[bool, typer.Option("--trust-remote-code", help="Allow the checkpoint's own Python code (off by default).")]
+Threads = Annotated[int, typer.Option("--threads", min=0, help="CPU intra-op threads (0: all cores for models of 10M+ parameters, one below).")]
+KernelsOpt = Annotated[Kernels, typer.Option("--kernels", help="Verification and tree-attention kernels: auto (Triton on CUDA), triton or torch.")]
+BatchSize = Annotated[int, typer.Option("--batch-size", min=1, help="Rows decoded together (training: sequences per process per micro-batch).")]
+MaxNewTokens = Annotated[int, typer.Option("--max-new-tokens", min=1, help="New-token budget per record.")]
+Temperature = Annotated[float, typer.Option("--temperature", min=0.0, help="0 = greedy.")]
+TopP = Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass, in (0, 1].")]
+Seed = Annotated[int, typer.Option("--seed", help="Seed for sampling (training: init, data order).")]
+Data = Annotated[list[Path], typer.Option("--data", help="Training data: JSONL (e.g. the output of specdec decode), Parquet or text; repeat for several files.")]
+OutDir = Annotated[Path, typer.Option("--out", help="Artifact folder to write (checkpoints go under OUT/checkpoints).")]
+Recipe = Annotated[Optional[Path], typer.Option("--recipe", help="Recipe YAML (training-config fields; unknown keys are an error). Default: the packaged recipe.")]
+MaxSteps = Annotated[Optional[int], typer.Option("--max-steps", min=1, help="Optimizer steps (overrides the recipe).")]
+Budget = Annotated[Optional[float], typer.Option("--budget-minutes", min=0.0, help="Stop training after this many wall-clock minutes.")]
+Resume = Annotated[bool, typer.Option("--resume", help="Continue exactly from the latest complete checkpoint in OUT.")]
+TrainBatch = Annotated[Optional[int], typer.Option("--batch-size", min=1, help="Sequences per process per micro-batch.")]
+SeqLen = Annotated[Optional[int], typer.Option("--seq-len", min=2, help="Tokens per training block.")]
+Lr = Annotated[Optional[float], typer.Option("--lr", min=0.0, help="Peak learning rate.")]
+TrainSeed = Annotated[Optional[int], typer.Option("--seed", help="Seed for init, data order and sampling.")]
+CkptEvery = Annotated[Optional[int], typer.Option("--checkpoint-every", min=0, help="Checkpoint every N optimizer steps (0 = only at the end).")]
+MixedPrecision = Annotated[Optional[Precision], typer.Option("--mixed-precision", help="auto (bf16 where the hardware has it natively, else fp32), no, bf16 or fp16.")]
+
+
+def placement(device: str, dtype: Dtype, device_map: DeviceMap | None, attn_implementation: str | None, trust_remote_code: bool, threads: int):
+    """The shared placement options as ``models.loading.Placement`` (validated there)."""
+    from specdec.models.loading import Placement
+
+    return Placement(device, dtype.value, device_map.value if device_map else None, attn_implementation, trust_remote_code, threads)

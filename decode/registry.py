@@ -1,0 +1,93 @@
+"""The registry of drafter kinds, and loading a target for decoding.
+
+A drafter spec is a model-free name (``ar``, ``ngram``, ``recycle``, ``layerskip[:i,j]``), a default
+family member (``draft``, ``medusa``, ...) or an artifact folder; an artifact's ``config.json`` says
+its kind (``specdec_kind`` or ``kind``), and ``DRAFTER_KINDS`` maps the kind to its factory. The CLI
+never branches on names.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+from specdec.decode import drafters
+from specdec.decode.adaptive import build_adaptive
+from specdec.decode.heads import build_head_drafter
+from specdec.decode.options import DecodeOptions
+from specdec.models.artifacts import artifact_kind, check_fingerprint, read_config, resolve_member, tokenizer_fingerprint
+from specdec.models.errors import SpecdecError, UsageError
+from specdec.models.loading import input_device, load_draft, load_target, load_tokenizer
+
+MODEL_FREE = ("ar", "ngram", "recycle", "layerskip")
+
+
+def kernel_backend(options: DecodeOptions, device=None) -> str:
+    from specdec.kernels import BACKENDS, backend
+
+    try:
+        return backend(options.kernels, device)
+    except ValueError:
+        raise UsageError(f"--kernels must be one of {', '.join(BACKENDS)}, not {options.kernels!r}") from None
+    except RuntimeError as exc:
+        raise UsageError(f"--kernels {options.kernels}: {exc}") from None
+
+
+def load_decode_target(target: str, options: DecodeOptions):
+    """(model, tokenizer, source) placed by the options; with the Triton backend, tree attention runs
+    through specdec's own attention function."""
+    model, tokenizer, source = load_target(target, options.placement)
+    if kernel_backend(options, input_device(model)) == "triton":
+        from specdec.kernels.tree_attention import register
+
+        model.set_attn_implementation(register())
+    return model, tokenizer, source
+
+
+def _build_draft(path: Path, target, tokenizer, options: DecodeOptions):
+    cfg = read_config(path)
+    expected = cfg.get("specdec_target")
+    actual = tokenizer_fingerprint(tokenizer)
+    if expected:
+        check_fingerprint(expected, actual, f"draft {path}")
+    elif (path / "tokenizer.json").exists() or (path / "tokenizer_config.json").exists():
+        check_fingerprint(tokenizer_fingerprint(load_tokenizer(str(path), options.placement)), actual, f"draft {path}")
+    # a matching tokenizer does not make the embedding tables match: a draft with fewer rows would
+    # index past its vocabulary on the target's tokens
+    if cfg.get("vocab_size") is not None and cfg.get("vocab_size") != target.config.vocab_size:
+        raise SpecdecError(
+            f"draft {path} has vocabulary size {cfg.get('vocab_size')}, the target's is {target.config.vocab_size}"
+        )
+    model = load_draft(path, options.placement, device=input_device(target), dtype=target.dtype)
+    if options.acceptance:
+        return build_adaptive(resolve_member(options.acceptance), model, options, tokenizer=tokenizer)
+    return drafters.ModelDrafter(model)
+
+
+# kind (config.json "specdec_kind"/"kind") -> factory(path, target, tokenizer, options)
+DRAFTER_KINDS: dict[str, Callable] = {
+    "draft": _build_draft,
+    "medusa": build_head_drafter,
+    "clover": build_head_drafter,
+    "eagle": build_head_drafter,
+}
+
+
+def build_drafter(spec: str, target, tokenizer, options: DecodeOptions):
+    name, _, _ = spec.partition(":")
+    if name == "ar":
+        return drafters.NoDrafter()
+    if name == "ngram":
+        return drafters.NgramDrafter(max_ngram=options.max_ngram)
+    if name == "recycle":
+        return drafters.RecycleDrafter()
+    if name == "layerskip":
+        skip = drafters.parse_layerskip(spec, target.config.num_hidden_layers)
+        return drafters.ModelDrafter(drafters.layer_skip_view(target, skip))
+    path = resolve_member(spec)
+    kind = artifact_kind(path)
+    if kind not in DRAFTER_KINDS:
+        raise SpecdecError(f"{path}: artifact kind {kind!r} is not a drafter (known: {', '.join(DRAFTER_KINDS)})")
+    if options.acceptance and kind != "draft":
+        raise UsageError(f"--acceptance applies to draft models, not to a {kind} drafter")
+    return DRAFTER_KINDS[kind](path, target, tokenizer, options)
