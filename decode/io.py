@@ -454,6 +454,19 @@ def encode_record_line(obj: dict) -> bytes:
         return (json.dumps(obj) + "\n").encode("ascii")
 
 
+class _TextSink:
+    """A text stream without a binary layer (a test's StringIO) behind a bytes interface."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, data: bytes) -> None:
+        self.stream.write(data.decode("utf-8"))
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
 class JsonlWriter:
     """Appends JSON lines under an exclusive lock; ``flush()`` makes them durable (once per batch).
 
@@ -473,7 +486,9 @@ class JsonlWriter:
         self._broken = False
         self._closed = False
         if self.to_stdout:
-            self.fh = getattr(sys.stdout, "buffer", None)
+            # bytes to the binary layer: UTF-8 whatever the locale says stdout's encoding is
+            sys.stdout.flush()
+            self.fh = getattr(sys.stdout, "buffer", None) or _TextSink(sys.stdout)
             return
         self.path = Path(target)
         try:
