@@ -40,7 +40,10 @@ def read_config(path: str | os.PathLike) -> dict:
     cfg = Path(path) / "config.json"
     if not cfg.exists():
         raise SpecdecError(f"{path} has no config.json")
-    return json.loads(cfg.read_text())
+    try:
+        return json.loads(cfg.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise SpecdecError(f"{cfg} is not valid JSON: {exc}") from None
 
 
 def artifact_kind(path: str | os.PathLike) -> str:
