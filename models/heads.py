@@ -277,6 +277,25 @@ def rope_theta(config) -> float:
     return float(params.get("rope_theta") or getattr(config, "rope_theta", None) or 10000.0)
 
 
+def rope_frequencies(config, head_dim: int) -> tuple[torch.Tensor, float]:
+    """(inv_freq [head_dim / 2], attention scaling) of the target's RoPE over ``head_dim``, its type and
+    scaling included (Llama-3, YaRN, linear, longrope: transformers' own initialisers), so the drafter's
+    positions mean what the target's do and an exported head runs beside the target in other engines.
+    Dynamic NTK scaling depends on the sequence length; the drafter uses its base frequencies."""
+    import copy
+
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope_type = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
+    if rope_type in ROPE_INIT_FUNCTIONS and rope_type != "dynamic":
+        cfg = copy.deepcopy(config)
+        cfg.head_dim = head_dim
+        cfg.partial_rotary_factor = 1.0
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](cfg, "cpu")
+        return inv_freq.double(), float(scaling)
+    return 1.0 / rope_theta(config) ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim), 1.0
+
+
 class EagleHead(nn.Module):
     kind = "eagle"
 
@@ -298,11 +317,11 @@ class EagleHead(nn.Module):
         )])
         # the output is a feature for the target's LM head, as f_t is: no final norm
         max_pos = int(getattr(target_config, "max_position_embeddings", 2048)) + 64  # + room for tree depth
-        inv_freq = 1.0 / rope_theta(target_config) ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+        inv_freq, scaling = rope_frequencies(target_config, head_dim)
         freqs = torch.outer(torch.arange(max_pos, dtype=torch.float64), inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)
-        self.register_buffer("rope_cos", emb.cos().float(), persistent=False)
-        self.register_buffer("rope_sin", emb.sin().float(), persistent=False)
+        self.register_buffer("rope_cos", (emb.cos() * scaling).float(), persistent=False)
+        self.register_buffer("rope_sin", (emb.sin() * scaling).float(), persistent=False)
         self._target = None
 
     @property

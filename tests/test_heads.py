@@ -243,3 +243,27 @@ def test_eagle3_drafter_reads_fused_layers_and_stays_lossless(target, bs):
         with torch.no_grad():
             chain = heads.unrolled(target(input_ids=ids, output_hidden_states=True).hidden_states, ids, 1)
         assert torch.allclose(f_root[row], chain[0, 0, len(prompt) - 1], atol=1e-7)
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 64},
+    {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
+    {"rope_type": "default", "rope_theta": 1000.0},
+])
+def test_eagle_takes_the_targets_rope_scaling(rope):
+    """An EAGLE head of a Llama-3 (or linearly scaled) target rotates positions as the target does."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from specdec.models.heads import EagleHead
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      max_position_embeddings=256, rope_parameters=rope)
+    head = EagleHead(cfg)
+    ref = LlamaRotaryEmbedding(cfg)
+    x = torch.zeros(1, 5, 32)
+    pos = torch.tensor([[0, 3, 70, 150, 255]])
+    cos, sin = ref(x, pos)
+    got_cos, got_sin = head.rope(pos)
+    assert torch.allclose(got_cos, cos, atol=1e-5) and torch.allclose(got_sin, sin, atol=1e-5)
