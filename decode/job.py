@@ -29,7 +29,7 @@ from specdec.decode.io import (
     read_records,
 )
 from specdec.decode.options import DecodeOptions
-from specdec.decode.registry import build_drafter, kernel_backend, load_decode_target
+from specdec.decode.registry import build_drafter, check_drafter_options, kernel_backend, load_decode_target
 from specdec.decode.types import GenRequest
 from specdec.decode.verify import Sampling
 from specdec.models.artifacts import artifact_kind, read_config
@@ -99,6 +99,7 @@ class Decoder:
             return
         if options.strategy != "static" or options.cache != "none" or options.filter or options.adablock:
             raise UsageError(f"{target} is a causal LM: --strategy, --cache, --filter and --adablock apply to diffusion LMs only")
+        check_drafter_options(options.drafter, options)
         model, self.tokenizer, _ = load_decode_target(str(path), options)
         drafter = build_drafter(options.drafter, model, self.tokenizer, options)
         self.generator = SpecEngine(

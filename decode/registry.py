@@ -73,8 +73,36 @@ DRAFTER_KINDS: dict[str, Callable] = {
 }
 
 
+HEAD_KINDS = ("medusa", "clover", "eagle")
+
+
+def _refuse_options_that_do_not_apply(kind: str, options: DecodeOptions) -> None:
+    """Options of one drafter family given with another are refused, not silently ignored."""
+    if kind not in HEAD_KINDS and (options.tree is not None or options.tree_tokens is not None):
+        raise UsageError(f"--tree and --tree-tokens apply to medusa, clover and eagle drafters, not to {kind}")
+    if kind != "draft" and options.acceptance:
+        raise UsageError(f"--acceptance applies to draft models, not to a {kind} drafter")
+    if not options.acceptance and any(v is not None for v in (options.stop_threshold, options.min_draft, options.max_draft)):
+        raise UsageError("--stop-threshold, --min-draft and --max-draft apply with --acceptance (adaptive draft length)")
+
+
+def drafter_kind(spec: str) -> str:
+    """The kind a drafter spec names (a model-free name, or the kind its artifact's config.json says)."""
+    name, _, _ = spec.partition(":")
+    if name in MODEL_FREE:
+        return name
+    return artifact_kind(resolve_member(spec))
+
+
+def check_drafter_options(spec: str, options: DecodeOptions) -> None:
+    """Refuse options that do not apply to the drafter, before any model loads."""
+    _refuse_options_that_do_not_apply(drafter_kind(spec), options)
+
+
 def build_drafter(spec: str, target, tokenizer, options: DecodeOptions):
     name, _, _ = spec.partition(":")
+    if name in MODEL_FREE:
+        _refuse_options_that_do_not_apply(name, options)
     if name == "ar":
         return drafters.NoDrafter()
     if name == "ngram":
@@ -88,6 +116,5 @@ def build_drafter(spec: str, target, tokenizer, options: DecodeOptions):
     kind = artifact_kind(path)
     if kind not in DRAFTER_KINDS:
         raise SpecdecError(f"{path}: artifact kind {kind!r} is not a drafter (known: {', '.join(DRAFTER_KINDS)})")
-    if options.acceptance and kind != "draft":
-        raise UsageError(f"--acceptance applies to draft models, not to a {kind} drafter")
+    _refuse_options_that_do_not_apply(kind, options)
     return DRAFTER_KINDS[kind](path, target, tokenizer, options)

@@ -166,6 +166,7 @@ def load_causal_lm(source: str, placement: Placement, device=None, dtype=None):
         kwargs["attn_implementation"] = placement.attn_implementation
     if placement.device_map:
         kwargs["device_map"] = placement.device_map
+    _quiet_progress()
     try:
         model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
     except (OSError, ValueError, RuntimeError, KeyError) as exc:
@@ -181,6 +182,17 @@ def load_causal_lm(source: str, placement: Placement, device=None, dtype=None):
     if not placement.device_map:
         model.to(device)
     return model.eval().requires_grad_(False)
+
+
+def _quiet_progress() -> None:
+    """transformers' per-load progress bars stay on a terminal; in logs and pipelines they are noise
+    around specdec's own progress and its one-line errors."""
+    import sys
+
+    if not sys.stderr.isatty():
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
 
 
 def load_tokenizer(source: str, placement: Placement):

@@ -1,0 +1,75 @@
+"""One CLI: every bad value of an enumerated option, and every option that does not apply to the
+chosen model or drafter, is a usage error: exit 2 and one ``error:`` line, before any work."""
+
+import json
+
+import pytest
+from conftest import invoke
+
+
+@pytest.fixture()
+def prompts(tmp_path):
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"prompt": "def f(x):\n"}) + "\n")
+    return src
+
+
+def _assert_usage_error(res, needle: str):
+    assert res.exit_code == 2, res.output
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), res.stderr
+    assert needle in lines[0], lines[0]
+    assert "Traceback" not in res.output
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--tree", "foo"], "--tree"),
+    (["--kernels", "cuda9"], "--kernels"),
+    (["--cache", "everything"], "--cache"),
+    (["--dtype", "fp8"], "--dtype"),
+    (["--drafter", "layerskip:a,b"], "layerskip"),
+    (["--stop-threshold", "1.5", "--acceptance", "x"], "--stop-threshold"),
+    (["--num-draft", "0"], "--num-draft"),
+    (["--batch-size", "0"], "--batch-size"),
+    (["--max-new-tokens", "-5"], "--max-new-tokens"),
+    (["--top-p", "2"], "--top-p"),
+    (["--temperature", "-1"], "--temperature"),
+])
+def test_bad_decode_values_are_usage_errors(tiny_family, prompts, tmp_path, args, needle):
+    res = invoke(["decode", "--in", prompts, "--out", tmp_path / "o.jsonl", "--target", tiny_family / "target", *args])
+    _assert_usage_error(res, needle)
+    assert not (tmp_path / "o.jsonl").exists() or not (tmp_path / "o.jsonl").read_text()
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--drafter", "ngram", "--tree", "dynamic"], "--tree"),
+    (["--drafter", "ngram", "--tree-tokens", "16"], "--tree"),
+    (["--drafter", "ngram", "--acceptance", "acceptance"], "--acceptance"),
+    (["--stop-threshold", "0.3"], "--acceptance"),
+    (["--strategy", "threshold"], "diffusion"),
+    (["--cache", "prefix"], "diffusion"),
+])
+def test_options_that_do_not_apply_to_a_causal_lm_are_refused(tiny_family, prompts, tmp_path, args, needle):
+    res = invoke(["decode", "--in", prompts, "--out", tmp_path / "o.jsonl", "--target", tiny_family / "target", *args])
+    _assert_usage_error(res, needle)
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["train-heads", "--kind", "hydra"], "--kind"),
+    (["train-draft", "--mixed-precision", "fp64"], "--mixed-precision"),
+    (["train-draft", "--lora-save", "pickle"], "--lora-save"),
+    (["export", "x", "--to", "onnx"], "--to"),
+    (["recipe", "run", "tiny-stdlib", "--only", "everything"], "--only"),
+    (["bench", "--kernels", "x"], "--kernels"),
+])
+def test_bad_values_on_every_command_are_usage_errors(tmp_path, argv, needle):
+    common = {"train-heads": ["--target", "t", "--data", "d", "--out", "o"], "train-draft": ["--target", "t", "--data", "d", "--out", "o"]}
+    res = invoke([*argv, *common.get(argv[0], [])])
+    _assert_usage_error(res, needle)
+
+
+def test_help_is_instant_and_lists_decode_first():
+    res = invoke(["--help"])
+    assert res.exit_code == 0
+    text = res.stdout + res.stderr
+    assert text.index("decode") < text.index("train-draft")
