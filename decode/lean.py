@@ -1,11 +1,9 @@
 """A plain-function forward for Llama-architecture draft models: the draft's per-token cost.
 
 A draft model is called once per drafted token, at one token a call, and on a small model that call's
-price is set by work per module and per op, not arithmetic: on the 2-core CPU a 2-layer, 128-wide
-draft spends ~4-5 ms in HF's forward, about 0.45 of a 6-layer target forward. ``LeanStep`` runs the
-same arithmetic as plain tensor ops, with q/k/v and gate/up fused into one matmul each, against the
-same ``DynamicCache`` (so ``KVState``'s crop/rollback/row selection apply unchanged): ~1.75x faster
-per call here, which made draft-model decoding ~1.3x faster (README).
+price is set by work per module and per op, not arithmetic. ``LeanStep`` runs the same arithmetic as
+plain tensor ops, with q/k/v and gate/up fused into one matmul each, against the same ``DynamicCache``
+(so ``KVState``'s crop/rollback/row selection apply unchanged).
 
 It is used for drafts only (the target keeps HF's forward: the lossless guarantee is stated against
 it), and only where it reproduces HF: ``lean_step`` checks the model's structure (Llama's modules,
