@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 import yaml
 
-from specdec.decode.artifacts import SpecdecError, UsageError, write_json
+from specdec.models.artifacts import SpecdecError, UsageError, write_json
 
 
 @dataclass
