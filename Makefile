@@ -5,13 +5,16 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 export SPECDEC_HOME ?= $(HOME)/.cache/specdec
 
-.PHONY: venv demo test test-fast bench clean
+.PHONY: venv demo test test-fast bench docs clean
 
-$(STAMP): pyproject.toml
+# pyproject.toml states ranges; constraints-cpu.txt pins the versions tested on a CPU machine
+# (torch==2.13.0 makes pip take the CPU build on this machine's disk, not a CUDA build).
+CONSTRAINTS ?= constraints-cpu.txt
+
+$(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	# torch==2.13.0 is pinned in pyproject.toml: pip takes the CPU build that lies on this machine's disk
-	$(BIN)/pip install --quiet -e ".[test,triton]"
+	$(BIN)/pip install --quiet -c $(CONSTRAINTS) -e ".[test,triton]"
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -31,7 +34,11 @@ test-fast: $(STAMP)
 
 bench: $(STAMP)
 	mkdir -p out
-	$(BIN)/specdec bench --in examples/prompts.jsonl --methods ar,ngram,recycle,draft+k=2,eagle,hf-lookup,hf-assisted:draft --repeats 3 --json out/bench.json --plot out/bench.png
+	$(BIN)/specdec bench --in examples/prompts.jsonl --methods ar,ngram,recycle,draft+k=2,eagle,hf-lookup,hf-assisted:draft --repeats 3 --out out/bench.json --plot out/bench.png
+
+## Regenerate docs/benchmarks.md (and the README's results table) from benchmarks/*.json.
+docs:
+	$(PY) scripts/benchmarks-doc
 
 clean:
 	rm -rf $(VENV) out *.egg-info
