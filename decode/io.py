@@ -258,11 +258,10 @@ def atomic_write_lines(path: str | os.PathLike, lines) -> None:
 
 
 def _record_line(obj) -> int | None:
-    """The input line an output record answers (``_line`` in shards of older versions)."""
-    for key in ("line", "_line"):
-        value = obj.get(key)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
+    """The input line an output record answers."""
+    value = obj.get("line")
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
     return None
 
 
@@ -285,7 +284,7 @@ def _parse_output_line(raw: bytes) -> tuple[dict | None, str]:
         return None, "not JSON"
     if not isinstance(obj, dict) or "id" not in obj:
         return None, "not a record"
-    if ("line" in obj or "_line" in obj) and _record_line(obj) is None:
+    if "line" in obj and _record_line(obj) is None:
         return None, "bad line number"
     return obj, ""
 

@@ -232,11 +232,7 @@ def merge_shards(out: str, world: int) -> None:
     for r in range(world):
         path = Path(shard_path(out, r, world))
         if path.exists():
-            for obj in read_jsonl_objects(path):
-                legacy = obj.pop("_line", None)  # shards of older versions kept the line under "_line"
-                if "line" not in obj and legacy is not None:
-                    obj["line"] = legacy
-                rows.append(obj)
+            rows.extend(read_jsonl_objects(path))
     rows.sort(key=lambda o: o.get("line") or 0)
     try:
         atomic_write_lines(out, (encode_record_line(o) for o in rows))

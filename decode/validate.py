@@ -1,9 +1,8 @@
 """Option values checked before any model loads: one ``UsageError`` (exit 2) naming the flag.
 
-Bad values used to go through silently (``--top-p 2`` sampled from everything, ``--batch-size 0``
-decoded nothing, ``--temperature nan`` produced garbage) or failed minutes later, after the models
-had loaded. The checks read ``DecodeOptions`` attributes by name, so this module needs no import
-of the options module and works on any object carrying those fields.
+A value outside its range would otherwise decode something else than asked (``--top-p 2`` samples
+from everything, ``--batch-size 0`` decodes nothing) or fail minutes later, after the models load.
+The checks read ``DecodeOptions`` attributes by name, so they work on any object carrying those fields.
 """
 
 from __future__ import annotations
