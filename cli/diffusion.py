@@ -42,7 +42,7 @@ def train_dllm_command(
     max_steps: Annotated[int, typer.Option(help="Optimizer steps at most.")] = 500,
     budget_minutes: Annotated[Optional[float], typer.Option(help="Stop after this many minutes.")] = None,
     list_tasks: Annotated[int, typer.Option(help="Add this many generated list tasks (copy/reverse/sort) to the mix.")] = 0,
-    certainty_forcing: Annotated[bool, typer.Option("--certainty-forcing", help="dParallel certainty-forcing distillation of --from (a dLLM).")] = False,
+    certainty_forcing: Annotated[bool, typer.Option("--certainty-forcing", help="dParallel certainty-forcing distillation of --target (a dLLM).")] = False,
     lora: Annotated[bool, typer.Option("--lora", help="Train a LoRA (merged into the saved model).")] = False,
     cf_prompts: Annotated[int, typer.Option(help="Certainty forcing: code prompts cut from --data whose own answers are distilled.")] = 256,
     gen_length: Annotated[int, typer.Option(help="Certainty forcing: answer length of the self-generated decodes (decode at this length).")] = 128,

@@ -148,6 +148,8 @@ def bench(
     if not os.path.isfile(in_path):
         raise UsageError(f"--in {in_path}: no such file")
     o.placement(device, dtype, device_map, attn_implementation, trust_remote_code, threads)
+    for path in filter(None, (out, plot)):  # a run is not lost to a report that cannot be written at its end
+        _writable_file(path)
     cfg = BenchConfig(
         in_path=in_path, target=target or default_target(console), methods=[m for m in methods.split(",") if m],
         max_new_tokens=max_new_tokens, temperature=temperature, batch_size=batch_size, repeats=repeats, warmup=warmup,
@@ -156,6 +158,18 @@ def bench(
     )
     report = run_bench(cfg, console)
     render(report, console, out, plot)
+
+
+def _writable_file(path: str) -> None:
+    from pathlib import Path
+
+    parent = Path(path).resolve().parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"cannot create the folder of {path}: {exc.strerror or exc}") from None
+    if Path(path).is_dir() or not os.access(parent, os.W_OK):
+        raise UsageError(f"cannot write {path}")
 
 
 @recipe_app.command("list")

@@ -8,6 +8,7 @@ r, r+N, ... into its own resumable shard, and rank 0 merges the shards in input 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import signal
 import sys
@@ -373,7 +374,14 @@ def run_decode_job(
 def _decode_job(in_path, out_path, target, options, strict, overwrite, console, held) -> tuple[JobSummary, int]:
     from accelerate import PartialState
 
-    state = PartialState(cpu=True) if os.environ.get("WORLD_SIZE", "1") != "1" else None
+    state = None
+    if os.environ.get("WORLD_SIZE", "1") != "1":
+        # one process per GPU where there are GPUs (accelerate gives each rank its own), CPU processes elsewhere
+        import torch
+
+        state = PartialState(cpu=options.device == "cpu" or not torch.cuda.is_available())
+        if options.device == "auto" and not options.device_map:
+            options = dataclasses.replace(options, device=str(state.device))
     world, rank = (state.num_processes, state.process_index) if state else (1, 0)
     if world > 1 and out_path == "-":
         raise UsageError("multi-process decoding needs --out FILE (shards are merged into it)")
