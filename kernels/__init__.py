@@ -4,7 +4,8 @@
   host sync; reference ``decode.verify.verify_chain_core``.
 - ``tree_attention.tree_attention`` and the transformers attention function ``specdec_tree``:
   attention of the tree tokens over the cache under a 4-D boolean mask.
-- ``diffusion_select.select_step``: top-1, confidence and the commit decision of one diffusion step.
+- ``diffusion_select.select_step``: top-1, confidence and the commit decision of one diffusion step;
+  reference: the rule functions beside it, which ``decode.strategies`` decodes with.
 
 Importing this package never imports triton; the kernel modules get it through ``load_triton``,
 which hands back stand-ins when triton is missing, so CPU-only installs still run every reference.

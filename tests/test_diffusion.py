@@ -7,7 +7,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from specdec.models.artifacts import SpecdecError
-from specdec.decode.diffusion import PUBLIC_STRATEGIES, DiffusionGenerator
+from specdec.decode.diffusion import DiffusionGenerator
+from specdec.decode.strategies import PUBLIC_STRATEGIES
 from specdec.models.dllm import ConfidenceFilter, DllmSpec, save_filter
 from specdec.decode.types import GenRequest
 
