@@ -277,7 +277,8 @@ def test_draft_for_other_tokenizer_refused(workdir, tmp_path):
 
 
 def test_acceptance_labels_hand_built():
-    from specdec.train.acceptance import acceptance_labels, weighted_bce
+    from specdec.train.acceptance_labels import acceptance_labels
+    from specdec.train.acceptance import weighted_bce
 
     p = torch.tensor([[0.5, 0.3, 0.2], [0.1, 0.1, 0.8]])
     q = torch.tensor([[0.25, 0.6, 0.15], [0.5, 0.5, 0.0]])
@@ -319,7 +320,7 @@ def test_train_acceptance_artifact(workdir):
         pytest.skip("needs the draft from test_kd_loss_falls_and_artifact")
     out = workdir / "acceptance"
     m = train_acceptance(workdir / "target", workdir / "draft", [workdir / "data.jsonl"], out, tiny_cfg(steps=8, batch=64, lr=1e-2))
-    assert 0 <= m["brier"] <= 1 and m["reliability_bins"]
+    assert 0 <= m["sampling"]["brier"] <= 1 and m["sampling"]["reliability_bins"]
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["kind"] == "acceptance" and cfg["target"]["vocab_size"] > 0
     from types import SimpleNamespace
@@ -403,7 +404,7 @@ def test_self_distill_writes_the_targets_greedy_continuations(workdir, tmp_path)
 
 
 def test_acceptance_labelling_stops_at_its_deadline(draft_model):
-    from specdec.train.acceptance import build_features
+    from specdec.train.acceptance_labels import build_features
 
     from datasets import Dataset
 
