@@ -38,7 +38,8 @@ from specdec.models.errors import SpecdecError
 from specdec.train.prompts import code_prompts
 from specdec.decode.types import GenRequest
 
-LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# every linear layer but the output head, whatever the architecture calls them (peft resolves it)
+LORA_TARGETS = "all-linear"
 
 
 @dataclass
