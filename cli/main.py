@@ -141,6 +141,8 @@ def bench(
 ) -> None:
     """Benchmark methods against plain decoding (and transformers' own) in one process, on the same prompts."""
     from specdec.decode.bench import BenchConfig, render, run_bench
+    from specdec.decode.options import DecodeOptions
+    from specdec.decode.report import cli_command
     from specdec.examples import example_path
 
     console = _console()
@@ -150,11 +152,14 @@ def bench(
     o.placement(device, dtype, device_map, attn_implementation, trust_remote_code, threads)
     for path in filter(None, (out, plot)):  # a run is not lost to a report that cannot be written at its end
         _writable_file(path)
+    options = DecodeOptions(
+        max_new_tokens=max_new_tokens, temperature=temperature, batch_size=batch_size, kernels=kernels.value, threads=threads,
+        trust_remote_code=trust_remote_code, device=device, dtype=dtype.value,
+        device_map=device_map.value if device_map else None, attn_implementation=attn_implementation,
+    )
     cfg = BenchConfig(
         in_path=in_path, target=target or default_target(console), methods=[m for m in methods.split(",") if m],
-        max_new_tokens=max_new_tokens, temperature=temperature, batch_size=batch_size, repeats=repeats, warmup=warmup,
-        limit=limit, kernels=kernels.value, threads=threads, trust_remote_code=trust_remote_code, device=device,
-        dtype=dtype.value, device_map=device_map.value if device_map else None, attn_implementation=attn_implementation,
+        repeats=repeats, warmup=warmup, limit=limit, command=cli_command(), options=options,
     )
     report = run_bench(cfg, console)
     render(report, console, out, plot)

@@ -1,9 +1,9 @@
 """``specdec bench``: every method on the same prompts, in one process, after warm-up.
 
-Speedup is tokens/s of a method over tokens/s of ``ar`` measured in the same run: each of the
-``--repeats R`` passes decodes every prompt with every method, interleaved batch by batch (the method
-order rotating), so a shared machine's drifting speed affects every method alike, and the speedup is the
-median over passes of the ratio to that pass's ``ar``. tau counts the
+Speedup is tokens/s of a method over tokens/s of ``ar`` measured in the same run, timed as every
+bench times (``decode.timing``): each of the ``--repeats R`` passes decodes every prompt with every
+method, interleaved batch by batch, and the speedup is the median over passes of the ratio to that
+pass's ``ar``. A dLLM target runs the diffusion bench (``decode.diffusion_bench``). tau counts the
 bonus token (tokens per target forward). Beside every speedup: the distinct-4-gram ratio of the
 outputs (repetition inflates speedups) and the ideal speedup S = tau / (c_round + v) from measured
 forward costs, where c_round is the drafting cost of one round and v the cost of the verification
@@ -12,9 +12,11 @@ forward, both in units of one single-token target forward; efficiency = measured
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,6 +25,8 @@ from specdec.decode.io import read_records
 from specdec.decode.job import is_diffusion_model
 from specdec.decode.options import DecodeOptions, parse_method
 from specdec.decode.registry import build_drafter, kernel_backend, load_decode_target
+from specdec.decode.report import plot, provenance
+from specdec.decode.timing import Run, Runner, run_passes, speedup, tokens_per_s
 from specdec.decode.types import GenRequest
 from specdec.models.artifacts import resolve_member
 from specdec.models.errors import SpecdecError
@@ -31,33 +35,17 @@ from specdec.models.loading import input_device, load_draft, resolve_source
 
 @dataclass
 class BenchConfig:
+    """What ``specdec bench`` runs and how it times it; ``options`` are the decode options every method
+    starts from (the ones ``specdec decode`` takes), which a method spec's ``+key=value`` overrides."""
+
     in_path: str
     target: str | None = None
     methods: list = field(default_factory=lambda: ["ar"])
-    max_new_tokens: int = 128
-    temperature: float = 0.0
-    batch_size: int = 1
     repeats: int = 1
     warmup: int = 2
     limit: int | None = None
-    kernels: str = "auto"
-    threads: int = 0
-    trust_remote_code: bool = False
-    seed: int = 0
-    device: str = "auto"
-    dtype: str = "auto"
-    device_map: str | None = None
-    attn_implementation: str | None = None
-
-
-@dataclass
-class Run:
-    outputs: list  # token lists per prompt
-    stats: list  # per-prompt stats dicts
-    walls: list  # per pass
-    propose_s: float = 0.0
-    rounds: int = 0
-    record_walls: list = field(default_factory=list)  # per pass: each prompt's share of its batch's wall time
+    command: str | None = None  # recorded in the report (default: this process's command line)
+    options: DecodeOptions = field(default_factory=lambda: DecodeOptions(batch_size=1))
 
 
 def run_bench(cfg: BenchConfig, console=None) -> dict:
@@ -67,12 +55,10 @@ def run_bench(cfg: BenchConfig, console=None) -> dict:
         records = records[: cfg.limit]
     if not records:
         raise SpecdecError(f"{cfg.in_path}: no usable prompts")
-    if is_diffusion_model(target_path, DecodeOptions(trust_remote_code=cfg.trust_remote_code)):
-        return _diffusion_bench(cfg, target_path, records)
-    base = DecodeOptions(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=cfg.seed,
-                         batch_size=cfg.batch_size, kernels=cfg.kernels, threads=cfg.threads,
-                         trust_remote_code=cfg.trust_remote_code, device=cfg.device, dtype=cfg.dtype,
-                         device_map=cfg.device_map, attn_implementation=cfg.attn_implementation)
+    base = cfg.options
+    if is_diffusion_model(target_path, base):
+        return diffusion_bench.bench_diffusion(str(target_path), [r.extra for r in records], cfg.methods, base,
+                                               repeats=cfg.repeats, warmup=cfg.warmup, command=cfg.command)
     model, tok, _ = load_decode_target(str(target_path), base)  # one thread setting for every method of the run
     prompts = [tok(r.prompt)["input_ids"] for r in records]
     categories = [r.category or "all" for r in records]
@@ -83,61 +69,32 @@ def run_bench(cfg: BenchConfig, console=None) -> dict:
     for spec in methods:
         if console is not None:
             console.print(f"[bold]bench[/bold] {spec}")
-        runners[spec] = _prepare_method(spec, model, tok, prompts, base, cfg)  # builds and warms up
-    # Every repeat is one pass of every method over all prompts, interleaved: each chunk of prompts (one
-    # batch) is decoded by every method in turn, the order rotating, so a shared machine's drifting speed
-    # (here it moves by a fifth within a minute) hits all methods alike. Speedups are taken per pass
-    # against that pass's ar, then the median.
-    passes: dict[str, list] = {spec: [] for spec in methods}
-    chunk = max(1, cfg.batch_size)
-    for _ in range(max(1, cfg.repeats)):
-        for spec in methods:
-            runners[spec].start_pass()
-        for c, lo in enumerate(range(0, len(prompts), chunk)):
-            for spec in methods[c % len(methods):] + methods[: c % len(methods)]:
-                runners[spec].run(lo, min(lo + chunk, len(prompts)))
-        for spec in methods:
-            passes[spec].append(runners[spec].end_pass())
-    runs = {spec: _collect(passes[spec]) for spec in methods}
+        runners[spec] = _prepare_method(spec, model, tok, prompts, base, cfg.warmup)  # builds and warms up
+    runs = run_passes(runners, len(prompts), base.batch_size, cfg.repeats)
     costs = _ForwardCosts(model, prompts)
-    entries = [_entry(spec, runs[spec], runs["ar"], categories, costs, model, tok, base, cfg) for spec in methods]
-    return {"config": asdict(cfg) | {"target": str(target_path), "prompts": len(prompts)}, "methods": entries}
+    entries = [_entry(spec, runs[spec], runs["ar"], categories, costs, model, tok, base) for spec in methods]
+    return {
+        "kind": "speculative",
+        "config": _config(cfg) | {"target": str(target_path), "prompts": len(prompts)},
+        "methods": entries,
+        **provenance(cfg.command, input_device(model)),
+    }
+
+
+def _config(cfg: BenchConfig) -> dict:
+    """The bench's settings and the resolved decode options, flat (the methods name the drafters)."""
+    bench = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in ("options", "command")}
+    options = {k: v for k, v in dataclasses.asdict(cfg.options).items() if k not in ("drafter", "strategy")}
+    return bench | options
 
 
 # -- running one method -----------------------------------------------------------------------
 
 
-class _Runner:
-    """One method, built and warmed up, timed a chunk of prompts at a time: ``start_pass``, then
-    ``run(lo, hi)`` for chunks in any order, then ``end_pass`` -> (outputs, stats, wall, propose_s,
-    propose calls) with outputs and stats in prompt order."""
-
-    def __init__(self, decode, n_prompts: int, timed=None):
-        self.decode, self.n, self.timed = decode, n_prompts, timed  # decode(lo, hi) -> [(tokens, stats)] per prompt
-
-    def start_pass(self) -> None:
-        if self.timed is not None:
-            self.timed.reset()
-        self.results: list = [None] * self.n
-        self.wall = 0.0
-
-    def run(self, lo: int, hi: int) -> None:
-        t0 = time.perf_counter()
-        out = self.decode(lo, hi)
-        self.wall += time.perf_counter() - t0
-        self.results[lo:hi] = out
-
-    def end_pass(self) -> tuple:
-        outputs = [toks for toks, _ in self.results]
-        stats = [st for _, st in self.results]
-        timed = self.timed
-        return outputs, stats, self.wall, timed.seconds if timed else 0.0, timed.calls if timed else 0
-
-
-def _prepare_method(spec: str, model, tok, prompts, base: DecodeOptions, cfg: BenchConfig) -> _Runner:
+def _prepare_method(spec: str, model, tok, prompts, base: DecodeOptions, warmup: int) -> Runner:
     """Build the method and warm it up."""
     if spec.startswith("hf-"):
-        return _prepare_peer(spec, model, tok, prompts, base, cfg)
+        return _prepare_peer(spec, model, tok, prompts, base, warmup)
     from specdec.decode.engine import SpecEngine
     from specdec.decode.verify import Sampling
 
@@ -149,7 +106,7 @@ def _prepare_method(spec: str, model, tok, prompts, base: DecodeOptions, cfg: Be
                         kernels=kernel_backend(opts, next(model.parameters()).device))
     drafter.propose = timed  # instance attribute: the engine calls it like the method
     bs = max(1, opts.batch_size)
-    warm = prompts[: cfg.warmup]
+    warm = prompts[:warmup]
     for i in range(0, len(warm), bs):
         engine.generate([GenRequest(p, min(16, opts.max_new_tokens)) for p in warm[i : i + bs]])
 
@@ -162,15 +119,7 @@ def _prepare_method(spec: str, model, tok, prompts, base: DecodeOptions, cfg: Be
             out += [(r.token_ids, {**r.stats, "wall_s": wall / len(res)}) for r in res]
         return out
 
-    return _Runner(decode, len(prompts), timed)
-
-
-def _collect(passes: list[tuple]) -> Run:
-    """One Run from a method's timed passes: outputs and stats of the last, every pass's wall time."""
-    outputs, stats, _, propose_s, rounds = passes[-1]
-    walls = [p[2] for p in passes]
-    record_walls = [[st["wall_s"] for st in p[1]] for p in passes]
-    return Run(outputs, stats, walls, propose_s, rounds, record_walls)
+    return Runner(decode, len(prompts), timed)
 
 
 class _TimedPropose:
@@ -191,14 +140,12 @@ class _TimedPropose:
         return out
 
 
-def _prepare_peer(spec: str, model, tok, prompts, base: DecodeOptions, cfg: BenchConfig) -> _Runner:
+def _prepare_peer(spec: str, model, tok, prompts, base: DecodeOptions, warmup: int) -> Runner:
     """transformers' own generate: hf-generate (plain), hf-lookup (prompt lookup), hf-assisted:DRAFT."""
-    import torch
-
     name, _, arg = spec.partition(":")
     kwargs = {"do_sample": False, "pad_token_id": tok.pad_token_id, "eos_token_id": model.generation_config.eos_token_id}
-    if cfg.temperature > 0:
-        kwargs.update(do_sample=True, temperature=cfg.temperature)
+    if base.temperature > 0:
+        kwargs.update(do_sample=True, temperature=base.temperature)
     if name == "hf-lookup":
         kwargs["prompt_lookup_num_tokens"] = 10
     elif name == "hf-assisted":
@@ -214,7 +161,7 @@ def _prepare_peer(spec: str, model, tok, prompts, base: DecodeOptions, cfg: Benc
             out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, **kwargs)
         return out[0, len(p) :].tolist()
 
-    for p in prompts[: cfg.warmup]:
+    for p in prompts[:warmup]:
         one(p, 16)
 
     def decode(lo: int, hi: int) -> list:
@@ -225,7 +172,7 @@ def _prepare_peer(spec: str, model, tok, prompts, base: DecodeOptions, cfg: Benc
             out.append((toks, {"new_tokens": len(toks), "wall_s": time.perf_counter() - t0}))
         return out
 
-    return _Runner(decode, len(prompts))
+    return Runner(decode, len(prompts))
 
 
 # -- measuring forward costs --------------------------------------------------------------------
@@ -248,8 +195,6 @@ class _ForwardCosts:
 
 
 def _time_forward(model, prefix: list[int], t: int, repeats: int) -> float:
-    import torch
-
     from specdec.decode.cache import KVState
 
     device = next(model.parameters()).device
@@ -273,24 +218,19 @@ def _time_forward(model, prefix: list[int], t: int, repeats: int) -> float:
 # -- the report -----------------------------------------------------------------------------------
 
 
-def _entry(spec, run: Run, ar: Run, categories, costs, model, tok, base, cfg) -> dict:
+def _entry(spec, run: Run, ar: Run, categories, costs, model, tok, base: DecodeOptions) -> dict:
 
     def summarize(idx: list[int]) -> dict:
         toks = sum(len(run.outputs[i]) for i in idx)
-        ar_toks = sum(len(ar.outputs[i]) for i in idx)
         calls = [run.stats[i].get("target_calls") for i in idx]
-        # as the headline: per pass against the same round's ar, then the median over passes
-        walls = [sum(w[i] for i in idx) for w in run.record_walls]
-        ar_walls = [sum(w[i] for i in idx) for w in ar.record_walls]
-        tps = toks / statistics.median(walls) if all(walls) else 0.0
-        ratios = [(toks / w) / (ar_toks / a) for w, a in zip(walls, ar_walls) if w and a]
+        ratio = speedup(run, ar, idx)
         out = {
             "prompts": len(idx),
             "new_tokens": toks,
-            "tokens_per_s": round(tps, 2),
-            "speedup": round(statistics.median(ratios), 3) if ratios else None,
+            "tokens_per_s": round(tokens_per_s(run, idx), 2),
+            "speedup": None if ratio is None else round(ratio, 3),
             "identical_to_ar": round(sum(run.outputs[i] == ar.outputs[i] for i in idx) / len(idx), 4)
-            if cfg.temperature == 0 else None,
+            if base.temperature == 0 else None,
             "distinct4": round(distinct_ngram_ratio([run.outputs[i] for i in idx]), 4),
         }
         if all(c is not None for c in calls):
@@ -352,36 +292,13 @@ def _draft_cost_per_round(spec, run: Run, costs, model, tok, base) -> float:
     return run.propose_s / max(run.rounds, 1)
 
 
-def _diffusion_bench(cfg: BenchConfig, target_path, records) -> dict:
-    bench = diffusion_bench.bench_diffusion
-    return bench(
-        str(target_path),
-        [r.extra for r in records],
-        cfg.methods,
-        gen_length=cfg.max_new_tokens,
-        block_size=32,
-        batch_size=cfg.batch_size,
-        repeats=cfg.repeats,
-        warmup=cfg.warmup,
-        trust_remote_code=cfg.trust_remote_code,
-        device=cfg.device,
-    )
-
-
 # -- rendering ------------------------------------------------------------------------------------
 
 
 def render(report: dict, console, json_path: str | None = None, plot_path: str | None = None) -> None:
-    import json
-
-    if report["methods"] and "steps_per_token" in report["methods"][0]:
-        console.print(diffusion_bench.render_table(report))
-        if plot_path:
-            diffusion_bench.plot(report, plot_path)
-    else:
-        console.print(table(report))
-        if plot_path:
-            plot(report, plot_path)
+    console.print(diffusion_bench.render_table(report) if report.get("kind") == "diffusion" else table(report))
+    if plot_path:
+        plot(report, plot_path)
     if json_path:
         with open(json_path, "w") as fh:
             json.dump(report, fh, indent=2)
@@ -427,30 +344,6 @@ def table(report: dict):
             ])
         parts.append(per)
     return Group(*parts)
-
-
-def plot(report: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    methods = [m["method"] for m in report["methods"]]
-    cats = sorted({c for m in report["methods"] for c in m.get("by_category", {})}) or ["all"]
-    fig, axes = plt.subplots(1, 2, figsize=(max(8, 1.4 * len(methods)), 4.5))
-    width = 0.8 / (len(cats) + 1)
-    for ax, key in zip(axes, ("speedup", "tau")):
-        for j, c in enumerate(["all"] + [c for c in cats if c != "all"]):
-            vals = [(m if c == "all" else m.get("by_category", {}).get(c, {})).get(key) or 0 for m in report["methods"]]
-            ax.bar([i + j * width for i in range(len(methods))], vals, width, label=c)
-        ax.set_xticks([i + width * len(cats) / 2 for i in range(len(methods))])
-        ax.set_xticklabels(methods, rotation=30, ha="right")
-        ax.set_title(key)
-        ax.axhline(1.0, color="gray", lw=0.8)
-    axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def distinct_ngram_ratio(token_lists: list[list[int]], n: int = 4) -> float:

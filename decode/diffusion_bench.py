@@ -1,24 +1,31 @@
 """Benchmark diffusion decoding strategies against static one-token-per-step decoding.
 
-Every method runs in the same process on the same records; speed ratios therefore compare like
-with like. Per method: steps per generated token, forwards per token, tokens/s, speedup over the
-reference (static, one token per step), agreement with the reference (exact-match rate, token
-accuracy) and, for records carrying an ``answer`` (list tasks), task accuracy.
+Every method runs in the same process on the same records, timed as every bench times
+(``decode.timing``: interleaved passes, the median of per-pass ratios to the reference). Per method:
+steps per generated token, forwards per token, tokens/s, speedup over the reference (static, one
+token per step), agreement with the reference (exact-match rate, token accuracy) and, for records
+carrying an ``answer`` (list tasks), task accuracy. The speedup is a ratio of wall times, not of
+tokens/s: an approximate strategy may stop at another length than the reference, and the work
+compared is decoding the same records.
 
-A method is ``strategy[+key=value...]``: ``threshold+tau=0.8``, ``static+cache=dual``,
-``learn2pd+filter=DIR``, ``credit+adablock=true``, ``static+steps=32``.
+A method is a diffusion method spec, ``strategy[+key=value...]``, on top of the bench's decode
+options: ``threshold+tau=0.8``, ``static+cache=dual``, ``learn2pd+filter=DIR``,
+``credit+adablock=true``, ``static+steps=32``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
-from specdec.models.artifacts import SpecdecError
-from specdec.decode.diffusion import DiffusionGenerator, Method, parse_method  # noqa: F401  (bench specs)
-from specdec.models.dllm import encode_prompt, load_dllm
-from specdec.decode.types import GenRequest, GenResult
+from specdec.decode.diffusion import Method, build_generator, load_for_decoding, parse_method
+from specdec.decode.options import DecodeOptions
+from specdec.decode.report import provenance
+from specdec.decode.timing import Run, Runner, run_passes, speedup, tokens_per_s
+from specdec.decode.types import GenRequest
+from specdec.models.dllm import encode_prompt
+from specdec.models.errors import SpecdecError
 
 REFERENCE = "static"  # one token per step: the quality reference of every method
 
@@ -27,34 +34,31 @@ def is_reference(method: Method) -> bool:
     return method.strategy == REFERENCE and not method.options
 
 
-@dataclass
-class Run:
-    method: Method
-    seconds: float
-    results: list[GenResult]
-    forwards: int
+def method_options(method: Method, options: DecodeOptions) -> DecodeOptions:
+    """The decode options of one method; the reference is exact whatever the bench's options say."""
+    if is_reference(method):
+        return dataclasses.replace(options, strategy=REFERENCE, steps=None, cache="none", adablock=False, filter=None)
+    return dataclasses.replace(options, strategy=method.label)
 
 
-def run_method(generator: DiffusionGenerator, prompts: list[list[int]], gen_length: int, batch_size: int) -> tuple[list[GenResult], int]:
-    results, forwards = [], 0
-    for i in range(0, len(prompts), batch_size):
-        batch = generator.generate([GenRequest(p, gen_length) for p in prompts[i : i + batch_size]])
-        forwards += batch[0].stats["target_calls"]
-        results.extend(batch)
-    return results, forwards
+def prepare_method(generator, prompts: list[list[int]], batch_size: int, warmup: int) -> Runner:
+    """A runner decoding ``prompts`` in batches, after decoding the first ``warmup`` prompts once."""
+    length = generator.gen_length
+    for i in range(0, warmup, batch_size):
+        generator.generate([GenRequest(p, length) for p in prompts[i : min(i + batch_size, warmup)]])
 
+    def decode(lo: int, hi: int) -> list:
+        out = []
+        for i in range(lo, hi, batch_size):
+            t0 = time.perf_counter()
+            batch = generator.generate([GenRequest(p, length) for p in prompts[i : min(i + batch_size, hi)]])
+            wall = time.perf_counter() - t0
+            # the rows of a batch share its forwards: each carries its share, so sums over prompts count them once
+            share = {"wall_s": wall / len(batch), "forwards": batch[0].stats["target_calls"] / len(batch)}
+            out += [(r.token_ids, {**r.stats, **share}) for r in batch]
+        return out
 
-def time_method(generator, prompts, gen_length: int, batch_size: int, repeats: int, warmup: int) -> tuple[float, list[GenResult], int]:
-    """Best of ``repeats`` timed passes over all prompts (the machine may be shared), after decoding
-    the first ``warmup`` prompts once (warm-up prompts, as ``specdec bench --warmup`` says)."""
-    if warmup > 0:
-        run_method(generator, prompts[:warmup], gen_length, batch_size)
-    best = float("inf")
-    for _ in range(max(1, repeats)):
-        start = time.perf_counter()
-        results, forwards = run_method(generator, prompts, gen_length, batch_size)
-        best = min(best, time.perf_counter() - start)
-    return best, results, forwards
+    return Runner(decode, len(prompts))
 
 
 def token_agreement(output: list[int], reference: list[int]) -> tuple[int, int]:
@@ -68,28 +72,28 @@ def first_line_matches(completion: str, answer: str) -> bool:
     return bool(lines) and lines[0].strip() == answer.strip()
 
 
-def summarise(run: Run, reference: Run, records: list[dict], tokenizer) -> dict:
-    results = run.results
-    decoded = sum(r.stats["decoded_tokens"] for r in results)
-    generated = sum(len(r.token_ids) for r in results)
-    pairs = [token_agreement(r.token_ids, ref.token_ids) for r, ref in zip(results, reference.results)]
+def summarise(label: str, run: Run, reference: Run, records: list[dict], tokenizer) -> dict:
+    everything = list(range(len(run.outputs)))
+    decoded = sum(st["decoded_tokens"] for st in run.stats)
+    forwards = round(sum(st["forwards"] for st in run.stats))
+    pairs = [token_agreement(out, ref) for out, ref in zip(run.outputs, reference.outputs)]
     matched, compared = sum(m for m, _ in pairs), sum(c for _, c in pairs)
-    probes = [(r, rec["answer"]) for r, rec in zip(results, records) if rec.get("answer") is not None]
-
+    probes = [(out, rec["answer"]) for out, rec in zip(run.outputs, records) if rec.get("answer") is not None]
+    ratio = speedup(run, reference, everything, per_token=False)
     return {
-        "method": run.method.label,
-        "tokens_per_s": generated / run.seconds if run.seconds > 0 else None,
-        "seconds": round(run.seconds, 4),
-        "speedup": reference.seconds / run.seconds if run.seconds > 0 else None,
-        "steps": sum(r.stats["steps"] for r in results) / len(results),
-        "steps_per_token": sum(r.stats["steps"] for r in results) / max(decoded, 1),
-        "forwards_per_token": run.forwards / max(decoded, 1),
+        "method": label,
+        "tokens_per_s": tokens_per_s(run, everything),
+        "speedup": ratio,
+        "walls_s": [round(w, 4) for w in run.walls],
+        "steps": sum(st["steps"] for st in run.stats) / len(run.stats),
+        "steps_per_token": sum(st["steps"] for st in run.stats) / max(decoded, 1),
+        "forwards_per_token": forwards / max(decoded, 1),
         "token_agreement": matched / compared if compared else 1.0,
-        "exact_match": sum(r.token_ids == ref.token_ids for r, ref in zip(results, reference.results)) / len(results),
+        "exact_match": sum(out == ref for out, ref in zip(run.outputs, reference.outputs)) / len(run.outputs),
         "task_accuracy": (
-            sum(first_line_matches(tokenizer.decode(r.token_ids), answer) for r, answer in probes) / len(probes) if probes else None
+            sum(first_line_matches(tokenizer.decode(out), answer) for out, answer in probes) / len(probes) if probes else None
         ),
-        "approximate": any(r.stats.get("approximate") for r in results),
+        "approximate": any(st.get("approximate") for st in run.stats),
     }
 
 
@@ -97,42 +101,44 @@ def bench_diffusion(
     model_dir: str | Path,
     records: list[dict],
     methods: list[str],
-    gen_length: int = 128,
-    block_size: int = 32,
-    batch_size: int = 8,
+    options: DecodeOptions | None = None,
+    *,
     repeats: int = 1,
     warmup: int = 1,
-    trust_remote_code: bool = False,
-    device: str = "cpu",
+    command: str | None = None,
+    **overrides,
 ) -> dict:
     """Run every method on ``records`` (dicts with ``prompt``, optionally ``answer``) and report.
 
-    The reference (``static``, one token per step) is run even when not listed.
+    ``options`` (with ``overrides``, DecodeOptions fields such as ``gen_length=16``) are the decode
+    options every method starts from. The reference (``static``, one token per step) is run even when
+    not listed. ``command`` is recorded in the report (default: this process's command line).
     """
-
     if not records:
         raise SpecdecError("the diffusion bench needs at least one record with a prompt")
+    options = (options or DecodeOptions()).with_overrides(overrides)
     parsed = [parse_method(m) for m in methods]
     for method in parsed:  # other options belong to the strategy, which validates them
-        if method.strategy == "learn2pd" and "filter" not in method.options:
+        if method.strategy == "learn2pd" and "filter" not in method.options and options.filter is None:
             raise SpecdecError(f"method {method.label!r}: learn2pd needs +filter=DIR")
     if not any(is_reference(m) for m in parsed):
         parsed.insert(0, Method(REFERENCE, REFERENCE))
-    model, tokenizer, spec = load_dllm(model_dir, trust_remote_code=trust_remote_code)
-    model.to(device)
+    model, tokenizer, spec = load_for_decoding(model_dir, options)
     prompts = [encode_prompt(tokenizer, r["prompt"]) for r in records]
-    runs = []
-    for method in parsed:
-        generator = DiffusionGenerator(model, tokenizer, spec, method.strategy, gen_length=gen_length, block_size=block_size, **method.generator_kwargs())
-        seconds, results, forwards = time_method(generator, prompts, gen_length, batch_size, repeats, warmup)
-        runs.append(Run(method, seconds, results, forwards))
-    reference = next(r for r in runs if is_reference(r.method))
+    batch_size = max(1, options.batch_size)
+    generators = {m.label: build_generator(model, tokenizer, spec, method_options(m, options)) for m in parsed}
+    runners = {label: prepare_method(gen, prompts, batch_size, warmup) for label, gen in generators.items()}
+    runs = run_passes(runners, len(prompts), batch_size, repeats)
+    reference_label = next(m.label for m in parsed if is_reference(m))
+    reference = runs[reference_label]
+    resolved = {k: v for k, v in dataclasses.asdict(options).items() if k not in ("drafter", "strategy", "max_new_tokens")}
     return {
-        "config": {
+        "kind": "diffusion",
+        "config": resolved | {
             "model": str(model_dir),
             "records": len(records),
-            "gen_length": gen_length,
-            "block_size": block_size,
+            "gen_length": generators[reference_label].gen_length,
+            "block_size": options.block_size,
             "batch_size": batch_size,
             "repeats": repeats,
             "warmup": warmup,
@@ -140,7 +146,8 @@ def bench_diffusion(
             "attention": spec.attention,
             "device": str(model.device),
         },
-        "methods": [summarise(run, reference, records, tokenizer) for run in runs],
+        "methods": [summarise(label, runs[label], reference, records, tokenizer) for label in runs],
+        **provenance(command, model.device),
     }
 
 
@@ -167,25 +174,3 @@ def render_table(report: dict):
             cells[0] += " (approx.)"
         table.add_row(*cells)
     return table
-
-
-def plot(report: dict, path: str | Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for row in report["methods"]:
-        ax.scatter(row["token_agreement"], row["speedup"])
-        ax.annotate(row["method"], (row["token_agreement"], row["speedup"]), fontsize=8, xytext=(3, 3), textcoords="offset points")
-    ax.set_xlabel("token agreement with static one-token-per-step")
-    ax.set_ylabel("speedup (wall time)")
-    ax.set_title(f"gen {report['config']['gen_length']}, block {report['config']['block_size']}")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path

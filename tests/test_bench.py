@@ -53,23 +53,49 @@ def test_bench_interleaves_methods_batch_by_batch(tiny_family, tmp_path, monkeyp
     """Each pass decodes every chunk of prompts with every method before the next chunk, the order
     rotating, and each method's outputs come back in prompt order."""
     from specdec.decode import bench
+    from specdec.decode.timing import Runner
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"x = {i}\n"}) + "\n" for i in range(5)))
     calls = []
 
-    def fake_prepare(spec, model, tok, ids, base, cfg):
+    def fake_prepare(spec, model, tok, ids, base, warmup):
         def decode(lo, hi):
             calls.append((spec, lo, hi))
             return [([i, len(spec)], {"new_tokens": 2, "wall_s": 0.01}) for i in range(lo, hi)]
-        return bench._Runner(decode, len(ids))
+        return Runner(decode, len(ids))
 
     monkeypatch.setattr(bench, "_prepare_method", fake_prepare)
     cfg = bench.BenchConfig(in_path=str(prompts), target=str(tiny_family / "target"), methods=["ar", "ngram", "recycle"],
-                            batch_size=2, repeats=2, max_new_tokens=2)
+                            repeats=2, options=DecodeOptions(batch_size=2, max_new_tokens=2))
     report = bench.run_bench(cfg)
     one_pass = [("ar", 0, 2), ("ngram", 0, 2), ("recycle", 0, 2), ("ngram", 2, 4), ("recycle", 2, 4), ("ar", 2, 4),
                 ("recycle", 4, 5), ("ar", 4, 5), ("ngram", 4, 5)]
     assert calls == one_pass * 2
     for m in report["methods"]:
         assert len(m["walls_s"]) == 2 and m["prompts"] == 5
+
+
+def test_bench_reports_carry_their_provenance(tiny_family, tmp_path, monkeypatch):
+    """Command line, machine, date and version: what docs need to show (and rerun) a report."""
+    from datetime import datetime
+
+    import specdec
+    from specdec.decode.report import cli_command
+
+    prompts = tmp_path / "my prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "x = 1\n"}) + "\n")
+    args = ["bench", "--in", str(prompts), "--target", str(tiny_family / "target"), "--methods", "ngram",
+            "--max-new-tokens", "4", "--warmup", "0", "--out", str(tmp_path / "r.json")]
+    monkeypatch.setattr("sys.argv", ["/somewhere/bin/specdec", *args])
+    assert cli_command() == "specdec bench --in '" + str(prompts) + "' " + " ".join(args[3:])
+    res = invoke(args)
+    assert res.exit_code == 0, res.output
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["command"] == cli_command()
+    machine = report["machine"]
+    assert set(machine) == {"platform", "cpu", "cores", "torch", "transformers", "gpu"}
+    assert machine["cores"] >= 1 and machine["torch"] and machine["transformers"]
+    assert datetime.fromisoformat(report["date"]).utcoffset().total_seconds() == 0
+    assert report["specdec_version"] == specdec.__version__
+    assert report["kind"] == "speculative" and report["config"]["max_new_tokens"] == 4

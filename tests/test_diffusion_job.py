@@ -46,3 +46,25 @@ def test_decode_routes_a_dllm_to_diffusion_decoding(dllm_dir, tmp_path):
         assert f"{decoded} tokens in" in " ".join(res.output.split()), res.output
         assert "denoising steps per token" in res.output
     assert outs["freedave"] == outs["static"]  # lossless strategy, through the whole job
+
+
+def test_bench_on_a_dllm_times_like_the_ar_bench_and_records_provenance(dllm_dir, tmp_path, monkeypatch):
+    """`specdec bench` on a dLLM: interleaved passes, speedups as the median of per-pass ratios to static."""
+    import specdec
+    from specdec.decode.report import cli_command
+
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["copy : apple pear", "reverse : fig apple", "copy : fig"]))
+    args = ["bench", "--in", str(src), "--target", str(dllm_dir), "--methods", "freedave,threshold+tau=0.5",
+            "--max-new-tokens", "8", "--batch-size", "2", "--repeats", "2", "--warmup", "0", "--out", str(tmp_path / "r.json")]
+    monkeypatch.setattr("sys.argv", ["specdec", *args])
+    res = invoke(args)
+    assert res.exit_code == 0, res.output
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["kind"] == "diffusion" and report["command"] == cli_command()
+    assert report["specdec_version"] == specdec.__version__ and report["date"] and report["machine"]["cores"] >= 1
+    rows = {row["method"]: row for row in report["methods"]}
+    assert list(rows) == ["static", "freedave", "threshold+tau=0.5"]
+    assert all(len(row["walls_s"]) == 2 for row in rows.values())
+    assert rows["static"]["speedup"] == 1.0 and rows["freedave"]["exact_match"] == 1.0
+    assert report["config"]["gen_length"] == 8 and report["config"]["repeats"] == 2

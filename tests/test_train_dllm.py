@@ -260,7 +260,8 @@ def test_cli_train_dllm_and_errors(tmp_path, ar_dir):
 
 
 def test_bench_reports_every_method(dllm, tmp_path):
-    from specdec.decode.diffusion_bench import bench_diffusion, plot, render_table
+    from specdec.decode.diffusion_bench import bench_diffusion, render_table
+    from specdec.decode.report import plot
 
     out, _ = dllm
     train_filter(out, [t.prompt for t in list_tasks(4, seed=1)], tmp_path / "filter", gen_length=16, block_size=8, max_steps=20)
