@@ -122,7 +122,7 @@ def decode(
 def bench(
     in_path: Annotated[str, typer.Option("--in", help="Prompts JSONL (with optional category); the shipped examples/prompts.jsonl by default.")] = "",
     target: o.Target = None,
-    methods: Annotated[str, typer.Option("--methods", help="Comma-separated method specs, e.g. ar,ngram,draft+k=4,hf-assisted:draft,hf-lookup.")] = "ar,ngram,recycle,draft",
+    methods: Annotated[str, typer.Option("--methods", help="Comma-separated method specs, e.g. ar,ngram,draft+k=4,hf-assisted:draft,hf-lookup (default: the methods that need no trained artifact and transformers' own; for a dLLM, static and three parallel strategies).")] = "",
     max_new_tokens: o.MaxNewTokens = 128,
     temperature: o.Temperature = 0.0,
     batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Batch size for specdec methods (peers run at bs=1).")] = 1,

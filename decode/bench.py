@@ -48,6 +48,11 @@ class BenchConfig:
     options: DecodeOptions = field(default_factory=lambda: DecodeOptions(batch_size=1))
 
 
+# what needs no trained artifact, beside transformers' own decoding (the tool a user would otherwise use)
+DEFAULT_METHODS = ("ar", "ngram", "recycle", "layerskip", "hf-generate", "hf-lookup")
+DEFAULT_DIFFUSION_METHODS = ("static", "threshold", "factor", "credit")
+
+
 def run_bench(cfg: BenchConfig, console=None) -> dict:
     target_path = resolve_source(cfg.target)
     records = [r for r in read_records(cfg.in_path) if r.error is None and r.prompt is not None]
@@ -57,12 +62,13 @@ def run_bench(cfg: BenchConfig, console=None) -> dict:
         raise SpecdecError(f"{cfg.in_path}: no usable prompts")
     base = cfg.options
     if is_diffusion_model(target_path, base):
-        return diffusion_bench.bench_diffusion(str(target_path), [r.extra for r in records], cfg.methods, base,
+        methods = cfg.methods or list(DEFAULT_DIFFUSION_METHODS)
+        return diffusion_bench.bench_diffusion(str(target_path), [r.extra for r in records], methods, base,
                                                repeats=cfg.repeats, warmup=cfg.warmup, command=cfg.command)
     model, tok, _ = load_decode_target(str(target_path), base)  # one thread setting for every method of the run
     prompts = [tok(r.prompt)["input_ids"] for r in records]
     categories = [r.category or "all" for r in records]
-    methods = list(cfg.methods)
+    methods = list(cfg.methods or DEFAULT_METHODS)
     if "ar" not in methods:
         methods.insert(0, "ar")
     runners = {}
