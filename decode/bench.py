@@ -25,6 +25,7 @@ from specdec.decode.io import read_records
 from specdec.decode.job import is_diffusion_model
 from specdec.decode.options import DecodeOptions, parse_method
 from specdec.decode.registry import build_drafter, kernel_backend, load_decode_target
+from specdec.decode.roofline import nominal_bandwidth, peak_bandwidth, roofline
 from specdec.decode.report import plot, provenance
 from specdec.decode.timing import Run, Runner, run_passes, speedup, tokens_per_s
 from specdec.decode.types import GenRequest
@@ -71,6 +72,8 @@ def run_bench(cfg: BenchConfig, console=None) -> dict:
     methods = list(cfg.methods or DEFAULT_METHODS)
     if "ar" not in methods:
         methods.insert(0, "ar")
+    device = input_device(model)
+    peak = peak_bandwidth(device)  # before the methods: nothing else holds the memory bus
     runners = {}
     for spec in methods:
         if console is not None:
@@ -79,9 +82,16 @@ def run_bench(cfg: BenchConfig, console=None) -> dict:
     runs = run_passes(runners, len(prompts), base.batch_size, cfg.repeats)
     costs = _ForwardCosts(model, prompts)
     entries = [_entry(spec, runs[spec], runs["ar"], categories, costs, model, tok, base) for spec in methods]
+    lens = [len(p) for p in prompts]
+    for spec, entry in zip(methods, entries):
+        if not spec.startswith("hf-"):  # transformers' own runs report no forward counts
+            draft = _draft_model(spec, model, tok, base)
+            entry.update(roofline(runs[spec].stats, lens, base.batch_size, statistics.median(runs[spec].walls), peak, model, draft))
+    nominal = nominal_bandwidth(device)
     return {
         "kind": "speculative",
-        "config": _config(cfg) | {"target": str(target_path), "prompts": len(prompts)},
+        "config": _config(cfg) | {"target": str(target_path), "prompts": len(prompts), "peak_gbps_copy": round(peak / 1e9, 2),
+                                  "peak_gbps_nominal": None if nominal is None else round(nominal / 1e9, 1)},
         "methods": entries,
         **provenance(cfg.command, input_device(model)),
     }
@@ -283,15 +293,27 @@ def _ideal(spec, run: Run, entry: dict, costs, model, tok, base) -> dict:
     return {"ideal_speedup": round(ideal, 3), "efficiency": round(entry["speedup"] / ideal, 3), "verify_cost": round(v, 3), "draft_cost": round(c_round, 3)}
 
 
+_DRAFT_MODELS: dict = {}
+
+
+def _draft_model(spec, model, tok, base):
+    """The draft model a method drafts with (a draft checkpoint or a layer-skip view), or None."""
+    name, overrides = parse_method(spec)
+    if name.split(":")[0] in ("ngram", "recycle", "ar") or name.startswith("hf-"):
+        return None
+    key = (spec, id(model))
+    if key not in _DRAFT_MODELS:
+        _DRAFT_MODELS[key] = getattr(build_drafter(name, model, tok, base.with_overrides(overrides)), "model", None)
+    return _DRAFT_MODELS[key]
+
+
 def _draft_cost_per_round(spec, run: Run, costs, model, tok, base) -> float:
     """Seconds of drafting per round: K draft-model forwards for model drafters, measured propose
     time for neural heads, zero for model-free drafters (their host time is implementation overhead)."""
-    name, overrides = parse_method(spec)
+    name, _ = parse_method(spec)
     if name.split(":")[0] in ("ngram", "recycle", "ar"):
         return 0.0
-    opts = base.with_overrides(overrides)
-    drafter = build_drafter(name, model, tok, opts)
-    draft_model = getattr(drafter, "model", None)
+    draft_model = _draft_model(spec, model, tok, base)
     if draft_model is not None:
         drafts_per_round = sum(s.get("drafted_tokens", 0) for s in run.stats) / max(run.rounds, 1)
         return drafts_per_round * costs(1, draft_model)
@@ -318,12 +340,13 @@ def table(report: dict):
     cfg = report["config"]
     fmt = lambda v, p=2: "-" if v is None else (f"{v:.{p}f}" if isinstance(v, float) else str(v))  # noqa: E731
     main = Table(title=f"specdec bench: {cfg['prompts']} prompts, {cfg['max_new_tokens']} new tokens, T={cfg['temperature']}, bs={cfg['batch_size']}")
-    for col in ("method", "tok/s", "speedup", "tau", "same as ar", "distinct4", "ideal", "effic.", "calls"):
+    for col in ("method", "tok/s", "speedup", "tau", "same as ar", "distinct4", "ideal", "effic.", "calls", "GB/s", "% peak"):
         main.add_column(col, justify="left" if col == "method" else "right", overflow="fold")
     for m in report["methods"]:
         main.add_row(
             m["method"], fmt(m["tokens_per_s"], 1), fmt(m["speedup"]), fmt(m.get("tau")), fmt(m.get("identical_to_ar")),
             fmt(m["distinct4"], 3), fmt(m.get("ideal_speedup")), fmt(m.get("efficiency")), fmt(m.get("target_calls")),
+            fmt(m.get("achieved_gbps"), 1), "-" if m.get("peak_fraction") is None else f"{100 * m['peak_fraction']:.1f}",
         )
     parts = [main]
     depth = max((len(m.get("acceptance_by_position", [])) for m in report["methods"]), default=0)

@@ -46,6 +46,10 @@ def test_bench_report(tiny_family, tmp_path):
     assert methods["recycle"]["tau"] >= 1.0 and methods["recycle"]["acceptance_by_position"]
     assert methods["recycle"]["ideal_speedup"] > 0 and methods["recycle"]["efficiency"] > 0
     assert methods["hf-lookup"]["tau"] is None  # peers do not report target calls
+    assert report["config"]["peak_gbps_copy"] > 0  # the roofline: bandwidth against a copy's, per method
+    for spec in ("ar", "ngram", f"{draft}+k=3"):
+        assert methods[spec]["achieved_gbps"] > 0 and methods[spec]["peak_fraction"] > 0 and methods[spec]["bytes_per_forward"] > 0
+    assert "peak_fraction" not in methods["hf-lookup"]
     assert plot_path.stat().st_size > 1000
 
 
@@ -99,3 +103,23 @@ def test_bench_reports_carry_their_provenance(tiny_family, tmp_path, monkeypatch
     assert datetime.fromisoformat(report["date"]).utcoffset().total_seconds() == 0
     assert report["specdec_version"] == specdec.__version__
     assert report["kind"] == "speculative" and report["config"]["max_new_tokens"] == 4
+
+
+def test_roofline_counts_the_bytes_each_forward_must_read():
+    """Weights once per batch forward (the batch's longest row), KV per row and forward at its average
+    context, a draft's weights once per drafted position; achieved bandwidth over wall time."""
+    from conftest import tiny_llama
+
+    from specdec.decode.roofline import bytes_read, kv_bytes_per_token, param_bytes, roofline
+
+    model, draft = tiny_llama(layers=2), tiny_llama(layers=1, hidden=32)
+    stats = [{"target_calls": 5, "new_tokens": 8, "drafted_tokens": 12}, {"target_calls": 3, "new_tokens": 4, "drafted_tokens": 6},
+             {"target_calls": 4, "new_tokens": 6, "drafted_tokens": 9}]
+    lens = [10, 20, 30]
+    read = bytes_read(stats, lens, 2, model, draft)
+    kv = kv_bytes_per_token(model)
+    assert kv == 2 * 2 * 2 * 12 * 8  # 2 (k, v) x layers x kv heads x head dim x float64
+    want = (5 + 4) * param_bytes(model) + (5 * 14 + 3 * 22 + 4 * 33) * kv + (12 + 9) * param_bytes(draft)
+    assert read["target_forwards"] == 9 and read["bytes"] == want
+    row = roofline(stats, lens, 2, wall_s=2.0, peak=want, model=model, draft=draft)
+    assert row["peak_fraction"] == 0.5 and row["achieved_gbps"] == round(want / 2 / 1e9, 3)
