@@ -54,6 +54,25 @@ class SlotBook:
         self.valid = self.valid[:, first:length]
         self.positions = self.positions[:, first:length]
 
+    def _admit(self, other: "SlotBook") -> None:
+        """Append other's rows after these. The two slot axes are right-aligned on one axis as long as
+        the longer: the shorter side's rows get holes on the left (positions are explicit per row, so
+        a row's slot indices only matter to the masks)."""
+        width = max(self.length, other.length)
+        self.valid = torch.cat([left_pad(self.valid, width, False), left_pad(other.valid, width, False)], 0)
+        self.positions = torch.cat([left_pad(self.positions, width, 0), left_pad(other.positions, width, 0)], 0)
+        self.pos = torch.cat([self.pos, other.pos], 0)
+
+
+def left_pad(x: torch.Tensor, width: int, value, dim: int = 1) -> torch.Tensor:
+    """x padded with ``value`` on the left of ``dim`` to ``width``."""
+    short = width - x.shape[dim]
+    if short == 0:
+        return x
+    shape = list(x.shape)
+    shape[dim] = short
+    return torch.cat([torch.full(shape, value, dtype=x.dtype, device=x.device), x], dim)
+
 
 class KVState(SlotBook):
     def __init__(self, model, batch_size: int, device: torch.device, lean: bool = False):
@@ -168,6 +187,29 @@ class KVState(SlotBook):
     def _append(self, keep_valid: torch.Tensor, keep_pos: torch.Tensor | None = None) -> None:
         super()._append(keep_valid, keep_pos)
         self._pending = self._pending_pos = None
+
+    def admit(self, other: "KVState") -> None:
+        """Append other's rows (a prefill of newly admitted requests, or an empty state) after these:
+        the continuous-batching merge. Keys and values are aligned as ``SlotBook._admit`` aligns the
+        slots; a side that holds no slots yet contributes holes."""
+        width = max(self.length, other.length)
+        rows = (self.valid.shape[0], other.valid.shape[0])
+        merged = DynamicCache()
+        if width:
+            sides = (self.cache, other.cache)
+            ref = other.cache if other.length else self.cache
+            for i, layer in enumerate(ref.layers):
+                kv = []
+                for name in ("keys", "values"):
+                    like = getattr(layer, name)
+                    parts = [
+                        getattr(c.layers[i], name) if n_slots else like.new_zeros(n, like.shape[1], 0, like.shape[3])
+                        for c, n, n_slots in zip(sides, rows, (self.length, other.length))
+                    ]
+                    kv.append(torch.cat([left_pad(x, width, 0.0, dim=2) for x in parts], 0))
+                merged.update(*kv, i)
+        self.cache = merged
+        self._admit(other)
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """Drop finished rows (rows: indices of the rows that continue)."""

@@ -1,10 +1,14 @@
 """Drafters: everything that proposes tokens for the one decode loop to verify.
 
-A drafter implements four steps, all batched over the active rows:
+A drafter implements five steps, all batched over the active rows:
   begin(batch, seg)      after the target's prefill (seg holds its inputs, logits, hidden states)
   propose(batch)         -> Proposal (a chain or a token tree per row) or None for a plain step
   observe(batch, seg)    after each verification (seg also holds what each row kept)
   select_rows(rows)      rows that finished leave the batch
+  admit(batch, seg)      continuous batching: new rows join after the running ones; batch and seg
+                         are the new rows' own prefill, exactly as ``begin`` would get them
+A drafter with per-row state that does not implement ``admit`` refuses it (``admits`` is False), so
+a running batch never goes on with state that lacks the new rows.
 The registry maps a kind (as written in an artifact's config.json, or a model-free name) to a
 factory; the CLI never branches on names.
 """
@@ -21,7 +25,7 @@ import torch
 from specdec.decode.cache import KVState
 from specdec.decode.verify import Sampling, logits_to_probs
 from specdec.models import arch
-from specdec.models.errors import UsageError
+from specdec.models.errors import SpecdecError, UsageError
 
 
 @dataclass
@@ -70,11 +74,22 @@ class Drafter:
     def select_rows(self, rows: torch.Tensor) -> None:
         pass
 
+    def admit(self, batch, seg: Segment) -> None:
+        raise SpecdecError(f"the {type(self).__name__} drafter cannot take new rows into a running batch: decode with --schedule static")
+
+
+def admits(drafter: Drafter) -> bool:
+    """Whether the drafter can take new rows into a running batch (continuous batching)."""
+    return type(drafter).admit is not Drafter.admit
+
 
 class NoDrafter(Drafter):
     """Plain autoregressive decoding: the loop with nothing to verify (method ``ar``)."""
 
     default_k = 0
+
+    def admit(self, batch, seg: Segment) -> None:
+        pass
 
 
 # ---------------------------------------------------------------------------------------------
@@ -198,6 +213,9 @@ class NgramDrafter(Drafter):
                     return draft
         return []
 
+    def admit(self, batch, seg: Segment) -> None:
+        pass  # drafts come from each row's own text
+
     def propose(self, batch) -> Proposal | None:
         k = batch.num_draft
         drafts = [self._lookup(seq, k) for seq in batch.seqs]
@@ -237,6 +255,9 @@ class RecycleDrafter(Drafter):
 
     def observe(self, batch, seg: Segment) -> None:
         self._update(seg)
+
+    def admit(self, batch, seg: Segment) -> None:
+        self._update(seg)  # one matrix for every row: the new prompts' logits refresh it
 
     def propose(self, batch) -> Proposal | None:
         n = batch.num_draft
@@ -331,6 +352,11 @@ class ModelDrafter(Drafter):
         self.state.select_rows(rows)
         idx = rows.tolist()
         self.fed = [self.fed[i] for i in idx]
+
+    def admit(self, batch, seg: Segment) -> None:
+        # empty rows: the next round's _feed_pending feeds their whole text
+        self.state.admit(KVState(self.model, len(batch.seqs), batch.device, lean=True))
+        self.fed += [0] * len(batch.seqs)
 
 
 def layer_skip_view(model, skip: list[int]):

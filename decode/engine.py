@@ -4,19 +4,26 @@ Plain autoregressive decoding is the same loop with a drafter that proposes noth
 method pays the same per-round overhead and ``ar`` is an honest baseline. Batched: each row has
 its own accepted length, positions and stop state; finished rows leave the batch at once.
 One host sync per round (the verdict), none inside drafting.
+
+``generate`` decodes one static batch. ``stream`` batches continuously: it keeps ``batch_size`` rows
+in flight, and the requests that take the places of finished rows are prefilled in a forward of
+their own and merged into the running state (``KVState.admit``, ``Drafter.admit``) between rounds.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
+from typing import Iterable, Iterator
 
 import torch
 
 from specdec.decode.cache import KVState
-from specdec.decode.drafters import Drafter, NoDrafter, Proposal, Segment, tree_attention_from_parents
+from specdec.decode.drafters import Drafter, NoDrafter, Proposal, Segment, admits, tree_attention_from_parents
 from specdec.decode.types import GenRequest, GenResult
 from specdec.decode.verify import Sampling, Verdict, verify_chain, verify_tree
+from specdec.models.errors import SpecdecError
 
 
 @dataclass
@@ -35,6 +42,7 @@ class Batch:
 @dataclass
 class _Row:
     max_new: int
+    start: float = 0.0  # when the row was admitted (perf_counter)
     tokens: list[int] = field(default_factory=list)
     finish: str | None = None
     target_calls: int = 0
@@ -73,13 +81,53 @@ class SpecEngine:
 
     # -- the loop ---------------------------------------------------------------------------
 
-    @torch.inference_mode()
     def generate(self, requests: list[GenRequest]) -> list[GenResult]:
+        """Every request in one batch (static batching); results in request order."""
+        results: list[GenResult | None] = [None] * len(requests)
         start = time.perf_counter()
+        for i, res in self._run(iter(requests), max(len(requests), 1)):
+            results[i] = res
+        wall = round(time.perf_counter() - start, 6)
+        for res in results:
+            res.stats["batch_wall_s"] = wall
+        return results
+
+    def stream(self, requests: Iterable[GenRequest], batch_size: int) -> Iterator[tuple[int, GenResult]]:
+        """Continuous batching: ``batch_size`` rows in flight; when rows finish, the next requests
+        (read from ``requests`` only then) are prefilled and join the running batch. Yields
+        (index of the request in ``requests``, its result) as each row finishes."""
+        if batch_size < 1:
+            raise ValueError("batch_size must be at least 1")
+        if not admits(self.drafter):
+            raise SpecdecError(
+                f"the {type(self.drafter).__name__} drafter cannot take new rows into a running batch "
+                "(it implements no admit): decode with --schedule static"
+            )
+        return self._run(iter(requests), batch_size)
+
+    @torch.inference_mode()
+    def _run(self, requests: Iterator[GenRequest], batch_size: int) -> Iterator[tuple[int, GenResult]]:
         generator = torch.Generator(device=self.device).manual_seed(self.seed)
-        rows = [_Row(max_new=r.max_new_tokens) for r in requests]
-        batch, state = self._prefill(requests, rows, generator)
-        while batch.seqs:
+        rows: dict[int, _Row] = {}  # in flight, by request index
+        batch: Batch | None = None
+        state: KVState | None = None
+        taken = 0
+        exhausted = False
+        while True:
+            # admit: rows that finish at their first token free their place at once
+            while not exhausted and (batch is None or len(batch.rows) < batch_size):
+                room = batch_size - (len(batch.rows) if batch is not None else 0)
+                new = list(itertools.islice(requests, room))
+                exhausted = len(new) < room
+                if not new:
+                    break
+                for i, r in enumerate(new):
+                    rows[taken + i] = _Row(max_new=r.max_new_tokens, start=time.perf_counter())
+                batch, state = self._admit(batch, state, new, list(range(taken, taken + len(new))), rows, generator)
+                taken += len(new)
+                yield from self._finished(rows)
+            if batch is None or not batch.rows:
+                return
             room = self.max_context - max(map(len, batch.seqs))
             batch.num_draft = self.num_draft if room > self.num_draft + 1 else 0
             proposal = self.drafter.propose(batch) if batch.num_draft > 0 else None
@@ -87,11 +135,26 @@ class SpecEngine:
             emitted = self._accept(batch, rows, proposal, verdict)
             seg.accepted = emitted
             self.drafter.observe(batch, seg)
-            self._drop_finished(batch, rows, state, verdict)
-        wall = time.perf_counter() - start
-        return [self._result(r, wall) for r in rows]
+            self._drop_finished(batch, rows, state)
+            yield from self._finished(rows)
 
-    def _prefill(self, requests, rows, generator) -> tuple[Batch, KVState]:
+    def _admit(self, batch: Batch | None, state: KVState | None, requests, index, rows, generator) -> tuple[Batch, KVState]:
+        """Prefill ``requests`` (their own forward, left-padded among themselves) and merge them into the
+        running batch; into an empty batch they start a new one (the drafter ``begin``s)."""
+        new, new_state, seg = self._prefill(requests, index, rows, generator)
+        if batch is None or not batch.rows:
+            self.drafter.begin(new, seg)
+            batch, state = new, new_state
+        else:
+            self.drafter.admit(new, seg)
+            state.admit(new_state)
+            batch.seqs += new.seqs
+            batch.rows += new.rows
+            batch.root = torch.cat([batch.root, new.root])
+        self._drop_finished(batch, rows, state)
+        return batch, state
+
+    def _prefill(self, requests, index, rows, generator) -> tuple[Batch, KVState, Segment]:
         bsz = len(requests)
         width = max(len(r.prompt_ids) for r in requests)
         ids = torch.zeros(bsz, width, dtype=torch.long)
@@ -113,15 +176,14 @@ class SpecEngine:
             generator=generator,
             device=self.device,
             num_draft=self.num_draft,
-            rows=list(range(bsz)),
+            rows=list(index),
         )
         first = verdict.next_token.tolist()
         for i, tok in enumerate(first):
-            rows[i].target_calls += 1
-            self._append(rows[i], batch.seqs[i], [tok])
-        self.drafter.begin(batch, Segment(ids, valid, out.logits, *self._hidden(out)))
-        self._drop_finished(batch, rows, state, verdict)
-        return batch, state
+            row = rows[index[i]]
+            row.target_calls += 1
+            self._append(row, batch.seqs[i], [tok])
+        return batch, state, Segment(ids, valid, out.logits, *self._hidden(out))
 
     def _verify(self, state: KVState, batch: Batch, proposal: Proposal | None) -> tuple[Segment, Verdict]:
         """One target forward over [root, drafts...] and the shared verification routine."""
@@ -173,7 +235,7 @@ class SpecEngine:
         layers = self.drafter.hidden_layers
         return out.hidden_states[-1], tuple(out.hidden_states[i] for i in layers) if layers else None
 
-    def _accept(self, batch: Batch, rows: list[_Row], proposal: Proposal | None, verdict: Verdict) -> list[int]:
+    def _accept(self, batch: Batch, rows: dict[int, _Row], proposal: Proposal | None, verdict: Verdict) -> list[int]:
         """Append each row's accepted drafts and next token; returns accepted counts (host)."""
         bsz = len(batch.seqs)
         if proposal is not None and proposal.tokens.shape[1]:
@@ -217,7 +279,7 @@ class SpecEngine:
             if any(s in tail for s in self.stop):
                 row.finish = "stop"
 
-    def _drop_finished(self, batch: Batch, rows: list[_Row], state: KVState, verdict: Verdict) -> None:
+    def _drop_finished(self, batch: Batch, rows: dict[int, _Row], state: KVState) -> None:
         keep = [i for i, r in enumerate(batch.rows) if not rows[r].finish]
         if len(keep) == len(batch.rows):
             return
@@ -229,7 +291,13 @@ class SpecEngine:
             state.select_rows(idx)
             self.drafter.select_rows(idx)
 
-    def _result(self, row: _Row, wall: float) -> GenResult:
+    def _finished(self, rows: dict[int, _Row]) -> Iterator[tuple[int, GenResult]]:
+        done = [i for i, r in rows.items() if r.finish]
+        now = time.perf_counter()
+        for i in done:
+            yield i, self._result(rows.pop(i), now)
+
+    def _result(self, row: _Row, now: float) -> GenResult:
         stats = {
             "new_tokens": len(row.tokens),
             "target_calls": row.target_calls,
@@ -237,7 +305,7 @@ class SpecEngine:
             "accepted_tokens": row.accepted,
             "position_drafted": row.pos_drafted,
             "position_accepted": row.pos_accepted,
-            "batch_wall_s": round(wall, 6),
+            "row_wall_s": round(now - row.start, 6),  # from its admission to its last token
         }
         return GenResult(token_ids=row.tokens, finish_reason=row.finish or "length", stats=stats)
 

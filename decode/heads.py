@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from specdec.decode.cache import SlotBook
+from specdec.decode.cache import SlotBook, left_pad
 from specdec.decode.drafters import Drafter, Proposal, Segment, TreeTemplate
 from specdec.models.artifacts import check_fingerprint, read_config, tokenizer_fingerprint
 from specdec.models.errors import SpecdecError
@@ -295,6 +295,9 @@ class MedusaDrafter(HeadTreeDrafter):
     def select_rows(self, rows: torch.Tensor) -> None:
         self.h = self.h[rows]
 
+    def admit(self, batch, seg: Segment) -> None:
+        self.h = torch.cat([self.h, seg.hidden[:, -1]], 0)
+
 
 class CloverDrafter(HeadTreeDrafter):
     """Sequential heads: a node's state = step(its token, its parent's state) over a window of the
@@ -325,6 +328,12 @@ class CloverDrafter(HeadTreeDrafter):
 
     def select_rows(self, rows: torch.Tensor) -> None:
         self.mem, self.mem_valid = self.mem[rows], self.mem_valid[rows]
+        self._trim()
+
+    def admit(self, batch, seg: Segment) -> None:
+        width = max(self.mem.shape[1], seg.hidden.shape[1])
+        self.mem = torch.cat([left_pad(self.mem, width, 0.0), left_pad(seg.hidden, width, 0.0)], 0)
+        self.mem_valid = torch.cat([left_pad(self.mem_valid, width, False), left_pad(seg.input_valid, width, False)], 0)
         self._trim()
 
     def _reset_tree(self, batch) -> None:
@@ -401,6 +410,15 @@ class _SlotCache(SlotBook):
         self.k, self.v = self.k[rows], self.v[rows]
         self._select(rows)
 
+    def admit(self, other: "_SlotCache") -> None:
+        """Append other's rows after these, the slot axes aligned as ``SlotBook._admit`` aligns them."""
+        width = max(self.length, other.length)
+        self.k, self.v = (
+            torch.cat([left_pad(a[:, :, : self.length], width, 0.0, dim=2), left_pad(b[:, :, : other.length], width, 0.0, dim=2)], 0)
+            for a, b in ((self.k, other.k), (self.v, other.v))
+        )
+        self._admit(other)
+
 
 class EagleDrafter(HeadTreeDrafter):
     """EAGLE: a one-layer feature drafter with its own KV cache of true (token, feature) entries for
@@ -419,9 +437,10 @@ class EagleDrafter(HeadTreeDrafter):
             return seg.hidden
         return self.heads.fuse(torch.cat(seg.hidden_layers, dim=-1).to(self.heads.fuse.weight.dtype))
 
-    def _commit(self, tokens: torch.Tensor, valid: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
-        """Append true entries (holes where ``valid`` is False); their predicted features [B, T, H]."""
-        c = self.cache
+    def _commit(self, tokens: torch.Tensor, valid: torch.Tensor, feats: torch.Tensor, cache: "_SlotCache | None" = None) -> torch.Tensor:
+        """Append true entries (holes where ``valid`` is False) to ``cache`` (default: the drafter's);
+        their predicted features [B, T, H]."""
+        c = self.cache if cache is None else cache
         b, t = tokens.shape
         dev = tokens.device
         pos = c.pos[:, None] + (valid.long().cumsum(-1) - 1).clamp_(min=0)
@@ -435,11 +454,20 @@ class EagleDrafter(HeadTreeDrafter):
         return out
 
     def begin(self, batch, seg: Segment) -> None:
+        self.cache, self.f_root = self._prefill(batch, seg)
+
+    def admit(self, batch, seg: Segment) -> None:
+        cache, f_root = self._prefill(batch, seg)
+        self.cache.admit(cache)
+        self.f_root = torch.cat([self.f_root, f_root], 0)
+
+    def _prefill(self, batch, seg: Segment) -> tuple[_SlotCache, torch.Tensor]:
+        """A cache of the prompts' entries and each row's root feature."""
         layer = self.heads.layer
         p = next(self.heads.parameters())
-        self.cache = _SlotCache(len(batch.seqs), layer.kv_heads, layer.head_dim, p.dtype, p.device)
+        cache = _SlotCache(len(batch.seqs), layer.kv_heads, layer.head_dim, p.dtype, p.device)
         nxt = torch.cat([seg.input_ids[:, 1:], batch.root[:, None]], 1)  # entry t = (token t+1, f_t)
-        self.f_root = self._commit(nxt, seg.input_valid, self._features(seg))[:, -1]
+        return cache, self._commit(nxt, seg.input_valid, self._features(seg), cache)[:, -1]
 
     def _observe(self, batch, seg: Segment) -> None:
         ids = seg.input_ids.gather(1, seg.keep_index)  # [root, accepted path...]

@@ -1,0 +1,212 @@
+"""Continuous batching: rows join a running batch as others finish. Greedy decoding with every drafter
+stays token-identical to plain decoding of each request on its own; sampling still draws from the
+target's distribution with rows admitted mid-way (and a verifier that skips the residual fails that test)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as tf
+from conftest import ByteTokenizer, make_prompts, tiny_llama
+from test_sampling import P_FLOOR, chi2_pvalue, exact_two_token_distribution
+
+from specdec.decode import engine as engine_module
+from specdec.decode.adaptive import AdaptiveDrafter
+from specdec.decode.cache import KVState
+from specdec.decode.drafters import Drafter, ModelDrafter, NgramDrafter, NoDrafter, RecycleDrafter, layer_skip_view
+from specdec.decode.engine import SpecEngine
+from specdec.decode.heads import DRAFTERS
+from specdec.decode.types import GenRequest
+from specdec.decode.verify import Sampling, Verdict, logits_to_probs, sample_from, verify_chain
+from specdec.models.acceptance import N_STATS, AcceptanceHead
+from specdec.models.errors import SpecdecError
+from specdec.models.heads import build_heads
+
+# very different budgets (2..40) and prompt lengths (3..40), more requests than the batch holds
+BUDGETS = [2, 40, 7, 13, 31, 3, 25, 18, 9]
+BATCH = 3
+
+
+@pytest.fixture(scope="module")
+def reqs():
+    prompts = make_prompts(len(BUDGETS), seed=5, lo=3, hi=40)
+    return [GenRequest(p, n) for p, n in zip(prompts, BUDGETS)]
+
+
+@pytest.fixture(scope="module")
+def alone(target, reqs):
+    """Plain ``ar`` decoding of each request on its own."""
+    return [SpecEngine(target, ByteTokenizer()).generate([r])[0] for r in reqs]
+
+
+def _acceptance_head(hidden: int):
+    torch.manual_seed(3)
+    head = AcceptanceHead(hidden + N_STATS).double()
+    with torch.no_grad():  # a confidence that varies with the hidden state: rows stop at different lengths
+        head.out.weight.normal_(0, 0.3)
+        head.out.weight[:, -N_STATS:] = 0.0
+        head.out.bias.fill_(2.0)
+    return head.eval()
+
+
+def _heads(kind, target):
+    torch.manual_seed(0)
+    return build_heads(kind, target, {"window": 16}).attach(target, init_from_lm_head=True).double().eval()
+
+
+def make_drafter(name, target, draft_model):
+    if name in ("medusa", "clover", "eagle-static", "eagle-dynamic"):
+        kind, _, tree = name.partition("-")
+        return DRAFTERS[kind](_heads(kind, target), target, tree=tree or "static", tree_tokens=10, top_k=3)
+    return {
+        "ar": NoDrafter,
+        "ngram": NgramDrafter,
+        "recycle": RecycleDrafter,
+        "layerskip": lambda: ModelDrafter(layer_skip_view(target, [1])),
+        "draft": lambda: ModelDrafter(draft_model),
+        "adaptive": lambda: AdaptiveDrafter(draft_model, _acceptance_head(draft_model.config.hidden_size), stop_threshold=0.7,
+                                            min_draft=1, max_draft=6),
+    }[name]()
+
+
+NAMES = ["ar", "ngram", "recycle", "layerskip", "draft", "adaptive", "medusa", "clover", "eagle-static", "eagle-dynamic"]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_greedy_continuous_equals_each_request_alone(target, draft_model, reqs, alone, name):
+    engine = SpecEngine(target, ByteTokenizer(), make_drafter(name, target, draft_model))
+    order, got = [], {}
+    for i, res in engine.stream(iter(reqs), BATCH):  # an iterator: requests are read as rows free up
+        order.append(i)
+        got[i] = res
+    assert sorted(order) == list(range(len(reqs)))
+    assert order != sorted(order)  # short requests overtook long ones: rows really were admitted mid-way
+    for i, ref in enumerate(alone):
+        assert got[i].token_ids == ref.token_ids, (name, i)
+        assert got[i].finish_reason == ref.finish_reason
+    if name != "ar":
+        assert sum(r.stats["drafted_tokens"] for r in got.values()) > 0
+
+
+def test_admission_leaves_every_rows_cache_equal_to_a_fresh_prefill(target, draft_model, reqs):
+    """After admissions into a running batch, each row's valid target-cache slots are exactly those
+    of a fresh prefill of its text, at the positions of its text."""
+    engine = SpecEngine(target, ByteTokenizer(), ModelDrafter(draft_model))
+    rounds, checked = [0], [0]
+    verify = engine._verify
+
+    def spy(state, batch, proposal):
+        rounds[0] += 1
+        if rounds[0] % 5 == 0:
+            for row, seq in enumerate(batch.seqs):
+                text = seq[: int(state.pos[row])]  # the root is not in the cache yet
+                fresh = KVState(target, 1, torch.device("cpu"))
+                fresh.forward(torch.tensor([text]))
+                keep = state.valid[row]
+                assert state.positions[row][keep].tolist() == list(range(len(text)))
+                for got, ref in zip(state.cache.layers, fresh.cache.layers):
+                    torch.testing.assert_close(got.keys[row][:, keep], ref.keys[0], rtol=1e-9, atol=1e-9)
+                    torch.testing.assert_close(got.values[row][:, keep], ref.values[0], rtol=1e-9, atol=1e-9)
+                checked[0] += 1
+        return verify(state, batch, proposal)
+
+    engine._verify = spy
+    finished = [i for i, _ in engine.stream(reqs, BATCH)]
+    assert len(finished) == len(reqs) and checked[0] >= 10
+
+
+def test_sliding_window_hybrid_target_with_a_sliding_draft():
+    """Admitted rows bring their slot positions along: sliding-window masks stay right per row."""
+    common = dict(vocab_size=96, bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False, hidden_size=32,
+                  intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, sliding_window=8)
+    models = []
+    for seed, cfg in ((0, tf.Qwen2Config(num_hidden_layers=3, use_sliding_window=True, layer_types=["sliding_attention", "full_attention", "sliding_attention"], **common)),
+                      (1, tf.MistralConfig(num_hidden_layers=1, **common))):
+        torch.manual_seed(seed)
+        model = tf.AutoModelForCausalLM.from_config(cfg).double().eval()
+        with torch.no_grad():
+            model.get_output_embeddings().weight.mul_(8.0)
+        models.append(model)
+    target, draft = models
+    prompts = make_prompts(6, seed=9, lo=3, hi=24)
+    reqs = [GenRequest(p, n) for p, n in zip(prompts, [30, 4, 17, 2, 26, 11])]
+    alone = [SpecEngine(target, ByteTokenizer(), eos_ids=[]).generate([r])[0].token_ids for r in reqs]
+    got = dict(SpecEngine(target, ByteTokenizer(), ModelDrafter(draft), eos_ids=[]).stream(reqs, 2))
+    assert [got[i].token_ids for i in range(len(reqs))] == alone
+
+
+def test_generate_is_static_and_stream_matches_it_per_request(target, reqs):
+    engine = SpecEngine(target, ByteTokenizer(), NgramDrafter())
+    static = engine.generate(reqs)
+    assert all(r.stats["batch_wall_s"] == static[0].stats["batch_wall_s"] for r in static)
+    streamed = dict(engine.stream(reqs, len(reqs)))  # everything admitted at once: the static batch
+    assert [streamed[i].token_ids for i in range(len(reqs))] == [r.token_ids for r in static]
+    assert engine.generate([]) == []
+
+
+def test_a_drafter_without_admit_refuses_continuous_batching(target, reqs):
+    class Stateful(Drafter):  # per-row state, no admit
+        pass
+
+    engine = SpecEngine(target, ByteTokenizer(), Stateful())
+    with pytest.raises(SpecdecError, match="Stateful drafter cannot take new rows.*--schedule static"):
+        engine.stream(reqs, BATCH)
+    assert len(engine.generate(reqs[:2])) == 2  # one static batch never admits: it still decodes
+    with pytest.raises(SpecdecError, match="cannot take new rows"):
+        Stateful().admit(None, None)
+
+
+# -- sampling ---------------------------------------------------------------------------------
+
+
+def _no_residual_verify_chain(logits, tokens, draft_probs, sampling, generator, lengths=None, kernels="torch"):
+    """The bug: after a rejection, resample from p instead of the residual max(p - q, 0)."""
+    verdict = verify_chain(logits, tokens, draft_probs, sampling, generator, lengths, kernels)
+    if sampling.greedy or tokens.shape[1] == 0:
+        return verdict
+    rows = torch.arange(tokens.shape[0], device=tokens.device)
+    p_at = logits_to_probs(logits[rows, verdict.accepted], sampling)
+    u = torch.rand(tokens.shape[0], generator=generator, device=tokens.device)
+    rejected = verdict.accepted < (tokens.shape[1] if lengths is None else lengths)
+    next_token = torch.where(rejected, sample_from(p_at, u), verdict.next_token)
+    return Verdict(verdict.accepted, verdict.path, next_token)
+
+
+def _sampled_pairs(broken: bool, monkeypatch) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Two sampled tokens after one prompt, each of those rows joining a running batch of rows that
+    decode other prompts for other lengths (fillers), with a draft model (its own cache admitted too)."""
+    vocab = 12
+    target = tiny_llama(vocab=vocab, hidden=32, layers=2, seed=3)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(0.25)  # many tokens matter
+    if broken:
+        monkeypatch.setattr(engine_module, "verify_chain", _no_residual_verify_chain)
+    drafter = ModelDrafter(tiny_llama(vocab=vocab, hidden=32, layers=1, seed=4))
+    sampling = Sampling(temperature=0.8)
+    engine = SpecEngine(target, ByteTokenizer(), drafter, sampling, num_draft=3, seed=123, eos_ids=[])
+    prompt = [5, 7, 5, 7, 5]
+    g = torch.Generator().manual_seed(0)
+    reqs, probes = [], []
+    for i in range(9000):
+        if i % 3 == 2:
+            n = int(torch.randint(3, 12, (1,), generator=g))
+            reqs.append(GenRequest(torch.randint(3, vocab, (n,), generator=g).tolist(), int(torch.randint(1, 7, (1,), generator=g))))
+        else:
+            probes.append(len(reqs))
+            reqs.append(GenRequest(prompt, 2))
+    got = dict(engine.stream(reqs, 256))
+    pairs = torch.tensor([got[i].token_ids[0] * vocab + got[i].token_ids[1] for i in probes])
+    exact = exact_two_token_distribution(target, prompt, sampling)
+    accepted = sum(r.stats["accepted_tokens"] for r in got.values())
+    return torch.bincount(pairs, minlength=vocab * vocab).double(), exact.double(), accepted
+
+
+def test_sampling_with_admission_draws_the_target_joint_distribution(monkeypatch):
+    counts, exact, accepted = _sampled_pairs(False, monkeypatch)
+    assert chi2_pvalue(counts, exact) > P_FLOOR
+    assert accepted > 0  # drafts were actually tested
+
+
+def test_a_verifier_that_skips_the_residual_fails_the_same_test(monkeypatch):
+    counts, exact, _ = _sampled_pairs(True, monkeypatch)
+    assert chi2_pvalue(counts, exact) < 1e-6
