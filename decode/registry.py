@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from specdec.decode import drafters
+from specdec.decode import copying, drafters
 from specdec.decode.adaptive import build_adaptive
 from specdec.decode.heads import build_head_drafter
 from specdec.decode.options import DecodeOptions
@@ -19,7 +19,20 @@ from specdec.models.artifacts import artifact_kind, check_fingerprint, read_conf
 from specdec.models.errors import SpecdecError, UsageError
 from specdec.models.loading import input_device, load_draft, load_target, load_tokenizer
 
-MODEL_FREE = ("ar", "ngram", "recycle", "layerskip")
+def _layerskip(spec: str, target, options: DecodeOptions):
+    return drafters.ModelDrafter(drafters.layer_skip_view(target, drafters.parse_layerskip(spec, target.config.num_hidden_layers)))
+
+
+# drafters that need no artifact: name -> factory(spec, target, options)
+MODEL_FREE_DRAFTERS: dict[str, Callable] = {
+    "ar": lambda spec, target, options: drafters.NoDrafter(),
+    "ngram": lambda spec, target, options: drafters.NgramDrafter(max_ngram=options.max_ngram),
+    "recycle": lambda spec, target, options: drafters.RecycleDrafter(),
+    "layerskip": _layerskip,
+    "copy": lambda spec, target, options: copying.CopyDrafter(),
+    "input-copy": lambda spec, target, options: copying.InputCopyDrafter(),
+}
+MODEL_FREE = tuple(MODEL_FREE_DRAFTERS)
 
 
 def kernel_backend(options: DecodeOptions, device=None) -> str:
@@ -101,17 +114,9 @@ def check_drafter_options(spec: str, options: DecodeOptions) -> None:
 
 def build_drafter(spec: str, target, tokenizer, options: DecodeOptions):
     name, _, _ = spec.partition(":")
-    if name in MODEL_FREE:
+    if name in MODEL_FREE_DRAFTERS:
         _refuse_options_that_do_not_apply(name, options)
-    if name == "ar":
-        return drafters.NoDrafter()
-    if name == "ngram":
-        return drafters.NgramDrafter(max_ngram=options.max_ngram)
-    if name == "recycle":
-        return drafters.RecycleDrafter()
-    if name == "layerskip":
-        skip = drafters.parse_layerskip(spec, target.config.num_hidden_layers)
-        return drafters.ModelDrafter(drafters.layer_skip_view(target, skip))
+        return MODEL_FREE_DRAFTERS[name](spec, target, options)
     path = resolve_member(spec)
     kind = artifact_kind(path)
     if kind not in DRAFTER_KINDS:

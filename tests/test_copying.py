@@ -1,0 +1,93 @@
+"""The copying drafters (CopySpec's ``copy``, input-guided ``input-copy``): what they propose, how far
+they copy, and that decoding with them is greedy-identical to plain decoding at batch 1 and 3."""
+
+import pytest
+import torch
+from conftest import ByteTokenizer, make_prompts
+
+from specdec.decode.copying import CopyDrafter, InputCopyDrafter
+from specdec.decode.drafters import Segment
+from specdec.decode.engine import SpecEngine
+from specdec.decode.types import GenRequest
+from specdec.decode.verify import Sampling
+
+
+class _Batch:
+    def __init__(self, seqs, k=32):
+        self.seqs, self.num_draft, self.device = seqs, k, torch.device("cpu")
+        self.sampling = Sampling()
+
+
+def _seg(accepted):
+    return Segment(None, None, None, None, accepted=accepted)
+
+
+def _tokens(p):
+    return [] if p is None else p.tokens[0, : int(p.lengths[0])].tolist()
+
+
+def test_copy_proposes_what_followed_the_last_gamma_tokens_and_adapts_its_length():
+    d = CopyDrafter(gamma=3, start_copy=4, max_copy=16, min_copy=2)
+    text = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 1, 2, 5, 6, 7]
+    d.begin(_Batch([text]), None)
+    assert _tokens(d.propose(_Batch([text]))) == [8, 9, 10, 11]  # after the earlier 5 6 7, start_copy long
+    d.observe(None, _seg([4]))  # kept whole: the next copy doubles
+    assert _tokens(d.propose(_Batch([text]))) == [8, 9, 10, 11, 12, 13, 14, 15]
+    d.observe(None, _seg([1]))  # cut after one: the next is what was kept plus min_copy
+    assert d.length == [3]
+    assert d.propose(_Batch([[1, 2, 3]])) is None  # nothing repeats: no draft
+
+
+def test_copy_remembers_the_jobs_earlier_outputs():
+    d = CopyDrafter(gamma=3, start_copy=6)
+    first = [[40, 41, 42, 43, 44, 45, 46, 47]]
+    d.begin(_Batch(first), None)
+    d.propose(_Batch(first))
+    later = [[9, 41, 42, 43]]  # a new batch of the job: the finished row is memory now
+    d.begin(_Batch(later), None)
+    assert _tokens(d.propose(_Batch(later))) == [44, 45, 46, 47]
+
+
+def test_input_copy_follows_the_input_and_realigns_after_a_mismatch():
+    d = InputCopyDrafter(align=2)
+    prompt = [10, 11, 12, 13, 14, 15, 16, 17, 18, 19]
+    seqs = [prompt + [10]]  # the target's first token starts copying the input
+    d.begin(_Batch(seqs, k=4), None)
+    assert _tokens(d.propose(_Batch(seqs, k=4))) == [11, 12, 13, 14]
+    d.observe(None, _seg([4]))
+    seqs[0] += [11, 12, 13, 14, 15]  # all kept, and the bonus token is the input's next one
+    assert _tokens(d.propose(_Batch(seqs, k=4))) == [16, 17, 18, 19]
+    d.observe(None, _seg([1]))
+    seqs[0] += [16, 99, 13, 14]  # an edit: the output resumes at 13 14, so does the copy
+    assert _tokens(d.propose(_Batch(seqs, k=4))) == [15, 16, 17, 18]
+
+
+def _edit_prompts(n, seed):
+    """Prompts whose second half repeats their first (what a rewrite job looks like)."""
+    return [p + p[: len(p) // 2] for p in make_prompts(n, seed=seed)]
+
+
+@pytest.mark.parametrize("drafter", [CopyDrafter, InputCopyDrafter])
+@pytest.mark.parametrize("bsz", [1, 3])
+def test_copying_drafters_are_lossless(target, drafter, bsz):
+    prompts = _edit_prompts(6, seed=11)
+    budgets = [24, 7, 31, 12, 18, 3]  # rows finish at different times
+    reqs = [GenRequest(p, n) for p, n in zip(prompts, budgets)]
+    plain = SpecEngine(target, ByteTokenizer()).generate(reqs)
+    engine = SpecEngine(target, ByteTokenizer(), drafter())
+    got = []
+    for i in range(0, len(reqs), bsz):
+        got += engine.generate(reqs[i : i + bsz])
+    assert [r.token_ids for r in got] == [r.token_ids for r in plain]
+    assert sum(r.stats["drafted_tokens"] for r in got) > 0  # the drafter did draft
+
+
+def test_self_copying_target_is_drafted_in_long_runs(target):
+    """On text the target repeats (its own greedy loop), copy drafts long runs and saves forwards."""
+    prompt = make_prompts(1, seed=2)[0]
+    loop = SpecEngine(target, ByteTokenizer()).generate([GenRequest(prompt, 80)])[0].token_ids
+    req = [GenRequest(prompt + loop, 40)]
+    plain = SpecEngine(target, ByteTokenizer()).generate(req)[0]
+    copied = SpecEngine(target, ByteTokenizer(), CopyDrafter()).generate(req)[0]
+    assert copied.token_ids == plain.token_ids
+    assert copied.stats["target_calls"] < plain.stats["target_calls"]
