@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+from enum import Enum
 from typing import Annotated, Optional
 
 import typer
@@ -55,6 +56,12 @@ def default_target(console) -> str:
     return str(target)
 
 
+class Schedule(str, Enum):
+    auto = "auto"
+    continuous = "continuous"
+    static = "static"
+
+
 DrafterOpt = Annotated[str, typer.Option("--drafter", help="ar, ngram, recycle, layerskip[:i,j], a default-family member (draft, medusa, clover, eagle) or an artifact folder.")]
 
 
@@ -70,6 +77,7 @@ def decode(
     top_p: o.TopP = 1.0,
     seed: o.Seed = 0,
     batch_size: o.BatchSize = 8,
+    schedule: Annotated[Schedule, typer.Option("--schedule", help="Batching: continuous (a finished row's place goes to the next record at once), static (a batch ends with its longest row), or auto: continuous for causal LMs, static for diffusion LMs (which only batch statically).")] = Schedule.auto,
     stop: Annotated[Optional[list[str]], typer.Option("--stop", help="Stop string (repeatable).")] = None,
     strict: Annotated[bool, typer.Option("--strict", help="Stop at the first bad record (exit 3).")] = False,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Start --out over instead of resuming it.")] = False,
@@ -102,7 +110,7 @@ def decode(
     console = _console()
     opts = DecodeOptions(
         drafter=drafter, num_draft=num_draft, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-        seed=seed, batch_size=batch_size, stop=list(stop or []), acceptance=acceptance, stop_threshold=stop_threshold,
+        seed=seed, batch_size=batch_size, schedule=schedule.value, stop=list(stop or []), acceptance=acceptance, stop_threshold=stop_threshold,
         min_draft=min_draft, max_draft=max_draft, tree=tree.value if tree else None, tree_tokens=tree_tokens,
         strategy=strategy, gen_length=gen_length, block_size=block_size, steps=steps, cache=cache.value, filter=filter_dir,
         adablock=adablock, kernels=kernels.value, device=device, dtype=dtype.value,

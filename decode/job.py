@@ -1,19 +1,23 @@
 """A decode job: JSONL records in, one JSON line per record out, whatever the generator.
 
-Batches are formed in input order; bad records become error records in place; each batch is
-written and flushed before the next starts. Under ``accelerate launch`` rank r takes records
-r, r+N, ... into its own resumable shard, and rank 0 merges the shards in input order.
+Records are decoded in input order, continuously batched for causal LMs (``--schedule continuous``,
+the default: a finished row's place goes to the next record at once) or in static batches (each
+batch written and flushed before the next starts; diffusion LMs always). Either way the output is
+in input order, with bad records as error records in place. Under ``accelerate launch`` rank r takes
+records r, r+N, ... into its own resumable shard, and rank 0 merges the shards in input order.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import os
 import signal
 import sys
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,7 +33,7 @@ from specdec.decode.io import (
     read_jsonl_objects,
     read_records,
 )
-from specdec.decode.options import DecodeOptions
+from specdec.decode.options import SCHEDULES, DecodeOptions
 from specdec.decode.registry import build_drafter, check_drafter_options, kernel_backend, load_decode_target
 from specdec.decode.types import GenRequest
 from specdec.decode.verify import Sampling
@@ -93,6 +97,7 @@ class Decoder:
         self.console = console
         path = resolve_source(target)
         self.is_diffusion = is_diffusion_model(path, options)
+        self.schedule = resolve_schedule(options.schedule, self.is_diffusion, target)
         if self.is_diffusion:
             if options.drafter != "ar" or options.acceptance:
                 raise UsageError(f"{target} is a diffusion LM: --drafter and --acceptance apply to causal LMs only")
@@ -152,6 +157,7 @@ class Decoder:
             out["prompt"] = rec.prompt
         stats = {"prompt_tokens": len(req.prompt_ids), **result.stats, "wall_s": round(wall, 6)}
         stats.pop("batch_wall_s", None)
+        stats.pop("row_wall_s", None)
         out.update(completion=text, finish_reason=finish, stats=stats)
         return out
 
@@ -159,10 +165,51 @@ class Decoder:
         """Decode ``records`` into ``writer``, skipping input lines it already holds a record for.
 
         ``strict``: stop at the first bad record (its error record is written), or at an error record
-        already in the output; ``summary.stopped_at_line`` says where.
+        already in the output; ``summary.stopped_at_line`` says where. Records are written in input
+        order whatever the schedule.
         """
         summary = JobSummary()
         start = time.perf_counter()
+        todo = self._todo(records, writer, strict, summary, progress)
+        if self.schedule == "continuous":
+            self._run_continuous(todo, writer, summary, progress)
+        else:
+            self._run_static(todo, writer, summary, progress)
+        summary.wall_s = time.perf_counter() - start
+        return summary
+
+    def _todo(self, records, writer: JsonlWriter, strict: bool, summary: JobSummary, progress):
+        """(record, request or error message) for each record the output does not hold yet, in input
+        order; records already written are counted and passed over."""
+        for rec in records:
+            written, prior_error = writer.prior(rec)
+            if written:
+                summary.skipped += 1
+                if prior_error is not None:
+                    summary.failed_before += 1
+                    if strict:
+                        summary.stopped_at_line, summary.stop_reason = rec.line, prior_error
+                        return
+                if progress is not None:
+                    progress(1, summary)
+                continue
+            req = self.prepare(rec)
+            if isinstance(req, str) and strict:
+                summary.stopped_at_line, summary.stop_reason = rec.line, req
+                yield rec, req
+                return
+            yield rec, req
+
+    def _write(self, writer: JsonlWriter, summary: JobSummary, obj: dict) -> None:
+        if "error" in obj:
+            summary.failed += 1
+        else:
+            summary.add(obj["stats"])
+        writer.write(obj)
+
+    def _run_static(self, todo, writer: JsonlWriter, summary: JobSummary, progress) -> None:
+        """Batches of ``batch_size`` requests in input order; a batch ends when its longest row does,
+        and is written and flushed before the next starts."""
         pending: list[tuple[Record, GenRequest | str]] = []
 
         def flush_batch():
@@ -174,40 +221,75 @@ class Decoder:
                 wall = time.perf_counter() - t0
                 results = {id(r): self.output(r, q, o, wall) for (r, q), o in zip(reqs, outs)}
             for rec, req in pending:
-                obj = results.get(id(rec)) or rec.error_record(req)
-                if "error" in obj:
-                    summary.failed += 1
-                else:
-                    summary.add(obj["stats"])
-                writer.write(obj)
+                self._write(writer, summary, results.get(id(rec)) or rec.error_record(req))
             writer.flush()
             if progress is not None:
                 progress(len(pending), summary)
             pending.clear()
 
-        for rec in records:
-            written, prior_error = writer.prior(rec)
-            if written:
-                summary.skipped += 1
-                if prior_error is not None:
-                    summary.failed_before += 1
-                    if strict:
-                        summary.stopped_at_line, summary.stop_reason = rec.line, prior_error
-                        break
-                if progress is not None:
-                    progress(1, summary)
-                continue
-            req = self.prepare(rec)
+        for rec, req in todo:
             pending.append((rec, req))
-            if isinstance(req, str) and strict:
-                summary.stopped_at_line, summary.stop_reason = rec.line, req
-                break
             if sum(isinstance(q, GenRequest) for _, q in pending) >= self.options.batch_size:
                 flush_batch()
         if pending:
             flush_batch()
-        summary.wall_s = time.perf_counter() - start
-        return summary
+
+    def _run_continuous(self, todo, writer: JsonlWriter, summary: JobSummary, progress) -> None:
+        """``batch_size`` rows in flight (``SpecEngine.stream``): records are read as rows free up, and
+        a finished record waits until every earlier one is written. Flushed every ``batch_size``
+        records written, and at least every ``FLUSH_EVERY_S`` seconds while records come."""
+        queue: deque[list] = deque()  # [record, request or error, output record once known], input order
+        waiting: dict[int, list] = {}  # stream index -> its queue entry
+        unflushed, last_flush = 0, time.perf_counter()
+
+        def write_ready():
+            nonlocal unflushed, last_flush
+            done = 0
+            while queue and queue[0][2] is not None:
+                self._write(writer, summary, queue.popleft()[2])
+                done += 1
+            unflushed += done
+            if unflushed and (unflushed >= self.options.batch_size or time.perf_counter() - last_flush >= FLUSH_EVERY_S):
+                writer.flush()
+                unflushed, last_flush = 0, time.perf_counter()
+            if done and progress is not None:
+                progress(done, summary)
+
+        def requests():
+            for rec, req in todo:
+                entry = [rec, req, None if isinstance(req, GenRequest) else rec.error_record(req)]
+                queue.append(entry)
+                if entry[2] is not None:
+                    write_ready()
+                    continue
+                waiting[next(handed)] = entry
+                yield req
+
+        handed = itertools.count()  # the stream numbers requests in the order they are handed to it
+        for i, result in self.generator.stream(requests(), self.options.batch_size):
+            entry = waiting.pop(i)
+            rec, req = entry[0], entry[1]
+            entry[2] = self.output(rec, req, result, result.stats.get("row_wall_s", 0.0))
+            write_ready()
+        write_ready()
+        writer.flush()
+
+
+# a continuous job flushes at least this often while records are being written (a batch's worth of
+# records can take long when the rows in flight are long ones)
+FLUSH_EVERY_S = 10.0
+
+
+def resolve_schedule(schedule: str, is_diffusion: bool, target: str) -> str:
+    """``continuous`` or ``static``: auto is continuous for causal LMs, static for diffusion LMs, whose
+    canvas decodes a batch's rows in lockstep (an explicit ``continuous`` there is a usage error)."""
+    if schedule not in SCHEDULES:
+        raise UsageError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+    if is_diffusion:
+        if schedule == "continuous":
+            raise UsageError(f"{target} is a diffusion LM: its records decode in static batches (--schedule continuous applies to causal LMs)")
+        return "static"
+    return "static" if schedule == "static" else "continuous"
 
 
 def is_diffusion_model(path: Path, options: DecodeOptions) -> bool:

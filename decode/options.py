@@ -14,6 +14,8 @@ from specdec.models.errors import UsageError
 from specdec.models.loading import Placement
 
 OPTION_ALIASES = {"k": "num_draft", "gamma": "num_draft"}
+# how a job batches its records: auto = continuous for causal LMs, static for diffusion LMs
+SCHEDULES = ("auto", "continuous", "static")
 
 
 @dataclass
@@ -25,6 +27,7 @@ class DecodeOptions:
     top_p: float = 1.0
     seed: int = 0
     batch_size: int = 8
+    schedule: str = "auto"  # one of SCHEDULES
     stop: list = field(default_factory=list)
     # adaptive draft length (SpecDec++)
     acceptance: str | None = None

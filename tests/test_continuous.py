@@ -4,10 +4,12 @@ target's distribution with rows admitted mid-way (and a verifier that skips the 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import transformers as tf
-from conftest import ByteTokenizer, make_prompts, tiny_llama
+from conftest import ByteTokenizer, invoke, make_prompts, tiny_llama
 from test_sampling import P_FLOOR, chi2_pvalue, exact_two_token_distribution
 
 from specdec.decode import engine as engine_module
@@ -19,7 +21,7 @@ from specdec.decode.heads import DRAFTERS
 from specdec.decode.types import GenRequest
 from specdec.decode.verify import Sampling, Verdict, logits_to_probs, sample_from, verify_chain
 from specdec.models.acceptance import N_STATS, AcceptanceHead
-from specdec.models.errors import SpecdecError
+from specdec.models.errors import SpecdecError, UsageError
 from specdec.models.heads import build_heads
 
 # very different budgets (2..40) and prompt lengths (3..40), more requests than the batch holds
@@ -210,3 +212,81 @@ def test_sampling_with_admission_draws_the_target_joint_distribution(monkeypatch
 def test_a_verifier_that_skips_the_residual_fails_the_same_test(monkeypatch):
     counts, exact, _ = _sampled_pairs(True, monkeypatch)
     assert chi2_pvalue(counts, exact) < 1e-6
+
+
+# -- the job ------------------------------------------------------------------------------------
+
+
+def _jsonl(path, rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def _read(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_continuous_job_writes_in_input_order_like_static(tiny_family, tmp_path):
+    rows = [{"id": f"r{i}", "prompt": f"def f{i}(x):\n" + "    x += 1\n" * (i % 4), "max_new_tokens": [2, 24, 5, 16, 3][i % 5]}
+            for i in range(10)]
+    rows[3] = "{broken"
+    rows.insert(7, {"id": "empty", "prompt": ""})
+    src = _jsonl(tmp_path / "in.jsonl", rows)
+    outs = {}
+    for schedule in ("static", "continuous"):
+        out = tmp_path / f"{schedule}.jsonl"
+        res = invoke(["decode", "--target", tiny_family / "target", "--in", src, "--out", out, "--batch-size", "3",
+                      "--drafter", tiny_family / "draft", "--schedule", schedule])
+        assert res.exit_code == 3, res.output  # two bad records
+        outs[schedule] = _read(out)
+        assert [o["line"] for o in outs[schedule]] == list(range(1, len(rows) + 1))
+    assert [o.get("completion") for o in outs["continuous"]] == [o.get("completion") for o in outs["static"]]
+    assert [o.get("error") for o in outs["continuous"]] == [o.get("error") for o in outs["static"]]
+    assert all(o["stats"]["wall_s"] > 0 for o in outs["continuous"] if "stats" in o)
+
+
+def test_continuous_job_resumes_and_flushes_every_batch(tiny_family, tmp_path, monkeypatch):
+    from specdec.decode.io import JsonlWriter
+    from specdec.decode.job import Decoder
+    from specdec.decode.options import DecodeOptions
+
+    rows = [{"id": f"r{i}", "prompt": f"x = {i}\n" * (1 + i % 3), "max_new_tokens": 2 + 7 * (i % 3)} for i in range(11)]
+    src = _jsonl(tmp_path / "in.jsonl", rows)
+    full = tmp_path / "full.jsonl"
+    assert invoke(["decode", "--target", tiny_family / "target", "--in", src, "--out", full, "--batch-size", "2"]).exit_code == 0
+    partial = tmp_path / "out.jsonl"
+    partial.write_text("".join(full.read_text().splitlines(keepends=True)[:4]))
+    flushes = []
+    monkeypatch.setattr(JsonlWriter, "flush", lambda self, real=JsonlWriter.flush: (flushes.append(self._buffered), real(self)))
+    decoder = Decoder(str(tiny_family / "target"), DecodeOptions(batch_size=2, max_new_tokens=8))
+    assert decoder.schedule == "continuous"
+    from specdec.decode.io import read_records
+
+    writer = JsonlWriter(partial)
+    try:
+        summary = decoder.run(read_records(str(src)), writer)
+        writer.finish()
+    finally:
+        writer.close()
+    assert summary.skipped == 4 and summary.ok == 7
+    # made durable batch by batch while decoding, not only at the end (a record waiting for an earlier,
+    # longer one is written with it, so one flush may hold more than a batch)
+    assert sum(flushes) == 7 and len([n for n in flushes if n]) >= 2
+    assert [o["completion"] for o in _read(partial)] == [o["completion"] for o in _read(full)]
+
+
+def test_schedule_is_static_for_diffusion_lms_and_an_explicit_continuous_is_refused(tmp_path):
+    from specdec.decode.job import resolve_schedule
+
+    assert resolve_schedule("auto", False, "t") == "continuous" and resolve_schedule("static", False, "t") == "static"
+    assert resolve_schedule("auto", True, "t") == "static" and resolve_schedule("static", True, "t") == "static"
+    with pytest.raises(UsageError, match="diffusion LM.*--schedule continuous applies to causal LMs"):
+        resolve_schedule("continuous", True, "t")
+    with pytest.raises(UsageError, match="--schedule must be one of auto, continuous, static"):
+        resolve_schedule("sometimes", False, "t")
+    dllm = tmp_path / "dllm"
+    dllm.mkdir()
+    (dllm / "config.json").write_text(json.dumps({"kind": "dllm"}))  # refused before anything loads
+    src = _jsonl(tmp_path / "in.jsonl", [{"prompt": "a"}])
+    res = invoke(["decode", "--target", dllm, "--in", src, "--out", tmp_path / "o.jsonl", "--schedule", "continuous"])
+    assert res.exit_code == 2 and "diffusion LM" in res.output, res.output
