@@ -354,9 +354,13 @@ class ModelDrafter(Drafter):
         self.fed = [self.fed[i] for i in idx]
 
     def admit(self, batch, seg: Segment) -> None:
-        # empty rows: the next round's _feed_pending feeds their whole text
-        self.state.admit(KVState(self.model, len(batch.seqs), batch.device, lean=True))
-        self.fed += [0] * len(batch.seqs)
+        # the new prompts get a forward of their own now: fed lazily, each would widen the next round's
+        # pending feed to a whole prompt for every row of the batch
+        state = KVState(self.model, len(batch.seqs), batch.device, lean=True)
+        state.forward(seg.input_ids, seg.input_valid)
+        state.commit_prefix(seg.input_ids.shape[1], seg.input_valid)
+        self.state.admit(state)
+        self.fed += [len(seq) - 1 for seq in batch.seqs]  # the prompt; its first token (the root) is pending
 
 
 def layer_skip_view(model, skip: list[int]):
