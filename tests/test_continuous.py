@@ -90,6 +90,22 @@ def test_greedy_continuous_equals_each_request_alone(target, draft_model, reqs, 
         assert sum(r.stats["drafted_tokens"] for r in got.values()) > 0
 
 
+@pytest.mark.parametrize("name", ["draft", "clover", "eagle-dynamic"])
+def test_rows_ending_at_their_first_token_or_at_eos(target, draft_model, name):
+    """Budgets of one token (rows that end in their own prefill, sometimes the whole admission, so the
+    batch empties and starts over) and an end-of-sequence token that stops rows mid-round."""
+    prompts = make_prompts(8, seed=17, lo=3, hi=20)
+    budgets = [1, 1, 12, 1, 1, 1, 20, 1]
+    plain = [SpecEngine(target, ByteTokenizer(), eos_ids=[]).generate([GenRequest(p, 20)])[0].token_ids for p in prompts]
+    eos = plain[2][5]  # a token some rows emit mid-way
+    reqs = [GenRequest(p, n) for p, n in zip(prompts, budgets)]
+    alone = [SpecEngine(target, ByteTokenizer(), eos_ids=[eos]).generate([r])[0] for r in reqs]
+    assert any(r.finish_reason == "stop" and len(r.token_ids) > 1 for r in alone)
+    engine = SpecEngine(target, ByteTokenizer(), make_drafter(name, target, draft_model), eos_ids=[eos])
+    got = dict(engine.stream(reqs, 2))
+    assert [(got[i].token_ids, got[i].finish_reason) for i in range(len(reqs))] == [(r.token_ids, r.finish_reason) for r in alone]
+
+
 def test_admission_leaves_every_rows_cache_equal_to_a_fresh_prefill(target, draft_model, reqs):
     """After admissions into a running batch, each row's valid target-cache slots are exactly those
     of a fresh prefill of its text, at the positions of its text."""
