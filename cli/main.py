@@ -77,6 +77,7 @@ def decode(
     top_p: o.TopP = 1.0,
     seed: o.Seed = 0,
     batch_size: o.BatchSize = 8,
+    shared_prefix: Annotated[str, typer.Option("--shared-prefix", help="A prompt prefix the records share is prefilled once for the job: auto (the longest common prefix of 32+ tokens), off, or FILE (its text).")] = "auto",
     schedule: Annotated[Schedule, typer.Option("--schedule", help="Batching: continuous (a finished row's place goes to the next record at once), static (a batch ends with its longest row), or auto: continuous for causal LMs, static for diffusion LMs (which only batch statically).")] = Schedule.auto,
     stop: Annotated[Optional[list[str]], typer.Option("--stop", help="Stop string (repeatable).")] = None,
     strict: Annotated[bool, typer.Option("--strict", help="Stop at the first bad record (exit 3).")] = False,
@@ -110,7 +111,7 @@ def decode(
     console = _console()
     opts = DecodeOptions(
         drafter=drafter, num_draft=num_draft, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-        seed=seed, batch_size=batch_size, schedule=schedule.value, stop=list(stop or []), acceptance=acceptance, stop_threshold=stop_threshold,
+        seed=seed, batch_size=batch_size, schedule=schedule.value, shared_prefix=shared_prefix, stop=list(stop or []), acceptance=acceptance, stop_threshold=stop_threshold,
         min_draft=min_draft, max_draft=max_draft, tree=tree.value if tree else None, tree_tokens=tree_tokens,
         strategy=strategy, gen_length=gen_length, block_size=block_size, steps=steps, cache=cache.value, filter=filter_dir,
         adablock=adablock, kernels=kernels.value, device=device, dtype=dtype.value,
@@ -146,6 +147,7 @@ def bench(
     attn_implementation: o.AttnImpl = None,
     trust_remote_code: o.TrustRemoteCode = False,
     threads: o.Threads = 0,
+    shared_prefix: Annotated[str, typer.Option("--shared-prefix", help="A prompt prefix shared by a batch's records is prefilled once: auto, off, or FILE.")] = "auto",
 ) -> None:
     """Benchmark methods against plain decoding (and transformers' own) in one process, on the same prompts."""
     from specdec.decode.bench import BenchConfig, render, run_bench
@@ -164,6 +166,7 @@ def bench(
         max_new_tokens=max_new_tokens, temperature=temperature, batch_size=batch_size, kernels=kernels.value, threads=threads,
         trust_remote_code=trust_remote_code, device=device, dtype=dtype.value,
         device_map=device_map.value if device_map else None, attn_implementation=attn_implementation,
+        shared_prefix=shared_prefix,
     )
     cfg = BenchConfig(
         in_path=in_path, target=target or default_target(console), methods=[m for m in methods.split(",") if m],

@@ -22,7 +22,7 @@ import torch
 
 from specdec.decode import diffusion_bench
 from specdec.decode.io import read_records
-from specdec.decode.job import is_diffusion_model
+from specdec.decode.job import is_diffusion_model, shared_prefix_tokens
 from specdec.decode.options import DecodeOptions, parse_method
 from specdec.decode.registry import build_drafter, kernel_backend, load_decode_target
 from specdec.decode.roofline import nominal_bandwidth, peak_bandwidth, roofline
@@ -119,7 +119,8 @@ def _prepare_method(spec: str, model, tok, prompts, base: DecodeOptions, warmup:
     drafter = build_drafter(name, model, tok, opts)
     timed = _TimedPropose(drafter)
     engine = SpecEngine(model, tok, drafter, Sampling(opts.temperature, opts.top_p), num_draft=opts.num_draft, seed=opts.seed,
-                        kernels=kernel_backend(opts, next(model.parameters()).device))
+                        kernels=kernel_backend(opts, next(model.parameters()).device),
+                        shared_prefix=shared_prefix_tokens(opts.shared_prefix, tok))
     drafter.propose = timed  # instance attribute: the engine calls it like the method
     bs = max(1, opts.batch_size)
     warm = prompts[:warmup]

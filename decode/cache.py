@@ -211,6 +211,18 @@ class KVState(SlotBook):
         self.cache = merged
         self._admit(other)
 
+    def repeat(self, n: int) -> "KVState":
+        """A state of ``n`` rows, each a copy of this one-row state (a prefix shared by every row,
+        computed once)."""
+        out = KVState.__new__(KVState)
+        out.__dict__.update(self.__dict__)
+        out.cache = DynamicCache()
+        for i, layer in enumerate(self.cache.layers):
+            out.cache.update(layer.keys.expand(n, -1, -1, -1).contiguous(), layer.values.expand(n, -1, -1, -1).contiguous(), i)
+        out.valid, out.positions, out.pos = self.valid.expand(n, -1).clone(), self.positions.expand(n, -1).clone(), self.pos.expand(n).clone()
+        out._pending = out._pending_pos = None
+        return out
+
     def select_rows(self, rows: torch.Tensor) -> None:
         """Drop finished rows (rows: indices of the rows that continue)."""
         self.cache.batch_select_indices(rows)

@@ -66,6 +66,8 @@ class SpecEngine:
         stop: list[str] | None = None,
         eos_ids: list[int] | None = None,
         kernels: str = "torch",
+        shared_prefix: list[int] | str | None = None,
+        min_shared: int = 32,
     ):
         self.target = target
         self.tokenizer = tokenizer
@@ -78,6 +80,10 @@ class SpecEngine:
         self.eos_ids = set(eos_ids if eos_ids is not None else _eos_ids(target, tokenizer))
         self.device = next(target.parameters()).device
         self.max_context = getattr(target.config, "max_position_embeddings", None) or 1 << 30
+        # None: no sharing; "auto": detected; a token list: the user's (see _shared_prefix)
+        self.shared_prefix = shared_prefix
+        self.min_shared = min_shared
+        self._prefix: tuple | None = None  # (tokens, keep_all, one-row KVState, its Segment)
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -156,17 +162,29 @@ class SpecEngine:
 
     def _prefill(self, requests, index, rows, generator) -> tuple[Batch, KVState, Segment]:
         bsz = len(requests)
-        width = max(len(r.prompt_ids) for r in requests)
+        prefix = self._shared_prefix(requests)
+        width = max(len(r.prompt_ids) for r in requests) - len(prefix)
         ids = torch.zeros(bsz, width, dtype=torch.long)
         valid = torch.zeros(bsz, width, dtype=torch.bool)
         for i, r in enumerate(requests):
-            ids[i, width - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids, dtype=torch.long)
-            valid[i, width - len(r.prompt_ids) :] = True
+            suffix = r.prompt_ids[len(prefix) :]
+            ids[i, width - len(suffix) :] = torch.tensor(suffix, dtype=torch.long)
+            valid[i, width - len(suffix) :] = True
         ids, valid = ids.to(self.device), valid.to(self.device)
-        state = KVState(self.target, bsz, self.device)
         keep_all = getattr(self.drafter, "needs_prefill_logits", False)
+        if prefix:
+            # the shared prefix's keys and values are computed once and copied to every row; each row's
+            # suffix follows it (left-padded among the suffixes: holes between prefix and suffix)
+            head, head_seg = self._prefix_state(prefix, keep_all)
+            state = head.repeat(bsz)
+        else:
+            state = KVState(self.target, bsz, self.device)
         out = state.forward(ids, valid, hidden=self._wants_hidden, **({} if keep_all else {"logits_to_keep": 1}))
         state.commit_prefix(width, valid)
+        seg = Segment(ids, valid, out.logits, *self._hidden(out))
+        if prefix:
+            seg = _join(head_seg, seg, bsz, keep_all)
+            ids, valid = seg.input_ids, seg.input_valid
         empty = torch.zeros(bsz, 0, dtype=torch.long, device=self.device)
         verdict = verify_chain(out.logits[:, -1:], empty, None, self.sampling, generator)
         batch = Batch(
@@ -183,7 +201,48 @@ class SpecEngine:
             row = rows[index[i]]
             row.target_calls += 1
             self._append(row, batch.seqs[i], [tok])
-        return batch, state, Segment(ids, valid, out.logits, *self._hidden(out))
+        return batch, state, seg
+
+    # -- shared prefixes ----------------------------------------------------------------------
+
+    def _shared_prefix(self, requests) -> list[int]:
+        """The prefix every prompt of this prefill shares and the engine computes once: the user's
+        (``shared_prefix`` a token list), or with ``"auto"`` the one cached from earlier prefills when
+        every prompt starts with it, else the longest common prefix of two or more prompts when it has
+        ``min_shared`` tokens. Each prompt keeps at least one token of its own (the prefill's logits)."""
+        if not self.shared_prefix:
+            return []
+        prompts = [r.prompt_ids for r in requests]
+
+        def shared_by_all(prefix) -> bool:
+            return bool(prefix) and all(len(p) > len(prefix) and p[: len(prefix)] == prefix for p in prompts)
+
+        if self.shared_prefix != "auto":
+            return list(self.shared_prefix) if shared_by_all(list(self.shared_prefix)) else []
+        cached = list(self._prefix[0]) if self._prefix else []
+        if shared_by_all(cached):
+            return cached
+        if len(prompts) < 2:
+            return []
+        n = min(len(p) for p in prompts) - 1
+        for i in range(n):
+            tok = prompts[0][i]
+            if any(p[i] != tok for p in prompts):
+                n = i
+                break
+        return prompts[0][:n] if n >= self.min_shared else []
+
+    def _prefix_state(self, prefix: list[int], keep_all: bool) -> tuple[KVState, Segment]:
+        """A one-row state holding ``prefix`` and its segment, computed once and kept for the next prefills."""
+        key = (tuple(prefix), keep_all)
+        if self._prefix is None or self._prefix[0] != key[0] or self._prefix[1] != keep_all:
+            ids = torch.tensor([prefix], dtype=torch.long, device=self.device)
+            valid = torch.ones_like(ids, dtype=torch.bool)
+            state = KVState(self.target, 1, self.device)
+            out = state.forward(ids, valid, hidden=self._wants_hidden, **({} if keep_all else {"logits_to_keep": 1}))
+            state.commit_prefix(ids.shape[1], valid)
+            self._prefix = (key[0], keep_all, state, Segment(ids, valid, out.logits, *self._hidden(out)))
+        return self._prefix[2], self._prefix[3]
 
     def _verify(self, state: KVState, batch: Batch, proposal: Proposal | None) -> tuple[Segment, Verdict]:
         """One target forward over [root, drafts...] and the shared verification routine."""
@@ -329,3 +388,21 @@ def _eos_ids(model, tokenizer) -> list[int]:
     if ids is None:
         return []
     return list(ids) if isinstance(ids, (list, tuple)) else [int(ids)]
+
+
+def _join(head: Segment, tail: Segment, bsz: int, keep_all: bool) -> Segment:
+    """The prefill segment of prompts that share ``head`` (one row, computed once): what drafters
+    would have seen had every prompt been prefilled whole."""
+
+    def rows(x):
+        return None if x is None else x.expand(bsz, *x.shape[1:])
+
+    def cat(a, b):
+        return None if a is None or b is None else torch.cat([rows(a), b], 1)
+
+    layers = None
+    if tail.hidden_layers is not None:
+        layers = tuple(cat(a, b) for a, b in zip(head.hidden_layers, tail.hidden_layers))
+    logits = cat(head.logits, tail.logits) if keep_all else tail.logits
+    return Segment(cat(head.input_ids, tail.input_ids), cat(head.input_valid, tail.input_valid), logits,
+                   cat(head.hidden, tail.hidden), layers)

@@ -117,6 +117,7 @@ class Decoder:
             seed=options.seed,
             stop=options.stop,
             kernels=kernel_backend(options, input_device(model)),
+            shared_prefix=shared_prefix_tokens(options.shared_prefix, self.tokenizer),
         )
         self.max_context = getattr(model.config, "max_position_embeddings", None) or 1 << 30
 
@@ -290,6 +291,22 @@ def resolve_schedule(schedule: str, is_diffusion: bool, target: str) -> str:
             raise UsageError(f"{target} is a diffusion LM: its records decode in static batches (--schedule continuous applies to causal LMs)")
         return "static"
     return "static" if schedule == "static" else "continuous"
+
+
+def shared_prefix_tokens(spec: str, tokenizer):
+    """The engine's shared-prefix setting for ``--shared-prefix``: None (off), "auto", or the token ids
+    of a file's text, tokenized as a prompt is (special tokens included, so a BOS matches)."""
+    if spec == "off":
+        return None
+    if spec == "auto":
+        return "auto"
+    path = Path(spec)
+    if not path.is_file():
+        raise UsageError(f"--shared-prefix {spec}: no such file (or use auto / off)")
+    text = path.read_text(encoding="utf-8")
+    if not text:
+        raise UsageError(f"--shared-prefix {spec}: the file is empty")
+    return tokenizer(text, add_special_tokens=True)["input_ids"]
 
 
 def is_diffusion_model(path: Path, options: DecodeOptions) -> bool:

@@ -28,6 +28,8 @@ class DecodeOptions:
     seed: int = 0
     batch_size: int = 8
     schedule: str = "auto"  # one of SCHEDULES
+    # a prompt prefix every record shares, prefilled once for the job: "auto" (detected), "off", or a file of its text
+    shared_prefix: str = "auto"
     stop: list = field(default_factory=list)
     # adaptive draft length (SpecDec++)
     acceptance: str | None = None

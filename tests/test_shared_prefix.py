@@ -1,0 +1,90 @@
+"""Shared prefixes: a prompt prefix every record shares is prefilled once and its keys and values are
+copied to each row; decoding stays identical to prefilling every prompt whole."""
+
+import pytest
+import torch
+from conftest import ByteTokenizer, make_prompts
+
+from specdec.decode.drafters import ModelDrafter, NgramDrafter, RecycleDrafter, layer_skip_view
+from specdec.decode.engine import SpecEngine
+from specdec.decode.types import GenRequest
+
+
+def _prompts(n, prefix_len=40, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    prefix = torch.randint(3, 96, (prefix_len,), generator=g).tolist()
+    return prefix, [prefix + p for p in make_prompts(n, seed=seed, lo=2, hi=12)]
+
+
+class _Counting:
+    """Counts the prompt tokens the target is run on (a forward's width times its rows)."""
+
+    def __init__(self, model):
+        self.model, self.tokens = model, 0
+        self._hook = model.register_forward_pre_hook(self._count, with_kwargs=True)
+
+    def _count(self, module, args, kwargs):
+        ids = kwargs.get("input_ids")
+        self.tokens += int(ids.numel()) if ids is not None else 0
+
+    def close(self):
+        self._hook.remove()
+
+
+@pytest.mark.parametrize("make", ["ar", "ngram", "recycle", "layerskip", "draft", "eagle"])
+def test_auto_shared_prefix_decodes_as_whole_prompts_do(target, draft_model, make):
+    from test_heads import _heads  # a randomly initialised head set of each kind
+
+    from specdec.decode.heads import DRAFTERS
+
+    prefix, prompts = _prompts(5)
+    budgets = [9, 3, 14, 6, 11]
+    reqs = [GenRequest(p, n) for p, n in zip(prompts, budgets)]
+
+    def drafter():
+        return {"ar": lambda: None, "ngram": NgramDrafter, "recycle": RecycleDrafter, "draft": lambda: ModelDrafter(draft_model),
+                "layerskip": lambda: ModelDrafter(layer_skip_view(target, [1])),
+                "eagle": lambda: DRAFTERS["eagle"](_heads("eagle", target), target, tree="dynamic", tree_tokens=8, top_k=2)}[make]()
+
+    whole = SpecEngine(target, ByteTokenizer(), drafter()).generate(reqs)
+    shared = SpecEngine(target, ByteTokenizer(), drafter(), shared_prefix="auto", min_shared=8)
+    got = shared.generate(reqs[:3]) + shared.generate(reqs[3:])  # the second batch reuses the first's prefix
+    assert [r.token_ids for r in got] == [r.token_ids for r in whole]
+    assert shared._prefix is not None and list(shared._prefix[0]) == prefix[: len(shared._prefix[0])]
+    assert len(shared._prefix[0]) >= len(prefix)
+
+
+def test_the_prefix_is_run_once_per_job(target):
+    prefix, prompts = _prompts(6, prefix_len=60)
+    reqs = [GenRequest(p, 1) for p in prompts]
+    counter = _Counting(target)
+    try:
+        SpecEngine(target, ByteTokenizer(), shared_prefix=None).generate(reqs)
+        whole, counter.tokens = counter.tokens, 0
+        engine = SpecEngine(target, ByteTokenizer(), shared_prefix="auto")
+        for i in range(0, 6, 2):
+            engine.generate(reqs[i : i + 2])
+        shared = counter.tokens
+    finally:
+        counter.close()
+    assert whole >= 6 * 60 and shared < whole / 3  # 60 prefix tokens once, not six times
+
+
+def test_a_named_prefix_is_used_only_where_every_prompt_has_it(target):
+    prefix, prompts = _prompts(3, prefix_len=20)
+    reqs = [GenRequest(p, 6) for p in prompts]
+    plain = SpecEngine(target, ByteTokenizer()).generate(reqs)
+    named = SpecEngine(target, ByteTokenizer(), shared_prefix=prefix[:12])
+    assert [r.token_ids for r in named.generate(reqs)] == [r.token_ids for r in plain] and named._prefix is not None
+    other = SpecEngine(target, ByteTokenizer(), shared_prefix=[1, 2, 3])  # no prompt starts with it: plain prefill
+    assert [r.token_ids for r in other.generate(reqs)] == [r.token_ids for r in plain] and other._prefix is None
+
+
+def test_continuous_batching_admits_rows_onto_the_shared_prefix(target):
+    prefix, prompts = _prompts(7, prefix_len=36)
+    budgets = [5, 12, 3, 8, 2, 10, 4]
+    reqs = [GenRequest(p, n) for p, n in zip(prompts, budgets)]
+    alone = [SpecEngine(target, ByteTokenizer()).generate([r])[0].token_ids for r in reqs]
+    engine = SpecEngine(target, ByteTokenizer(), NgramDrafter(), shared_prefix="auto", min_shared=8)
+    got = dict(engine.stream(iter(reqs), batch_size=3))
+    assert [got[i].token_ids for i in range(len(reqs))] == alone
