@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 
 from specdec.decode.cache import KVState
-from specdec.decode.verify import Sampling, logits_to_probs
+from specdec.decode.verify import logits_to_probs
 from specdec.models import arch
 from specdec.models.errors import SpecdecError, UsageError
 
@@ -162,21 +162,6 @@ def expand_template(tpl: dict, candidates: Callable[[torch.Tensor, int], torch.T
         cand = candidates(with_root[:, parents[nodes] + 1], d)  # [B, n_d, k]
         with_root[:, nodes + 1] = cand.gather(-1, ranks[nodes][None, :, None].expand(cand.shape[0], -1, 1)).squeeze(-1)
     return with_root[:, 1:]
-
-
-def dedupe_siblings(tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
-    """Turn a node into padding (parent -2) when an earlier sibling (or its ancestor branch) repeats it."""
-    same_parent = parents[:, :, None] == parents[:, None, :]
-    same_tok = tokens[:, :, None] == tokens[:, None, :]
-    earlier = torch.ones(tokens.shape[1], tokens.shape[1], dtype=torch.bool, device=tokens.device).tril(-1)
-    dup = (same_parent & same_tok & earlier).any(-1)
-    parents = parents.clone()
-    # a duplicate's whole subtree goes: iterate in topological order
-    for i in range(tokens.shape[1]):
-        par = parents[:, i]
-        dead_parent = (par >= 0) & (parents.gather(1, par.clamp(min=0)[:, None]).squeeze(1) == -2)
-        parents[:, i] = torch.where(dup[:, i] | dead_parent, torch.full_like(par, -2), par)
-    return parents
 
 
 # ---------------------------------------------------------------------------------------------
