@@ -141,20 +141,26 @@ class InputCopyDrafter(Drafter):
     after a mismatch it is found again as the next occurrence in the input of the output's last
     ``align`` tokens (fewer when those do not occur), searched after the previous place first."""
 
-    default_k = 32
+    default_k = 64  # the most a round may copy; the adaptive length decides within it
 
-    def __init__(self, align: int = 4):
-        self.align = align
+    def __init__(self, align: int = 4, start_copy: int = 8, max_copy: int = 64):
+        self.align, self.start_copy, self.max_copy = align, start_copy, max_copy
         self.prompt_len: list[int] = []
         self.place: list[int] = []  # per row: index in the prompt of the next output token, -1 unknown
+        # per row: the next copy's length, doubling while copies are kept and falling to what was kept
+        # when one is cut (an output that stopped following its input costs a short draft, not a long one)
+        self.length: list[int] = []
+        self.last: list[int] = []
 
     def _add_rows(self, seqs: list[list[int]]) -> None:
         # at begin/admit every new row holds its prompt and the first token the target emitted
         self.prompt_len += [len(s) - 1 for s in seqs]
         self.place += [-1] * len(seqs)
+        self.length += [self.start_copy] * len(seqs)
+        self.last += [0] * len(seqs)
 
     def begin(self, batch, seg: Segment) -> None:
-        self.prompt_len, self.place = [], []
+        self.prompt_len, self.place, self.length, self.last = [], [], [], []
         self._add_rows(batch.seqs)
 
     def admit(self, batch, seg: Segment) -> None:
@@ -163,8 +169,9 @@ class InputCopyDrafter(Drafter):
 
     def select_rows(self, rows: torch.Tensor) -> None:
         keep = rows.tolist()
-        self.prompt_len = [self.prompt_len[i] for i in keep]
-        self.place = [self.place[i] for i in keep]
+        for name in ("prompt_len", "place", "length", "last"):
+            values = getattr(self, name)
+            setattr(self, name, [values[i] for i in keep])
 
     def _align(self, prompt: list[int], out: list[int], after: int) -> int:
         """Index in ``prompt`` after the latest occurrence of the output's tail, preferring one at or
@@ -186,13 +193,18 @@ class InputCopyDrafter(Drafter):
             if not (0 < place <= len(prompt) and prompt[place - 1] == out[-1]):
                 place = self._align(prompt, out, max(place, 0))
             self.place[r] = place
-            drafts.append(prompt[place : place + batch.num_draft] if place >= 0 else [])
+            n = min(self.length[r], batch.num_draft)
+            drafts.append(prompt[place : place + n] if place >= 0 else [])
+        self.last = [len(d) for d in drafts]
         return _chain(drafts, batch.device)
 
     def observe(self, batch, seg: Segment) -> None:
         if seg.accepted is None:
             return
         # the accepted drafts and the target's next token follow the place when they match the input
-        for r, kept in enumerate(seg.accepted):
+        for r, (kept, tried) in enumerate(zip(seg.accepted, self.last)):
             if self.place[r] >= 0:
                 self.place[r] += kept + 1
+            if tried:
+                self.length[r] = min(2 * self.length[r], self.max_copy) if kept == tried else max(kept, 1)
+        self.last = [0] * len(self.last)

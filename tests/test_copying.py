@@ -49,7 +49,7 @@ def test_copy_remembers_the_jobs_earlier_outputs():
 
 
 def test_input_copy_follows_the_input_and_realigns_after_a_mismatch():
-    d = InputCopyDrafter(align=2)
+    d = InputCopyDrafter(align=2, start_copy=4)
     prompt = [10, 11, 12, 13, 14, 15, 16, 17, 18, 19]
     seqs = [prompt + [10]]  # the target's first token starts copying the input
     d.begin(_Batch(seqs, k=4), None)
@@ -59,7 +59,10 @@ def test_input_copy_follows_the_input_and_realigns_after_a_mismatch():
     assert _tokens(d.propose(_Batch(seqs, k=4))) == [16, 17, 18, 19]
     d.observe(None, _seg([1]))
     seqs[0] += [16, 99, 13, 14]  # an edit: the output resumes at 13 14, so does the copy
-    assert _tokens(d.propose(_Batch(seqs, k=4))) == [15, 16, 17, 18]
+    assert _tokens(d.propose(_Batch(seqs, k=4))) == [15]  # a copy cut after one token: the next is one long
+    d.observe(None, _seg([1]))
+    seqs[0] += [15, 16]
+    assert _tokens(d.propose(_Batch(seqs, k=4))) == [17, 18]  # kept whole: it doubles again
 
 
 def _edit_prompts(n, seed):
