@@ -13,6 +13,7 @@ their own and merged into the running state (``KVState.admit``, ``Drafter.admit`
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator
@@ -68,6 +69,7 @@ class SpecEngine:
         kernels: str = "torch",
         shared_prefix: list[int] | str | None = None,
         min_shared: int = 32,
+        admit_fraction: float = 0.25,
     ):
         self.target = target
         self.tokenizer = tokenizer
@@ -83,6 +85,7 @@ class SpecEngine:
         # None: no sharing; "auto": detected; a token list: the user's (see _shared_prefix)
         self.shared_prefix = shared_prefix
         self.min_shared = min_shared
+        self.admit_fraction = admit_fraction
         self._prefix: tuple | None = None  # (tokens, keep_all, one-row KVState, its Segment)
 
     # -- the loop ---------------------------------------------------------------------------
@@ -111,6 +114,14 @@ class SpecEngine:
             )
         return self._run(iter(requests), batch_size)
 
+    def _should_admit(self, batch: Batch | None, batch_size: int) -> bool:
+        """Admit into an empty batch at once, into a running one when ``admit_fraction`` of its places
+        are free: each admission prefills on its own and copies the running cache, which costs more than
+        a place gains when rows finish every few rounds (fast drafters) and are replaced one at a time."""
+        if batch is None or not batch.rows:
+            return True
+        return batch_size - len(batch.rows) >= max(1, math.ceil(self.admit_fraction * batch_size))
+
     @torch.inference_mode()
     def _run(self, requests: Iterator[GenRequest], batch_size: int) -> Iterator[tuple[int, GenResult]]:
         generator = torch.Generator(device=self.device).manual_seed(self.seed)
@@ -120,8 +131,8 @@ class SpecEngine:
         taken = 0
         exhausted = False
         while True:
-            # admit: rows that finish at their first token free their place at once
-            while not exhausted and (batch is None or len(batch.rows) < batch_size):
+            # rows that finish at their first token free their place at once
+            while not exhausted and self._should_admit(batch, batch_size):
                 room = batch_size - (len(batch.rows) if batch is not None else 0)
                 new = list(itertools.islice(requests, room))
                 exhausted = len(new) < room

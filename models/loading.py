@@ -25,7 +25,7 @@ DTYPES = ("auto", "bfloat16", "float16", "float32")
 MASK_ATTENTION = ("eager", "sdpa", "flex_attention", "specdec_tree")
 # below this many parameters a forward is too short for intra-op threads to pay for their
 # synchronisation (measured on a 2-core CPU: see docs/benchmarks.md, "CPU threads")
-THREADS_MIN_PARAMS = 10_000_000
+THREADS_MIN_PARAMS = 5_000_000
 
 
 @dataclass
