@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from specdec.decode import aded, copying, drafters
+from specdec.decode import aded, copying, drafters, swift
 from specdec.decode.adaptive import build_adaptive
 from specdec.decode.heads import build_head_drafter
 from specdec.decode.options import DecodeOptions
@@ -31,6 +31,7 @@ MODEL_FREE_DRAFTERS: dict[str, Callable] = {
     "layerskip": _layerskip,
     "copy": lambda spec, target, options: copying.CopyDrafter(),
     "input-copy": lambda spec, target, options: copying.InputCopyDrafter(),
+    "swift": swift.build_swift,
     "aded": lambda spec, target, options: aded.AdedDrafter(),
 }
 MODEL_FREE = tuple(MODEL_FREE_DRAFTERS)
