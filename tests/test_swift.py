@@ -136,8 +136,8 @@ def tau(results):
 
 def test_tau_swift_vs_layerskip(deep, capsys):
     """Not a pass/fail bar: the mean tokens per target forward of both, printed for the record."""
-    prompts = make_prompts(4, seed=21)
-    budgets = [64] * 4
+    prompts = make_prompts(3, seed=21)
+    budgets = [48] * 3
     fixed = ModelDrafter(layer_skip_view(deep, parse_layerskip("layerskip", 6)))
     t_ls = tau(SpecEngine(deep, ByteTokenizer(), fixed).generate(requests(prompts, budgets)))
     line = [f"layerskip {sorted(parse_layerskip('layerskip', 6))} {t_ls:.3f}"]
