@@ -13,6 +13,10 @@ Semantics (Leviathan et al. 2023; Chen et al. 2023):
 - sampling with deterministic candidates (n-gram, trees from heads): q is one-hot. Children of a
   node are tried in order: accept child x with probability p'(x), else remove x from p' and
   renormalize; if every child is rejected, sample from p'. The emitted token is distributed as p.
+- sampling a tree whose siblings were drawn from the draft distribution q at their parent
+  (``verify_tree_drafted``): RSD siblings are draws without replacement, tested in order by
+  recursive rejection sampling; SpecTr siblings are i.i.d. draws, tested in order by k-sequential
+  selection. Each emits exactly p; see the functions.
 Temperature and top-p are applied to p and q alike before any test.
 """
 
@@ -176,14 +180,8 @@ def verify_tree(
     bsz, n = tokens.shape
     dev = tokens.device
     rows = torch.arange(bsz, device=dev)
-    # children[b, c, j]: j-th child (in proposal order) of node c, where c = parent + 1 (0 = root)
-    parent_slot = parents + 1
-    order = torch.arange(n, device=dev).expand(bsz, n)
-    sibling_rank = _rank_among_siblings(parent_slot)
-    max_children = int(sibling_rank.max().item()) + 1 if n else 1
-    children = torch.full((bsz, n + 1, max_children), -1, dtype=torch.long, device=dev)
-    valid = parents >= -1  # padding nodes carry parent -2
-    children[rows[:, None].expand(bsz, n)[valid], parent_slot[valid], sibling_rank[valid]] = order[valid]
+    children = _children(parents)
+    max_children = children.shape[-1]
 
     greedy = sampling.greedy
     probs = None if greedy else logits_to_probs(logits, sampling)
@@ -227,6 +225,154 @@ def verify_tree(
     return Verdict(accepted=accepted, path=path, next_token=next_token)
 
 
+# how the sampled siblings of a drafted tree are verified (Proposal.scheme); "standard" is a chain
+TREE_SCHEMES = ("rsd", "spectr")
+
+
+def verify_tree_drafted(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    parents: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    scheme: str,
+    sampling: Sampling,
+    generator: torch.Generator | None,
+    max_depth: int,
+    ancestors: torch.Tensor | None = None,
+    depth: torch.Tensor | None = None,
+) -> Verdict:
+    """Tree verification where the children of a node were sampled from the draft distribution there.
+
+    draft_probs [B, N, V]: the tempered q each node was drawn from (its parent's; siblings share it).
+    scheme "rsd": siblings are draws without replacement from q (Gumbel-top-k), "spectr": i.i.d. draws.
+    At each node the siblings are tested in order (``_rsd_node`` / ``_spectr_node``); an accepted one
+    becomes the next node, else the token after the path is drawn from the scheme's residual. Greedy
+    needs no q: the drafts are the draft's top tokens and the tree reduces to prefix match.
+    """
+    if sampling.greedy:
+        return verify_tree(logits, tokens, parents, sampling, generator, max_depth, ancestors, depth)
+    if scheme not in TREE_SCHEMES:
+        raise ValueError(f"tree verification scheme must be one of {TREE_SCHEMES}, not {scheme!r}")
+    node_test = _rsd_node if scheme == "rsd" else _spectr_node
+    bsz, n = tokens.shape
+    dev = tokens.device
+    rows = torch.arange(bsz, device=dev)
+    children = _children(parents)
+    probs = logits_to_probs(logits, sampling)
+    cur = torch.zeros(bsz, dtype=torch.long, device=dev)
+    alive = torch.ones(bsz, dtype=torch.bool, device=dev)
+    path = torch.full((bsz, max_depth), -1, dtype=torch.long, device=dev)
+    accepted = torch.zeros(bsz, dtype=torch.long, device=dev)
+    dist = probs[:, 0]  # what the token after the path is drawn from
+    for d in range(max_depth):
+        kids = children[rows, cur]  # [B, C]
+        active = alive & (kids[:, 0] >= 0)
+        if not bool(active.any()):
+            break
+        q = draft_probs[rows, kids[:, 0].clamp(min=0)]
+        kid_tokens = tokens.gather(1, kids.clamp(min=0))
+        j, residual = node_test(probs[rows, cur], q, kid_tokens, kids >= 0, generator)
+        j = torch.where(active, j, torch.full_like(j, -1))
+        step = j >= 0
+        chosen = kids.gather(1, j.clamp(min=0)[:, None]).squeeze(1)
+        dist = torch.where((active & ~step)[:, None], residual, dist)
+        path[:, d] = torch.where(step, chosen, path[:, d])
+        accepted += step.long()
+        cur = torch.where(step, chosen + 1, cur)
+        dist = torch.where(step[:, None], probs[rows, cur], dist)
+        alive = step
+    next_token = sample_from(dist, torch.rand(bsz, generator=generator, device=dev))
+    return Verdict(accepted=accepted, path=path, next_token=next_token)
+
+
+def _rsd_node(p, q, kid_tokens, kid_valid, generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Recursive rejection sampling (RSD) at one node: (index of the accepted sibling or -1 [B], residual [B, V]).
+
+    Sibling j is a draw from q without the earlier siblings, so it is tested against the current
+    pair (p_j, q_j) with min(1, p_j(x)/q_j(x)); a rejection moves to (norm(max(p_j - q_j, 0)), q_j
+    without x), which is exactly the next sibling's proposal. Both stay unnormalised: the ratio
+    test carries their masses. A sibling with no q mass left (the draft's support was exhausted)
+    is never accepted, so the residual is then drawn from.
+    """
+    bsz, width = kid_tokens.shape
+    rows = torch.arange(bsz, device=p.device)
+    chosen = torch.full((bsz,), -1, dtype=torch.long, device=p.device)
+    for j in range(width):
+        x = kid_tokens[:, j]
+        px, qx = p[rows, x], q[rows, x]
+        live = kid_valid[:, j] & (chosen < 0) & (qx > 0)
+        u = torch.rand(bsz, generator=generator, device=p.device)
+        ok = live & (u * qx * p.sum(-1) < px * q.sum(-1))
+        chosen = torch.where(ok, torch.full_like(chosen, j), chosen)
+        rejected = (live & ~ok)[:, None]
+        p_next, q_next = _rsd_reject(p, q, x)
+        p, q = torch.where(rejected, p_next, p), torch.where(rejected, q_next, q)
+    return chosen, p
+
+
+def _rsd_reject(p, q, x) -> tuple[torch.Tensor, torch.Tensor]:
+    """After rejecting x: p <- max(p - q, 0) of the normalised pair, q <- q without x."""
+    pn = p / p.sum(-1, keepdim=True).clamp(min=1e-30)
+    residual = (pn - q / q.sum(-1, keepdim=True).clamp(min=1e-30)).clamp(min=0.0)
+    # no mass left only when p = q, whose test accepts with probability one: rounding, keep p
+    residual = torch.where(residual.sum(-1, keepdim=True) <= 0, pn, residual)
+    return residual, q.scatter(-1, x[:, None], 0.0)
+
+
+def _spectr_node(p, q, kid_tokens, kid_valid, generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """SpecTr k-sequential selection at one node: (index of the accepted sibling or -1 [B], residual [B, V]).
+
+    The k siblings are i.i.d. draws from q; each is accepted with min(1, p(x)/(rho q(x))), so a
+    sibling is accepted as x with probability m(x) = min(q(x), p(x)/rho), alpha = sum m, and the
+    selection emits x with probability m(x) c, c = (1 - (1 - alpha)^k)/alpha. The residual p - m c
+    (drawn from with probability (1 - alpha)^k) is a distribution iff c <= rho: ``spectr_rho``
+    takes the smallest such rho, which maximises acceptance.
+    """
+    bsz, width = kid_tokens.shape
+    rows = torch.arange(bsz, device=p.device)
+    k = kid_valid.sum(-1)
+    rho = spectr_rho(p, q, k)
+    chosen = torch.full((bsz,), -1, dtype=torch.long, device=p.device)
+    for j in range(width):
+        x = kid_tokens[:, j]
+        px, qx = p[rows, x], q[rows, x]
+        live = kid_valid[:, j] & (chosen < 0) & (qx > 0)
+        u = torch.rand(bsz, generator=generator, device=p.device)
+        ok = live & (u * rho * qx < px)
+        chosen = torch.where(ok, torch.full_like(chosen, j), chosen)
+    m = torch.minimum(q, p / rho[:, None])
+    residual = (p - m * _spectr_c(m.sum(-1), k)[:, None]).clamp(min=0.0)
+    # no mass left only when every candidate is accepted surely (alpha = 1): rounding, keep p
+    residual = torch.where(residual.sum(-1, keepdim=True) <= 0, p, residual)
+    return chosen, residual
+
+
+def _spectr_c(alpha: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """sum_{i<k} (1 - alpha)^i: how much the k tries multiply one try's acceptance."""
+    safe = alpha.clamp(min=1e-12)
+    return torch.where(alpha > 1e-12, (1 - (1 - safe) ** k) / safe, k.to(alpha.dtype))
+
+
+def spectr_rho(p: torch.Tensor, q: torch.Tensor, k: torch.Tensor, iters: int = 24) -> torch.Tensor:
+    """The smallest rho in [1, k] with c(rho) <= rho, per row (SpecTr's one-dimensional search).
+
+    c grows with rho while rho - c need not be monotone, so the bisection keeps its upper end
+    feasible (rho = k always is: c <= k): whatever it returns makes the residual exact.
+    """
+    k = k.clamp(min=1)
+
+    def feasible(rho):
+        return _spectr_c(torch.minimum(q, p / rho[:, None]).sum(-1), k) <= rho
+
+    lo = torch.ones(p.shape[0], dtype=p.dtype, device=p.device)
+    hi = k.to(p.dtype)
+    for _ in range(iters):
+        mid = (lo + hi) / 2
+        ok = feasible(mid)
+        hi, lo = torch.where(ok, mid, hi), torch.where(ok, lo, mid)
+    return torch.where(feasible(lo) & (lo <= 1), lo, hi)
+
+
 def _verify_tree_greedy(logits, tokens, parents, ancestors, depth, max_depth) -> Verdict:
     """A node is accepted iff it and all its ancestors carry the target's argmax at their parent;
     the deepest accepted node (the earliest among equals) ends the path."""
@@ -245,6 +391,20 @@ def _verify_tree_greedy(logits, tokens, parents, ancestors, depth, max_depth) ->
     path.scatter_(1, slot, torch.arange(n, device=tokens.device).expand(bsz, n))
     last = torch.where(accepted > 0, deepest + 1, torch.zeros_like(deepest))
     return Verdict(accepted=accepted, path=path[:, :max_depth], next_token=best.gather(1, last[:, None]).squeeze(1))
+
+
+def _children(parents: torch.Tensor) -> torch.Tensor:
+    """children[b, c, j]: the j-th child (in proposal order) of slot c (0 = root, node i at i + 1), -1 = none."""
+    bsz, n = parents.shape
+    rows = torch.arange(bsz, device=parents.device)
+    parent_slot = parents + 1
+    order = torch.arange(n, device=parents.device).expand(bsz, n)
+    sibling_rank = _rank_among_siblings(parent_slot)
+    max_children = int(sibling_rank.max().item()) + 1 if n else 1
+    children = torch.full((bsz, n + 1, max_children), -1, dtype=torch.long, device=parents.device)
+    valid = parents >= -1  # padding nodes carry parent -2
+    children[rows[:, None].expand(bsz, n)[valid], parent_slot[valid], sibling_rank[valid]] = order[valid]
+    return children
 
 
 def _rank_among_siblings(parent_slot: torch.Tensor) -> torch.Tensor:
