@@ -33,7 +33,11 @@ class Proposal:
     tokens: torch.Tensor  # [B, N]
     parents: torch.Tensor | None = None  # [B, N] parent node index, -1 = child of the root; None = chain
     lengths: torch.Tensor | None = None  # chain only: valid drafts per row (default N)
-    draft_probs: torch.Tensor | None = None  # chain only: [B, N, V] tempered draft distribution
+    # [B, N, V] tempered draft distribution each draft was sampled from (chain; or a tree's, per node)
+    draft_probs: torch.Tensor | None = None
+    # how a tree's sampled siblings are verified: "standard" (one-hot q, verify_tree) or one of
+    # verify.TREE_SCHEMES ("rsd": siblings drawn without replacement, "spectr": i.i.d.), with draft_probs
+    scheme: str = "standard"
     tree_attn: torch.Tensor | None = None  # [B or 1, N+1, N+1] ancestor matrix incl. the root (derived if None)
     depth: torch.Tensor | None = None  # [B or 1, N+1] depth of the root (0) and of each node
     max_depth: int = 0
@@ -273,11 +277,19 @@ class ModelDrafter(Drafter):
 
     default_k = 4
 
-    def __init__(self, model):
+    def __init__(self, model, scheme: str = "standard", width: int = 2):
+        """scheme "rsd": each of the K draft steps proposes ``width`` siblings drawn from q without
+        replacement; only the first is extended, so the draft still runs one chain. scheme "spectr":
+        ``width`` i.i.d. chains of K drafts (the draft runs them as width x B rows). Either way the
+        target verifies a K x width tree (``verify.verify_tree_drafted``)."""
         self.model = model
+        self.scheme, self.width = scheme, width
         self.state: KVState | None = None
         self.fed: list[int] = []
         self._drafted = 0
+        self._spine_width = 0  # siblings per level of the last RSD proposal (0: none)
+        self._chains = 0  # chains of the last SpecTr proposal, the draft's rows widened to B x chains (0: none)
+        self._templates: dict = {}
 
     def begin(self, batch, seg: Segment) -> None:
         # a draft is called once per drafted token: its per-call cost is what decode.lean trims
@@ -306,7 +318,99 @@ class ModelDrafter(Drafter):
         return torch.multinomial(q, 1, generator=batch.generator).squeeze(-1), q
 
     def propose(self, batch) -> Proposal | None:
+        if self.scheme == "rsd":
+            return self._propose_siblings(batch, batch.num_draft)
+        if self.scheme == "spectr":
+            return self._propose_chains(batch, batch.num_draft)
         return self._propose_fixed(batch, batch.num_draft)
+
+    def _siblings(self, logits: torch.Tensor, batch, width: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``width`` candidate tokens [B, width] at one draft step, the first a draw from q, and q."""
+        if batch.sampling.greedy:
+            return logits.topk(width, dim=-1).indices, None  # the limit of either scheme as T -> 0
+        q = logits_to_probs(logits, batch.sampling)
+        if self.scheme == "spectr":
+            return torch.multinomial(q, width, replacement=True, generator=batch.generator), q
+        # Gumbel-top-k over log q: the top tokens in order are successive draws without replacement
+        u = torch.rand(q.shape, generator=batch.generator, device=q.device).clamp_(min=1e-20)
+        return (q.log() - (-u.log()).log()).topk(width, dim=-1).indices, q
+
+    def _propose_siblings(self, batch, k: int) -> Proposal | None:
+        if k <= 0:
+            return None
+        width = max(1, min(self.width, self.model.config.vocab_size))
+        logits = self._feed_pending(batch)
+        tokens, probs = [], []
+        for i in range(k):
+            sibs, q = self._siblings(logits, batch, width)
+            tokens.append(sibs)
+            probs.append(q)
+            if i < k - 1:
+                out = self.state.forward(sibs[:, :1])
+                self.state.commit_prefix(1, torch.ones_like(sibs[:, :1], dtype=torch.bool))
+                logits = out.logits[:, -1]
+        self._drafted = k - 1
+        self._spine_width = width
+        tpl = self._spine_template(k, width, batch.device)
+        draft_probs = None if probs[0] is None else torch.stack(probs, 1).repeat_interleave(width, dim=1)
+        tokens = torch.cat(tokens, 1)
+        return Proposal(
+            tokens=tokens,
+            parents=tpl["parents"].expand(tokens.shape[0], -1),
+            draft_probs=draft_probs,
+            tree_attn=tpl["tree_attn"],
+            depth=tpl["depth"],
+            max_depth=k,
+            scheme=self.scheme,
+        )
+
+    def _propose_chains(self, batch, k: int) -> Proposal | None:
+        if k <= 0:
+            return None
+        width = max(1, min(self.width, self.model.config.vocab_size))
+        bsz = len(batch.seqs)
+        logits = self._feed_pending(batch)
+        heads, q = self._siblings(logits, batch, width)  # i.i.d. heads (distinct top tokens when greedy)
+        # every row's cache is copied to its chains: row r's chain j is row r * width + j
+        self.state.select_rows(torch.arange(bsz, device=batch.device).repeat_interleave(width))
+        self._chains = width
+        tok = heads.reshape(-1)
+        tokens, probs = [tok], [None if q is None else q.repeat_interleave(width, dim=0)]
+        for _ in range(k - 1):
+            out = self.state.forward(tok[:, None])
+            self.state.commit_prefix(1, torch.ones_like(tok[:, None], dtype=torch.bool))
+            tok, q = self._pick(out.logits[:, -1], batch)
+            tokens.append(tok)
+            probs.append(q)
+        self._drafted = k - 1
+        # chain-major nodes: node j * k + d is chain j's d-th draft
+        tokens = torch.stack(tokens, 1).reshape(bsz, width * k)
+        draft_probs = None if probs[0] is None else torch.stack(probs, 1).reshape(bsz, width * k, -1)
+        tpl = self._chain_template(k, width, batch.device)
+        return Proposal(
+            tokens=tokens,
+            parents=tpl["parents"].expand(bsz, -1),
+            draft_probs=draft_probs,
+            tree_attn=tpl["tree_attn"],
+            depth=tpl["depth"],
+            max_depth=k,
+            scheme=self.scheme,
+        )
+
+    def _chain_template(self, k: int, width: int, device) -> dict:
+        key = ("chains", k, width, str(device))
+        if key not in self._templates:
+            parents = [-1 if d == 0 else j * k + d - 1 for j in range(width) for d in range(k)]
+            self._templates[key] = TreeTemplate(parents, [j if d == 0 else 0 for j in range(width) for d in range(k)]).tensors(device)
+        return self._templates[key]
+
+    def _spine_template(self, k: int, width: int, device) -> dict:
+        """Level-major tree: node d * width + j is the j-th sibling at depth d + 1, child of node (d - 1) * width."""
+        key = (k, width, str(device))
+        if key not in self._templates:
+            parents = [-1 if d == 0 else (d - 1) * width for d in range(k) for _ in range(width)]
+            self._templates[key] = TreeTemplate(parents, [j for _ in range(k) for j in range(width)]).tensors(device)
+        return self._templates[key]
 
     def _propose_fixed(self, batch, k: int) -> Proposal | None:
         if k <= 0:
@@ -328,10 +432,25 @@ class ModelDrafter(Drafter):
     def observe(self, batch, seg: Segment) -> None:
         if self._drafted == 0 and seg.accepted is None:
             return
+        if self._chains:
+            # back to one cache row per text row: the chain the accepted path runs along (chain 0 if none)
+            chain = torch.zeros_like(seg.keep_index[:, 0])
+            if seg.keep_index.shape[1] > 1:
+                chain = torch.where(seg.keep_valid[:, 1], (seg.keep_index[:, 1] - 1) // (self._drafted + 1), chain)
+            rows = torch.arange(len(seg.accepted), device=chain.device) * self._chains + chain
+            self.state.select_rows(rows)
+            self._chains = 0
         keep = [min(a, self._drafted) for a in seg.accepted]
+        if self._spine_width and seg.keep_index is not None and seg.keep_index.shape[1] > 1:
+            # the cache holds the first siblings only: an accepted later sibling ends what it may keep
+            nodes = seg.keep_index[:, 1:] - 1
+            spine = torch.arange(nodes.shape[1], device=nodes.device)[None] * self._spine_width
+            run = ((nodes == spine) & seg.keep_valid[:, 1:]).long().cumprod(-1).sum(-1).tolist()
+            keep = [min(kp, r) for kp, r in zip(keep, run)]
         self.state.rollback(self._drafted, keep)
         self.fed = [f + kp for f, kp in zip(self.fed, keep)]
         self._drafted = 0
+        self._spine_width = 0
 
     def select_rows(self, rows: torch.Tensor) -> None:
         self.state.select_rows(rows)

@@ -23,7 +23,7 @@ import torch
 from specdec.decode.cache import KVState
 from specdec.decode.drafters import Drafter, NoDrafter, Proposal, Segment, admits, tree_attention_from_parents
 from specdec.decode.types import GenRequest, GenResult
-from specdec.decode.verify import Sampling, Verdict, verify_chain, verify_tree
+from specdec.decode.verify import Sampling, Verdict, verify_chain, verify_tree, verify_tree_drafted
 from specdec.models.errors import SpecdecError
 
 
@@ -272,9 +272,15 @@ class SpecEngine:
                 attn, depth = tree_attention_from_parents(proposal.parents)
             out = state.forward(input_ids, valid, tree_attn=attn.expand(bsz, -1, -1), depth=depth.expand(bsz, -1), hidden=hidden)
             max_depth = proposal.max_depth or int(depth.max().item())
-            verdict = verify_tree(
-                out.logits, proposal.tokens, proposal.parents, batch.sampling, batch.generator, max_depth, attn, depth
-            )
+            if proposal.scheme == "standard":
+                verdict = verify_tree(
+                    out.logits, proposal.tokens, proposal.parents, batch.sampling, batch.generator, max_depth, attn, depth
+                )
+            else:  # siblings sampled from the draft's q: the proposal names the scheme that keeps p exact
+                verdict = verify_tree_drafted(
+                    out.logits, proposal.tokens, proposal.parents, proposal.draft_probs, proposal.scheme,
+                    batch.sampling, batch.generator, max_depth, attn, depth,
+                )
             keep = 1 + int(verdict.accepted.max().item())
             index = torch.cat([torch.zeros_like(root), verdict.path[:, : keep - 1] + 1], dim=1).clamp_(min=0)
             keep_valid = torch.arange(keep, device=self.device)[None] <= verdict.accepted[:, None]

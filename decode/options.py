@@ -41,6 +41,9 @@ class DecodeOptions:
     tree: str | None = None
     tree_tokens: int | None = None
     top_k: int | None = None  # children per expanded node (static: per head/depth; dynamic: frontier width)
+    # how a draft model's samples are verified: "standard" (a chain), "rsd" or "spectr" (a tree of
+    # --top-k siblings per draft step; decode/verify.verify_tree_drafted)
+    verify: str = "standard"
     # n-gram drafter
     max_ngram: int = 3
     # diffusion decoding

@@ -15,6 +15,7 @@ from specdec.decode import aded, copying, drafters, swift
 from specdec.decode.adaptive import build_adaptive
 from specdec.decode.heads import build_head_drafter
 from specdec.decode.options import DecodeOptions
+from specdec.decode.verify import TREE_SCHEMES
 from specdec.models.artifacts import artifact_kind, check_fingerprint, read_config, resolve_member, tokenizer_fingerprint
 from specdec.models.errors import SpecdecError, UsageError
 from specdec.models.loading import input_device, load_draft, load_target, load_tokenizer
@@ -74,9 +75,15 @@ def _build_draft(path: Path, target, tokenizer, options: DecodeOptions):
             f"draft {path} has vocabulary size {cfg.get('vocab_size')}, the target's is {target.config.vocab_size}"
         )
     model = load_draft(path, options.placement, device=input_device(target), dtype=target.dtype)
+    if options.verify not in ("standard", *TREE_SCHEMES):
+        raise UsageError(f"verify must be one of standard, {', '.join(TREE_SCHEMES)}; not {options.verify!r}")
     if options.acceptance:
+        if options.verify != "standard":
+            raise UsageError("--acceptance drafts a chain: it does not combine with verify=rsd or spectr")
         return build_adaptive(resolve_member(options.acceptance), model, options, tokenizer=tokenizer)
-    return drafters.ModelDrafter(model)
+    # two siblings per step unless --top-k says otherwise: each level of siblings costs the target a
+    # wider forward, not the draft another call
+    return drafters.ModelDrafter(model, scheme=options.verify, width=options.top_k or 2)
 
 
 # kind (config.json "specdec_kind"/"kind") -> factory(path, target, tokenizer, options)
