@@ -62,7 +62,7 @@ class Schedule(str, Enum):
     static = "static"
 
 
-DrafterOpt = Annotated[str, typer.Option("--drafter", help="ar, ngram, recycle, layerskip[:i,j], a default-family member (draft, medusa, clover, eagle) or an artifact folder.")]
+DrafterOpt = Annotated[str, typer.Option("--drafter", help="ar, ngram, recycle, copy, input-copy, aded, layerskip[:i,j], swift, a default-family member (draft, medusa, clover, eagle) or an artifact folder.")]
 
 
 @app.command()
