@@ -177,7 +177,7 @@ def verify_tree(
     """
     if sampling.greedy and ancestors is not None:
         return _verify_tree_greedy(logits, tokens, parents, ancestors, depth, max_depth)
-    bsz, n = tokens.shape
+    bsz = tokens.shape[0]
     dev = tokens.device
     rows = torch.arange(bsz, device=dev)
     children = _children(parents)
@@ -254,7 +254,7 @@ def verify_tree_drafted(
     if scheme not in TREE_SCHEMES:
         raise ValueError(f"tree verification scheme must be one of {TREE_SCHEMES}, not {scheme!r}")
     node_test = _rsd_node if scheme == "rsd" else _spectr_node
-    bsz, n = tokens.shape
+    bsz = tokens.shape[0]
     dev = tokens.device
     rows = torch.arange(bsz, device=dev)
     children = _children(parents)
