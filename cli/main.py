@@ -86,6 +86,8 @@ def decode(
     stop_threshold: Annotated[Optional[float], typer.Option("--stop-threshold", help="Adaptive drafting stops when 1 - prod(P_accept) exceeds this (default: the artifact's policy).")] = None,
     min_draft: Annotated[Optional[int], typer.Option("--min-draft", min=0, help="Adaptive drafting: fewest drafts per round; 0 lets a round draft nothing.")] = None,
     max_draft: Annotated[Optional[int], typer.Option("--max-draft", min=1, help="Adaptive drafting: most drafts per round.")] = None,
+    verify: Annotated[o.Verify, typer.Option("--verify", help="Draft models at T>0: standard (a chain), rsd (siblings sampled without replacement, recursive rejection) or spectr (k i.i.d. chains, k-sequential selection); --top-k siblings.")] = o.Verify.standard,
+    top_k: Annotated[Optional[int], typer.Option("--top-k", min=1, max=16, help="Siblings per step for --verify rsd|spectr; children per node for tree drafters.")] = None,
     tree: Annotated[Optional[o.Tree], typer.Option("--tree", help="Tree drafters: static, or dynamic (EAGLE-2; EAGLE's default).")] = None,
     tree_tokens: Annotated[Optional[int], typer.Option("--tree-tokens", min=1, max=1024, help="Tree drafters: nodes per tree.")] = None,
     strategy: Annotated[str, typer.Option("--strategy", help="Diffusion LMs: static, threshold, factor, localleap, credit, entropy, learn2pd, freedave, with options as in bench specs (threshold+tau=0.8).")] = "static",
@@ -112,7 +114,7 @@ def decode(
     opts = DecodeOptions(
         drafter=drafter, num_draft=num_draft, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
         seed=seed, batch_size=batch_size, schedule=schedule.value, shared_prefix=shared_prefix, stop=list(stop or []), acceptance=acceptance, stop_threshold=stop_threshold,
-        min_draft=min_draft, max_draft=max_draft, tree=tree.value if tree else None, tree_tokens=tree_tokens,
+        min_draft=min_draft, max_draft=max_draft, verify=verify.value, top_k=top_k, tree=tree.value if tree else None, tree_tokens=tree_tokens,
         strategy=strategy, gen_length=gen_length, block_size=block_size, steps=steps, cache=cache.value, filter=filter_dir,
         adablock=adablock, kernels=kernels.value, device=device, dtype=dtype.value,
         device_map=device_map.value if device_map else None, attn_implementation=attn_implementation,

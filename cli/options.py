@@ -40,6 +40,12 @@ class Precision(str, Enum):
     fp16 = "fp16"
 
 
+class Verify(str, Enum):
+    standard = "standard"
+    rsd = "rsd"
+    spectr = "spectr"
+
+
 class DiffusionCache(str, Enum):
     none = "none"
     prefix = "prefix"

@@ -73,3 +73,13 @@ def test_help_is_instant_and_lists_decode_first():
     assert res.exit_code == 0
     text = res.stdout + res.stderr
     assert text.index("decode") < text.index("train-draft")
+
+
+def test_verify_schemes_apply_to_draft_models_only(tiny_family, prompts, tmp_path):
+    _assert_usage_error(invoke(["decode", "--in", prompts, "--out", tmp_path / "o.jsonl", "--target", tiny_family / "target",
+                                "--drafter", "ngram", "--verify", "rsd"]), "--verify")
+    _assert_usage_error(invoke(["decode", "--in", prompts, "--out", tmp_path / "o.jsonl", "--target", tiny_family / "target",
+                                "--verify", "magic"]), "--verify")
+    res = invoke(["decode", "--in", prompts, "--out", tmp_path / "o.jsonl", "--target", tiny_family / "target", "--drafter",
+                  tiny_family / "draft", "--verify", "spectr", "--top-k", "2", "--temperature", "0.7", "--max-new-tokens", "6"])
+    assert res.exit_code == 0, res.output
