@@ -16,9 +16,9 @@ from specdec.decode.adaptive import build_adaptive
 from specdec.decode.heads import build_head_drafter
 from specdec.decode.options import DecodeOptions
 from specdec.decode.verify import TREE_SCHEMES
-from specdec.models.artifacts import artifact_kind, check_fingerprint, read_config, resolve_member, tokenizer_fingerprint
+from specdec.models.artifacts import FAMILY_MEMBERS, artifact_kind, check_fingerprint, read_config, resolve_member, tokenizer_fingerprint
 from specdec.models.errors import SpecdecError, UsageError
-from specdec.models.loading import input_device, load_draft, load_target, load_tokenizer
+from specdec.models.loading import input_device, load_draft, load_model_config, load_target, load_tokenizer, resolve_source
 
 def _layerskip(spec: str, target, options: DecodeOptions):
     return drafters.ModelDrafter(drafters.layer_skip_view(target, drafters.parse_layerskip(spec, target.config.num_hidden_layers)))
@@ -60,13 +60,15 @@ def load_decode_target(target: str, options: DecodeOptions):
     return model, tokenizer, source
 
 
-def _build_draft(path: Path, target, tokenizer, options: DecodeOptions):
-    cfg = read_config(path)
+def _build_draft(path: Path | str, target, tokenizer, options: DecodeOptions):
+    """A draft model from an artifact folder or a hub id, checked against the target's tokenizer."""
+    local = Path(path).is_dir()
+    cfg = read_config(path) if local else load_model_config(str(path), options.placement).to_dict()
     expected = cfg.get("specdec_target")
     actual = tokenizer_fingerprint(tokenizer)
     if expected:
         check_fingerprint(expected, actual, f"draft {path}")
-    elif (path / "tokenizer.json").exists() or (path / "tokenizer_config.json").exists():
+    elif not local or (Path(path) / "tokenizer.json").exists() or (Path(path) / "tokenizer_config.json").exists():
         check_fingerprint(tokenizer_fingerprint(load_tokenizer(str(path), options.placement)), actual, f"draft {path}")
     # a matching tokenizer does not make the embedding tables match: a draft with fewer rows would
     # index past its vocabulary on the target's tokens
@@ -115,7 +117,15 @@ def drafter_kind(spec: str) -> str:
     name, _, _ = spec.partition(":")
     if name in MODEL_FREE:
         return name
-    return artifact_kind(resolve_member(spec))
+    return "draft" if _hub_id(spec) else artifact_kind(resolve_member(spec))
+
+
+def _hub_id(spec: str) -> str | None:
+    """``spec`` as a hub id of a draft model, when it names no folder and no default-family member."""
+    if Path(spec).exists() or spec in FAMILY_MEMBERS:
+        return None
+    source = resolve_source(spec)  # raises for what is neither
+    return None if Path(source).is_dir() else source
 
 
 def check_drafter_options(spec: str, options: DecodeOptions) -> None:
@@ -128,6 +138,10 @@ def build_drafter(spec: str, target, tokenizer, options: DecodeOptions):
     if name in MODEL_FREE_DRAFTERS:
         _refuse_options_that_do_not_apply(name, options)
         return MODEL_FREE_DRAFTERS[name](spec, target, options)
+    hub = _hub_id(spec)
+    if hub:  # a draft model on the hub (resolved offline from its cache with HF_HUB_OFFLINE=1)
+        _refuse_options_that_do_not_apply("draft", options)
+        return _build_draft(hub, target, tokenizer, options)
     path = resolve_member(spec)
     kind = artifact_kind(path)
     if kind not in DRAFTER_KINDS:

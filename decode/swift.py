@@ -218,5 +218,14 @@ class SwiftDrafter(Drafter):
 
 
 def build_swift(spec: str, target, options) -> SwiftDrafter:
-    """Factory for ``--drafter swift``."""
-    return SwiftDrafter(target, seed=getattr(options, "seed", 0) or 0)
+    """Factory for ``--drafter swift[:CONFIDENCE]`` (the early-stop threshold, default 0.6)."""
+    from specdec.models.errors import UsageError
+
+    _, _, arg = spec.partition(":")
+    try:
+        confidence = float(arg) if arg else 0.6
+    except ValueError:
+        raise UsageError(f"swift:{arg}: the confidence threshold must be a number in [0, 1]") from None
+    if not 0.0 <= confidence <= 1.0:
+        raise UsageError(f"swift:{arg}: the confidence threshold must be in [0, 1]")
+    return SwiftDrafter(target, confidence=confidence, seed=getattr(options, "seed", 0) or 0)

@@ -34,6 +34,7 @@ def _run(args, env):
 
 def test_a_hub_id_decodes_offline_from_the_hub_cache_as_its_folder_does(tiny_family, tmp_path):
     cache = _hub_cache(tmp_path / "hub", "acme/tiny-code", tiny_family / "target")
+    _hub_cache(cache, "acme/tiny-code-draft", tiny_family / "draft")
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps({"prompt": f"def f{i}(x):\n"}) + "\n" for i in range(3)))
     env = {"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
@@ -41,8 +42,13 @@ def test_a_hub_id_decodes_offline_from_the_hub_cache_as_its_folder_does(tiny_fam
     assert by_id.returncode == 0, by_id.stderr[-2000:]
     by_dir = _run(["decode", "--in", src, "--out", tmp_path / "b.jsonl", "--target", tiny_family / "target", "--max-new-tokens", "8"], env)
     assert by_dir.returncode == 0, by_dir.stderr[-2000:]
-    completions = [[json.loads(line)["completion"] for line in open(p)] for p in (tmp_path / "a.jsonl", tmp_path / "b.jsonl")]
-    assert completions[0] == completions[1]
+    drafted = _run(["decode", "--in", src, "--out", tmp_path / "d.jsonl", "--target", "acme/tiny-code", "--drafter",
+                    "acme/tiny-code-draft", "--max-new-tokens", "8"], env)
+    assert drafted.returncode == 0, drafted.stderr[-2000:]
+    outs = (tmp_path / "a.jsonl", tmp_path / "b.jsonl", tmp_path / "d.jsonl")
+    completions = [[json.loads(line)["completion"] for line in open(p)] for p in outs]
+    assert completions[0] == completions[1] == completions[2]
+    assert sum(json.loads(line)["stats"]["drafted_tokens"] for line in open(tmp_path / "d.jsonl")) > 0
     missing = _run(["decode", "--in", src, "--out", tmp_path / "c.jsonl", "--target", "acme/not-cached", "--max-new-tokens", "8"], env)
     assert missing.returncode == 1 and "Traceback" not in missing.stderr
     assert missing.stderr.strip().splitlines()[-1].startswith("error: ") and "acme/not-cached" in missing.stderr
