@@ -14,19 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from specdec.decode.drafters import Drafter, Proposal, Segment
-
-
-def _chain(drafts: list[list[int]], device) -> Proposal | None:
-    """A chain proposal with per-row lengths (None when no row has a draft)."""
-    width = max(map(len, drafts), default=0)
-    if width == 0:
-        return None
-    tokens = torch.zeros(len(drafts), width, dtype=torch.long)
-    for r, d in enumerate(drafts):
-        tokens[r, : len(d)] = torch.tensor(d, dtype=torch.long)
-    lengths = torch.tensor([len(d) for d in drafts])
-    return Proposal(tokens=tokens.to(device), lengths=lengths.to(device))
+from specdec.decode.drafters import Drafter, Proposal, Segment, chain_proposal
 
 
 class CopyDrafter(Drafter):
@@ -123,7 +111,7 @@ class CopyDrafter(Drafter):
             self._update_index(r, seq)
             drafts.append(self._lookup(r, seq, batch.num_draft))
         self.last = [len(d) for d in drafts]
-        return _chain(drafts, batch.device)
+        return chain_proposal(drafts, batch.device)
 
     def observe(self, batch, seg: Segment) -> None:
         if seg.accepted is None:
@@ -196,7 +184,7 @@ class InputCopyDrafter(Drafter):
             n = min(self.length[r], batch.num_draft)
             drafts.append(prompt[place : place + n] if place >= 0 else [])
         self.last = [len(d) for d in drafts]
-        return _chain(drafts, batch.device)
+        return chain_proposal(drafts, batch.device)
 
     def observe(self, batch, seg: Segment) -> None:
         if seg.accepted is None:

@@ -82,6 +82,18 @@ class Drafter:
         raise SpecdecError(f"the {type(self).__name__} drafter cannot take new rows into a running batch: decode with --schedule static")
 
 
+def chain_proposal(drafts: list[list[int]], device) -> Proposal | None:
+    """A chain proposal of per-row token lists of any lengths (None when no row has a draft)."""
+    width = max(map(len, drafts), default=0)
+    if width == 0:
+        return None
+    tokens = torch.zeros(len(drafts), width, dtype=torch.long)
+    for r, d in enumerate(drafts):
+        tokens[r, : len(d)] = torch.tensor(d, dtype=torch.long)
+    lengths = torch.tensor([len(d) for d in drafts])
+    return Proposal(tokens=tokens.to(device), lengths=lengths.to(device))
+
+
 def admits(drafter: Drafter) -> bool:
     """Whether the drafter can take new rows into a running batch (continuous batching)."""
     return type(drafter).admit is not Drafter.admit
@@ -206,16 +218,7 @@ class NgramDrafter(Drafter):
         pass  # drafts come from each row's own text
 
     def propose(self, batch) -> Proposal | None:
-        k = batch.num_draft
-        drafts = [self._lookup(seq, k) for seq in batch.seqs]
-        width = max(map(len, drafts))
-        if width == 0:
-            return None
-        tokens = torch.zeros(len(drafts), width, dtype=torch.long)
-        for r, d in enumerate(drafts):
-            tokens[r, : len(d)] = torch.tensor(d, dtype=torch.long)
-        lengths = torch.tensor([len(d) for d in drafts])
-        return Proposal(tokens=tokens.to(batch.device), lengths=lengths.to(batch.device))
+        return chain_proposal([self._lookup(seq, batch.num_draft) for seq in batch.seqs], batch.device)
 
 
 class RecycleDrafter(Drafter):
