@@ -13,6 +13,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from specdec.cli import options as o
 from specdec.models.errors import SpecdecError, UsageError
 
 
@@ -48,6 +49,9 @@ def train_dllm_command(
     gen_length: Annotated[int, typer.Option(help="Certainty forcing: answer length of the self-generated decodes (decode at this length).")] = 128,
     cf_cache: Annotated[LabelCache, typer.Option(help="Certainty forcing: cache of the self-generating static decodes (none, or prefix: same result up to rounding under block attention, much faster).")] = LabelCache.none,
     lr: Annotated[Optional[float], typer.Option(help="Peak learning rate (default 3e-4).")] = None,
+    batch_size: o.TrainBatch = None,
+    seq_len: o.SeqLen = None,
+    mixed_precision: o.MixedPrecision = None,
     seed: Annotated[int, typer.Option(help="Random seed.")] = 0,
 ) -> None:
     from specdec.train.dllm import train_dllm
@@ -61,7 +65,8 @@ def train_dllm_command(
         metrics = train_dllm(
             from_dir, data, out, block_size=block_size, attention=attention.value, max_steps=max_steps, budget_minutes=budget_minutes,
             seed=seed, certainty_forcing=certainty_forcing, lora=lora, extra_examples=extra, model_config=model_config, tokenizer_dir=tokenizer,
-            cf_prompts=cf_prompts, cf_gen_length=gen_length, cf_cache=cf_cache.value, **({} if lr is None else {"lr": lr}),
+            cf_prompts=cf_prompts, cf_gen_length=gen_length, cf_cache=cf_cache.value, **training_overrides(lr=lr, batch_size=batch_size, seq_len=seq_len,
+                                                     mixed_precision=mixed_precision.value if mixed_precision else None),
         )  # fmt: skip
     except json.JSONDecodeError as exc:
         raise UsageError(f"--config {config}: not valid JSON ({exc})") from None
@@ -100,6 +105,11 @@ def train_filter_command(
         f"wrote {out}: {metrics['records']} labelled steps, BCE {metrics['loss_first']:.4f} -> {metrics['loss_last']:.4f}, "
         f"held-out precision {_fmt(held.get('precision'))} recall {_fmt(held.get('recall'))}"
     )
+
+
+def training_overrides(**values) -> dict:
+    """The shared training options the user gave (the rest keep the trainer's defaults)."""
+    return {k: v for k, v in values.items() if v is not None}
 
 
 def read_prompts(path: Path) -> list[str]:
