@@ -77,6 +77,7 @@ def decode(
     top_p: o.TopP = 1.0,
     seed: o.Seed = 0,
     batch_size: o.BatchSize = 8,
+    max_memory: Annotated[Optional[str], typer.Option("--max-memory", help="Memory budget (4GiB, 800MB, 512MiB): the largest --batch-size that fits it by specdec's memory model (weights, KV at the model's full context, verify buffers), shrinking the draft's tree tokens / K when one row does not fit.")] = None,
     shared_prefix: Annotated[str, typer.Option("--shared-prefix", help="A prompt prefix the records share is prefilled once for the job: auto (the longest common prefix of 32+ tokens), off, or FILE (its text).")] = "auto",
     schedule: Annotated[Schedule, typer.Option("--schedule", help="Batching: continuous (a finished row's place goes to the next record at once), static (a batch ends with its longest row), or auto: continuous for causal LMs, static for diffusion LMs (which only batch statically).")] = Schedule.auto,
     stop: Annotated[Optional[list[str]], typer.Option("--stop", help="Stop string (repeatable).")] = None,
@@ -113,7 +114,7 @@ def decode(
     console = _console()
     opts = DecodeOptions(
         drafter=drafter, num_draft=num_draft, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-        seed=seed, batch_size=batch_size, schedule=schedule.value, shared_prefix=shared_prefix, stop=list(stop or []), acceptance=acceptance, stop_threshold=stop_threshold,
+        seed=seed, batch_size=batch_size, max_memory=max_memory, schedule=schedule.value, shared_prefix=shared_prefix, stop=list(stop or []), acceptance=acceptance, stop_threshold=stop_threshold,
         min_draft=min_draft, max_draft=max_draft, verify=verify.value, top_k=top_k, tree=tree.value if tree else None, tree_tokens=tree_tokens,
         strategy=strategy, gen_length=gen_length, block_size=block_size, steps=steps, cache=cache.value, filter=filter_dir,
         adablock=adablock, kernels=kernels.value, device=device, dtype=dtype.value,
@@ -121,6 +122,10 @@ def decode(
         trust_remote_code=trust_remote_code, threads=threads,
     )
     validate_options(opts)
+    if max_memory is not None:
+        from specdec.decode.memory import parse_size
+
+        parse_size(max_memory)  # a bad size is a usage error before any model loads
     opts.placement  # validates device, dtype and attention before anything loads
     validate_paths(in_path, out_path)
     summary, code = run_decode_job(in_path, out_path, target or default_target(console), opts, strict=strict,

@@ -99,6 +99,8 @@ class Decoder:
         self.is_diffusion = is_diffusion_model(path, options)
         self.schedule = resolve_schedule(options.schedule, self.is_diffusion, target)
         if self.is_diffusion:
+            if options.max_memory is not None:
+                raise UsageError(f"{target} is a diffusion LM: --max-memory applies to causal LMs only")
             if options.drafter != "ar" or options.acceptance:
                 raise UsageError(f"{target} is a diffusion LM: --drafter and --acceptance apply to causal LMs only")
             self.generator, self.tokenizer, self.max_context = generator_from_options(path, options)
@@ -108,6 +110,9 @@ class Decoder:
         check_drafter_options(options.drafter, options)
         model, self.tokenizer, _ = load_decode_target(str(path), options)
         drafter = build_drafter(options.drafter, model, self.tokenizer, options)
+        self.max_context = getattr(model.config, "max_position_embeddings", None) or 1 << 30
+        if options.max_memory is not None:
+            options = self.options = _fit_memory(options, model, drafter, self.max_context)
         self.generator = SpecEngine(
             model,
             self.tokenizer,
@@ -119,7 +124,6 @@ class Decoder:
             kernels=kernel_backend(options, input_device(model)),
             shared_prefix=shared_prefix_tokens(options.shared_prefix, self.tokenizer),
         )
-        self.max_context = getattr(model.config, "max_position_embeddings", None) or 1 << 30
 
     def encode(self, rec: Record) -> list[int]:
         return encode_record(self.tokenizer, rec)
@@ -274,6 +278,22 @@ class Decoder:
             write_ready()
         write_ready()
         writer.flush()
+
+
+def _fit_memory(options: DecodeOptions, model, drafter, max_context: int) -> DecodeOptions:
+    """The options with batch size and draft width fitted to ``--max-memory`` (decode/memory.py), the
+    choice said once on stderr. Rows are costed at the model's whole context: the job has not read
+    its prompts yet, and any prompt up to the context is accepted."""
+    from specdec.decode.memory import fit, memory_model, parse_size
+
+    budget = parse_size(options.max_memory)
+    mm = memory_model(model, drafter, max_context, options.max_new_tokens)
+    plan = fit(budget, mm, drafter, options.batch_size, options.num_draft, options.max_memory)
+    print(plan.note, file=sys.stderr, flush=True)
+    if plan.tree_tokens is not None:  # the heads are loaded already: resize the tree in place rather than reload them
+        drafter.tree_tokens = plan.tree_tokens
+    return dataclasses.replace(options, batch_size=plan.batch_size, num_draft=plan.num_draft,
+                               tree_tokens=plan.tree_tokens if plan.tree_tokens is not None else options.tree_tokens)
 
 
 # a continuous job flushes at least this often while records are being written (a batch's worth of

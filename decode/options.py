@@ -27,6 +27,8 @@ class DecodeOptions:
     top_p: float = 1.0
     seed: int = 0
     batch_size: int = 8
+    # a memory budget as written ("4GiB"): decode fits batch size and draft width into it (decode/memory.py)
+    max_memory: str | None = None
     schedule: str = "auto"  # one of SCHEDULES
     # a prompt prefix every record shares, prefilled once for the job: "auto" (detected), "off", or a file of its text
     shared_prefix: str = "auto"
