@@ -8,13 +8,22 @@ bonus token (tokens per target forward). Beside every speedup: the distinct-4-gr
 outputs (repetition inflates speedups) and the ideal speedup S = tau / (c_round + v) from measured
 forward costs, where c_round is the drafting cost of one round and v the cost of the verification
 forward, both in units of one single-token target forward; efficiency = measured / ideal.
+
+Memory: on CUDA, ``peak_mib`` is the most memory allocated while the method's timed chunks ran (the
+peak counter reset before each chunk, the max over the run; whatever else is resident, the target's
+weights included, counts too). A CPU process's peak RSS cannot be split between interleaved methods,
+so the config holds the run's ``peak_rss_mib`` and ``peak_mib`` is None there. ``kv_estimate_mib``, on
+every device, is an ESTIMATE from ``decode.memory``'s model, not a measurement: the KV caches, verify
+logits and hidden states of one batch of rows at the longest prompt of the run, weights excluded.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import resource
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -23,6 +32,7 @@ import torch
 from specdec.decode import diffusion_bench
 from specdec.decode.io import read_records
 from specdec.decode.job import is_diffusion_model, shared_prefix_tokens
+from specdec.decode.memory import draft_width, memory_model
 from specdec.decode.options import DecodeOptions, parse_method
 from specdec.decode.registry import build_drafter, kernel_backend, load_decode_target
 from specdec.decode.roofline import nominal_bandwidth, peak_bandwidth, roofline
@@ -79,11 +89,14 @@ def run_bench(cfg: BenchConfig, console=None) -> dict:
         if console is not None:
             console.print(f"[bold]bench[/bold] {spec}")
         runners[spec] = _prepare_method(spec, model, tok, prompts, base, cfg.warmup)  # builds and warms up
+    peaks = {spec: _PeakMemory(runner, device) for spec, runner in runners.items()}
     runs = run_passes(runners, len(prompts), base.batch_size, cfg.repeats)
     costs = _ForwardCosts(model, prompts)
     entries = [_entry(spec, runs[spec], runs["ar"], categories, costs, model, tok, base) for spec in methods]
     lens = [len(p) for p in prompts]
     for spec, entry in zip(methods, entries):
+        estimate = getattr(runners[spec], "kv_estimate_bytes", None)
+        entry.update(peak_mib=peaks[spec].mib(), kv_estimate_mib=None if estimate is None else round(estimate / (1 << 20), 3))
         if not spec.startswith("hf-"):  # transformers' own runs report no forward counts
             draft = _draft_model(spec, model, tok, base)
             entry.update(roofline(runs[spec].stats, lens, base.batch_size, statistics.median(runs[spec].walls), peak, model, draft))
@@ -91,7 +104,8 @@ def run_bench(cfg: BenchConfig, console=None) -> dict:
     return {
         "kind": "speculative",
         "config": _config(cfg) | {"target": str(target_path), "prompts": len(prompts), "peak_gbps_copy": round(peak / 1e9, 2),
-                                  "peak_gbps_nominal": None if nominal is None else round(nominal / 1e9, 1)},
+                                  "peak_gbps_nominal": None if nominal is None else round(nominal / 1e9, 1),
+                                  "peak_rss_mib": peak_rss_mib()},
         "methods": entries,
         **provenance(cfg.command, input_device(model)),
     }
@@ -136,7 +150,37 @@ def _prepare_method(spec: str, model, tok, prompts, base: DecodeOptions, warmup:
             out += [(r.token_ids, {**r.stats, "wall_s": wall / len(res)}) for r in res]
         return out
 
-    return Runner(decode, len(prompts), timed)
+    runner = Runner(decode, len(prompts), timed)
+    # the model's estimate for one batch of rows at the run's longest prompt (weights excluded: they are shared)
+    mm = memory_model(model, drafter, max(map(len, prompts)), opts.max_new_tokens)
+    runner.kv_estimate_bytes = min(bs, len(prompts)) * mm.row_bytes(draft_width(drafter, engine.num_draft))
+    return runner
+
+
+class _PeakMemory:
+    """Wraps a runner's ``decode``: on CUDA, the most memory allocated during any of its timed chunks
+    (the peak counter is reset before each, so interleaved methods do not see each other's peaks)."""
+
+    def __init__(self, runner: Runner, device):
+        self.inner, self.device, self.peak = runner.decode, torch.device(device), None
+        runner.decode = self
+
+    def __call__(self, lo: int, hi: int) -> list:
+        if self.device.type != "cuda":
+            return self.inner(lo, hi)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        out = self.inner(lo, hi)
+        self.peak = max(self.peak or 0, torch.cuda.max_memory_allocated(self.device))
+        return out
+
+    def mib(self) -> float | None:
+        return None if self.peak is None else round(self.peak / (1 << 20), 1)
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident set so far: ru_maxrss is KiB on Linux, bytes on macOS."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return round(rss / (1 << 20) if sys.platform == "darwin" else rss / 1024, 1)
 
 
 class _TimedPropose:
@@ -341,14 +385,17 @@ def table(report: dict):
     cfg = report["config"]
     fmt = lambda v, p=2: "-" if v is None else (f"{v:.{p}f}" if isinstance(v, float) else str(v))  # noqa: E731
     main = Table(title=f"specdec bench: {cfg['prompts']} prompts, {cfg['max_new_tokens']} new tokens, T={cfg['temperature']}, bs={cfg['batch_size']}")
-    for col in ("method", "tok/s", "speedup", "tau", "same as ar", "distinct4", "ideal", "effic.", "calls", "GB/s", "% peak"):
+    for col in ("method", "tok/s", "speedup", "tau", "same as ar", "distinct4", "ideal", "effic.", "calls", "GB/s", "% peak", "peak MiB", "KV est. MiB"):
         main.add_column(col, justify="left" if col == "method" else "right", overflow="fold")
     for m in report["methods"]:
         main.add_row(
             m["method"], fmt(m["tokens_per_s"], 1), fmt(m["speedup"]), fmt(m.get("tau")), fmt(m.get("identical_to_ar")),
             fmt(m["distinct4"], 3), fmt(m.get("ideal_speedup")), fmt(m.get("efficiency")), fmt(m.get("target_calls")),
             fmt(m.get("achieved_gbps"), 1), "-" if m.get("peak_fraction") is None else f"{100 * m['peak_fraction']:.1f}",
+            fmt(m.get("peak_mib"), 1), fmt(m.get("kv_estimate_mib"), 2),
         )
+    if cfg.get("peak_rss_mib") is not None:
+        main.caption = f"process peak RSS {cfg['peak_rss_mib']} MiB; KV est. = decode.memory's estimate for one batch of rows, not measured"
     parts = [main]
     depth = max((len(m.get("acceptance_by_position", [])) for m in report["methods"]), default=0)
     if depth:

@@ -50,6 +50,7 @@ def test_bench_report(tiny_family, tmp_path):
     for spec in ("ar", "ngram", f"{draft}+k=3"):
         assert methods[spec]["achieved_gbps"] > 0 and methods[spec]["peak_fraction"] > 0 and methods[spec]["bytes_per_forward"] > 0
     assert "peak_fraction" not in methods["hf-lookup"]
+    assert report["config"]["peak_rss_mib"] > 0 and all({"peak_mib", "kv_estimate_mib"} <= set(m) for m in methods.values())
     assert plot_path.stat().st_size > 1000
 
 
