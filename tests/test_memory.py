@@ -142,3 +142,28 @@ def test_bench_reports_memory(tiny_family, tmp_path):
     ar, ngram, draft = methods["ar"], methods["ngram"], methods[f"{tiny_family / 'draft'}+k=3"]
     assert 0 < ar["kv_estimate_mib"] < ngram["kv_estimate_mib"]  # ngram's 12 drafts widen the verify buffers
     assert draft["kv_estimate_mib"] > ar["kv_estimate_mib"]  # the draft model's cache too
+
+
+def test_peak_memory_is_per_method_and_chunk(monkeypatch):
+    """On CUDA the peak counter is reset before each timed chunk and the max taken after (faked here:
+    this machine may have no GPU)."""
+    import torch
+
+    from specdec.decode import bench
+    from specdec.decode.timing import Runner
+
+    allocated = {"now": 0, "peak": 0}
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: allocated.update(peak=allocated["now"]))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: allocated["peak"])
+    sizes = iter([3 << 20, 5 << 20, 1 << 20])
+
+    def decode(lo, hi):
+        allocated["peak"] = max(allocated["peak"], next(sizes))
+        return [([1], {"wall_s": 0.0})]
+
+    runner = Runner(decode, 3)
+    peak = bench._PeakMemory(runner, "cuda")
+    for i in range(3):
+        runner.decode(i, i + 1)
+    assert peak.mib() == 5.0
+    assert bench._PeakMemory(Runner(decode, 1), "cpu").mib() is None
