@@ -46,6 +46,10 @@ class DecodeOptions:
     # how a draft model's samples are verified: "standard" (a chain), "rsd" or "spectr" (a tree of
     # --top-k siblings per draft step; decode/verify.verify_tree_drafted)
     verify: str = "standard"
+    # online speculative decoding (decode/online.py): distil the draft model on the job's own rounds,
+    # an update every online_every verification rounds
+    online: bool = False
+    online_every: int = 8
     # n-gram drafter
     max_ngram: int = 3
     # diffusion decoding
