@@ -80,12 +80,19 @@ def _build_draft(path: Path | str, target, tokenizer, options: DecodeOptions):
     if options.verify not in ("standard", *TREE_SCHEMES):
         raise UsageError(f"verify must be one of standard, {', '.join(TREE_SCHEMES)}; not {options.verify!r}")
     if options.acceptance:
+        if options.online:
+            raise UsageError("online=1 trains a plain draft model: it does not combine with --acceptance")
         if options.verify != "standard":
             raise UsageError("--acceptance drafts a chain: it does not combine with verify=rsd or spectr")
         return build_adaptive(resolve_member(options.acceptance), model, options, tokenizer=tokenizer)
     # two siblings per step unless --top-k says otherwise: each level of siblings costs the target a
     # wider forward, not the draft another call
-    return drafters.ModelDrafter(model, scheme=options.verify, width=options.top_k or 2)
+    width = options.top_k or 2
+    if options.online:  # the draft learns from the job's own verification rounds (decode/online.py)
+        from specdec.decode.online import OnlineDrafter
+
+        return OnlineDrafter(model, every=options.online_every, scheme=options.verify, width=width)
+    return drafters.ModelDrafter(model, scheme=options.verify, width=width)
 
 
 # kind (config.json "specdec_kind"/"kind") -> factory(path, target, tokenizer, options)

@@ -154,3 +154,22 @@ def test_method_spec_builds_online_options():
     _, overrides = parse_method("draft+online=1+online-every=4")
     opts = DecodeOptions().with_overrides(overrides)
     assert opts.online is True and opts.online_every == 4
+
+
+def test_registry_builds_online_drafter_and_saves_it(tiny_family, tmp_path):
+    from specdec.decode.registry import build_drafter, load_decode_target
+    from specdec.models.loading import load_draft
+
+    opts = DecodeOptions().with_overrides(parse_method("draft+online=1+online-every=2")[1])
+    target, tok, _ = load_decode_target(str(tiny_family / "target"), opts)
+    drafter = build_drafter(str(tiny_family / "draft"), target, tok, opts)
+    assert isinstance(drafter, OnlineDrafter) and drafter.every == 2
+    prompts = [tok.encode("def add(a, b):\n"), tok.encode("for i in range(10):\n")]
+    ar = SpecEngine(target, tok).generate(requests(prompts, [24, 24]))
+    spec = SpecEngine(target, tok, drafter).generate(requests(prompts, [24, 24]))
+    assert [r.token_ids for r in spec] == [r.token_ids for r in ar] and drafter.updates > 0
+    drafter.save_to(tmp_path / "online-draft")
+    saved = load_draft(tmp_path / "online-draft", opts.placement, device=torch.device("cpu"), dtype=drafter.model.dtype)
+    for a, b in zip(saved.parameters(), drafter.model.parameters()):
+        torch.testing.assert_close(a, b)
+    assert (tmp_path / "online-draft" / "model.safetensors").exists()
