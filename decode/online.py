@@ -131,7 +131,9 @@ class OnlineDrafter(ModelDrafter):
                     end, n = e.context.numel(), e.teacher.shape[0]
                     log_q = F.log_softmax(logits[i, end - n : end].float(), -1)
                     log_p = F.log_softmax(e.teacher.to(dev).float(), -1)
-                    kls.append((log_p.exp() * (log_p - log_q)).sum(-1))  # forward KL(p || q) at T=1
+                    p = log_p.exp()
+                    # forward KL(p || q) at T=1; tokens the target rules out (-inf logits) add nothing, not nan
+                    kls.append(torch.where(p > 0, p * (log_p - log_q), torch.zeros_like(p)).sum(-1))
                 loss = torch.cat(kls).mean()
                 self.opt.zero_grad(set_to_none=True)
                 loss.backward()

@@ -29,14 +29,15 @@ def snapshot(model):
     return [p.detach().clone() for p in model.parameters()]
 
 
+@pytest.mark.parametrize("scheme", ["standard", "rsd", "spectr"])
 @pytest.mark.parametrize("bsz", [1, 3])
-def test_greedy_online_is_lossless_while_the_draft_changes(target, bsz):
+def test_greedy_online_is_lossless_while_the_draft_changes(target, bsz, scheme):
     draft = tiny_llama(seed=1, layers=1, hidden=32)
     before = snapshot(draft)
     prompts = make_prompts(bsz, seed=31 + bsz)
     budgets = [40, 23, 31][:bsz]
     ar = SpecEngine(target, ByteTokenizer()).generate(requests(prompts, budgets))
-    drafter = OnlineDrafter(draft, every=2, lr=1e-2)
+    drafter = OnlineDrafter(draft, every=2, lr=1e-2, scheme=scheme)  # rsd/spectr: trees of drafted siblings
     spec = SpecEngine(target, ByteTokenizer(), drafter).generate(requests(prompts, budgets))
     assert [r.token_ids for r in spec] == [r.token_ids for r in ar]
     assert [r.finish_reason for r in spec] == [r.finish_reason for r in ar]
