@@ -60,7 +60,7 @@ class OnlineDrafter(ModelDrafter):
             for p in self.student.parameters():  # weights loaded under inference mode are not trainable
                 p.data = p.data.clone()
                 p.requires_grad_(True)
-        self.student.train(False)  # no dropout: the teacher is deterministic, the student should be too
+        self.student.train(False)  # eval mode throughout (gradients still flow): no dropout in the distillation
         self.opt = torch.optim.AdamW(self.student.parameters(), lr=lr, weight_decay=0.0)
         self.buffer: deque[_Example] = deque(maxlen=buffer)
         self.rounds = 0
@@ -123,7 +123,6 @@ class OnlineDrafter(ModelDrafter):
                 ids[i, : e.context.numel()] = e.context
                 mask[i, : e.context.numel()] = 1
             ids, mask = ids.to(dev), mask.to(dev)
-            self.student.train()
             for _ in range(self.steps):
                 logits = self.student(input_ids=ids, attention_mask=mask).logits
                 kls = []
@@ -139,7 +138,6 @@ class OnlineDrafter(ModelDrafter):
                 loss.backward()
                 self.opt.step()
                 self.losses.append(float(loss.detach()))
-            self.student.train(False)
         with torch.no_grad():
             # in place: the lean forward sees the bumped _version and rebuilds its fused weights
             for dst, src in zip(self.model.parameters(), self.student.parameters()):
