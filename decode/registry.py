@@ -113,6 +113,8 @@ def _refuse_options_that_do_not_apply(kind: str, options: DecodeOptions) -> None
         raise UsageError(f"--tree and --tree-tokens apply to medusa, clover and eagle drafters, not to {kind}")
     if kind != "draft" and options.acceptance:
         raise UsageError(f"--acceptance applies to draft models, not to a {kind} drafter")
+    if kind != "draft" and options.online:
+        raise UsageError(f"online updates apply to draft models, not to a {kind} drafter")
     if kind != "draft" and options.verify != "standard":
         raise UsageError(f"--verify {options.verify} applies to draft models, not to a {kind} drafter")
     if not options.acceptance and any(v is not None for v in (options.stop_threshold, options.min_draft, options.max_draft)):
