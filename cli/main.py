@@ -158,6 +158,7 @@ def bench(
 ) -> None:
     """Benchmark methods against plain decoding (and transformers' own) in one process, on the same prompts."""
     from specdec.decode.bench import BenchConfig, render, run_bench
+    from specdec.decode.job import validate_output_path
     from specdec.decode.options import DecodeOptions
     from specdec.decode.report import cli_command
     from specdec.examples import example_path
@@ -167,8 +168,9 @@ def bench(
     if not os.path.isfile(in_path):
         raise UsageError(f"--in {in_path}: no such file")
     o.placement(device, dtype, device_map, attn_implementation, trust_remote_code, threads)
-    for path in filter(None, (out, plot)):  # a run is not lost to a report that cannot be written at its end
-        _writable_file(path)
+    for flag, path in (("--out", out), ("--plot", plot)):  # a run is not lost to a report that cannot be written at its end
+        if path:
+            validate_output_path(path, flag)
     options = DecodeOptions(
         max_new_tokens=max_new_tokens, temperature=temperature, batch_size=batch_size, kernels=kernels.value, threads=threads,
         trust_remote_code=trust_remote_code, device=device, dtype=dtype.value,
@@ -181,18 +183,6 @@ def bench(
     )
     report = run_bench(cfg, console)
     render(report, console, out, plot)
-
-
-def _writable_file(path: str) -> None:
-    from pathlib import Path
-
-    parent = Path(path).resolve().parent
-    try:
-        parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise UsageError(f"cannot create the folder of {path}: {exc.strerror or exc}") from None
-    if Path(path).is_dir() or not os.access(parent, os.W_OK):
-        raise UsageError(f"cannot write {path}")
 
 
 @recipe_app.command("list")

@@ -25,6 +25,7 @@ import resource
 import statistics
 import sys
 import time
+from pathlib import Path
 from dataclasses import dataclass, field
 
 import torch
@@ -84,22 +85,23 @@ def run_bench(cfg: BenchConfig, console=None) -> dict:
         methods.insert(0, "ar")
     device = input_device(model)
     peak = peak_bandwidth(device)  # before the methods: nothing else holds the memory bus
-    runners = {}
+    prepared = {}
     for spec in methods:
         if console is not None:
             console.print(f"[bold]bench[/bold] {spec}")
-        runners[spec] = _prepare_method(spec, model, tok, prompts, base, cfg.warmup)  # builds and warms up
+        prepared[spec] = _prepare_method(spec, model, tok, prompts, base, cfg.warmup)  # builds and warms up
+    runners = {spec: m.runner for spec, m in prepared.items()}
     peaks = {spec: _PeakMemory(runner, device) for spec, runner in runners.items()}
     runs = run_passes(runners, len(prompts), base.batch_size, cfg.repeats)
     costs = _ForwardCosts(model, prompts)
-    entries = [_entry(spec, runs[spec], runs["ar"], categories, costs, model, tok, base) for spec in methods]
+    entries = [_entry(spec, runs[spec], runs["ar"], categories, costs, prepared[spec].draft_model, base) for spec in methods]
     lens = [len(p) for p in prompts]
     for spec, entry in zip(methods, entries):
-        estimate = getattr(runners[spec], "kv_estimate_bytes", None)
+        estimate = prepared[spec].kv_estimate_bytes
         entry.update(peak_mib=peaks[spec].mib(), kv_estimate_mib=None if estimate is None else round(estimate / (1 << 20), 3))
         if not spec.startswith("hf-"):  # transformers' own runs report no forward counts
-            draft = _draft_model(spec, model, tok, base)
-            entry.update(roofline(runs[spec].stats, lens, base.batch_size, statistics.median(runs[spec].walls), peak, model, draft))
+            entry.update(roofline(runs[spec].stats, lens, base.batch_size, statistics.median(runs[spec].walls), peak, model,
+                                  prepared[spec].draft_model))
     nominal = nominal_bandwidth(device)
     return {
         "kind": "speculative",
@@ -121,10 +123,20 @@ def _config(cfg: BenchConfig) -> dict:
 # -- running one method -----------------------------------------------------------------------
 
 
-def _prepare_method(spec: str, model, tok, prompts, base: DecodeOptions, warmup: int) -> Runner:
+@dataclasses.dataclass
+class _Prepared:
+    """A method built and warmed up: its runner, the draft model it drafts with (a checkpoint or a
+    layer-skip view; None for other drafters and peers) and its rows' memory estimate."""
+
+    runner: Runner
+    draft_model: object = None
+    kv_estimate_bytes: int | None = None
+
+
+def _prepare_method(spec: str, model, tok, prompts, base: DecodeOptions, warmup: int) -> _Prepared:
     """Build the method and warm it up."""
     if spec.startswith("hf-"):
-        return _prepare_peer(spec, model, tok, prompts, base, warmup)
+        return _Prepared(_prepare_peer(spec, model, tok, prompts, base, warmup))
     from specdec.decode.engine import SpecEngine
     from specdec.decode.verify import Sampling
 
@@ -150,11 +162,10 @@ def _prepare_method(spec: str, model, tok, prompts, base: DecodeOptions, warmup:
             out += [(r.token_ids, {**r.stats, "wall_s": wall / len(res)}) for r in res]
         return out
 
-    runner = Runner(decode, len(prompts), timed)
     # the model's estimate for one batch of rows at the run's longest prompt (weights excluded: they are shared)
     mm = memory_model(model, drafter, max(map(len, prompts)), opts.max_new_tokens)
-    runner.kv_estimate_bytes = min(bs, len(prompts)) * mm.row_bytes(draft_width(drafter, engine.num_draft))
-    return runner
+    estimate = min(bs, len(prompts)) * mm.row_bytes(draft_width(drafter, engine.num_draft))
+    return _Prepared(Runner(decode, len(prompts), timed), getattr(drafter, "model", None), estimate)
 
 
 class _PeakMemory:
@@ -279,7 +290,7 @@ def _time_forward(model, prefix: list[int], t: int, repeats: int) -> float:
 # -- the report -----------------------------------------------------------------------------------
 
 
-def _entry(spec, run: Run, ar: Run, categories, costs, model, tok, base: DecodeOptions) -> dict:
+def _entry(spec, run: Run, ar: Run, categories, costs, draft_model, base: DecodeOptions) -> dict:
 
     def summarize(idx: list[int]) -> dict:
         toks = sum(len(run.outputs[i]) for i in idx)
@@ -306,7 +317,7 @@ def _entry(spec, run: Run, ar: Run, categories, costs, model, tok, base: DecodeO
 
     # the headline is the same summary over every prompt: one way to compute a speedup, for a category or all
     entry = {"method": spec, **summarize(list(range(len(run.outputs)))), "walls_s": [round(w, 4) for w in run.walls]}
-    entry.update(_ideal(spec, run, entry, costs, model, tok, base))
+    entry.update(_ideal(spec, run, entry, costs, draft_model))
     cats = sorted(set(categories))
     if len(cats) > 1 or cats != ["all"]:
         entry["by_category"] = {c: summarize([i for i, k in enumerate(categories) if k == c]) for c in cats}
@@ -324,7 +335,7 @@ def _positions(stats, idx):
     return drafted, accepted
 
 
-def _ideal(spec, run: Run, entry: dict, costs, model, tok, base) -> dict:
+def _ideal(spec, run: Run, entry: dict, costs, draft_model) -> dict:
     tau = entry.get("tau")
     if spec.startswith("hf-") or not tau or run.rounds == 0:
         return {"ideal_speedup": None, "efficiency": None} if spec != "ar" else {"ideal_speedup": 1.0, "efficiency": entry["speedup"]}
@@ -333,32 +344,17 @@ def _ideal(spec, run: Run, entry: dict, costs, model, tok, base) -> dict:
     width = 1 + round(drafted / max(rounds, 1))
     t1 = costs(1)
     v = costs(width) / t1
-    c_round = _draft_cost_per_round(spec, run, costs, model, tok, base) / t1
+    c_round = _draft_cost_per_round(spec, run, costs, draft_model) / t1
     ideal = tau / (c_round + v)
     return {"ideal_speedup": round(ideal, 3), "efficiency": round(entry["speedup"] / ideal, 3), "verify_cost": round(v, 3), "draft_cost": round(c_round, 3)}
 
 
-_DRAFT_MODELS: dict = {}
-
-
-def _draft_model(spec, model, tok, base):
-    """The draft model a method drafts with (a draft checkpoint or a layer-skip view), or None."""
-    name, overrides = parse_method(spec)
-    if name.split(":")[0] in ("ngram", "recycle", "ar") or name.startswith("hf-"):
-        return None
-    key = (spec, id(model))
-    if key not in _DRAFT_MODELS:
-        _DRAFT_MODELS[key] = getattr(build_drafter(name, model, tok, base.with_overrides(overrides)), "model", None)
-    return _DRAFT_MODELS[key]
-
-
-def _draft_cost_per_round(spec, run: Run, costs, model, tok, base) -> float:
+def _draft_cost_per_round(spec, run: Run, costs, draft_model) -> float:
     """Seconds of drafting per round: K draft-model forwards for model drafters, measured propose
     time for neural heads, zero for model-free drafters (their host time is implementation overhead)."""
     name, _ = parse_method(spec)
     if name.split(":")[0] in ("ngram", "recycle", "ar"):
         return 0.0
-    draft_model = _draft_model(spec, model, tok, base)
     if draft_model is not None:
         drafts_per_round = sum(s.get("drafted_tokens", 0) for s in run.stats) / max(run.rounds, 1)
         return drafts_per_round * costs(1, draft_model)
@@ -370,6 +366,8 @@ def _draft_cost_per_round(spec, run: Run, costs, model, tok, base) -> float:
 
 def render(report: dict, console, json_path: str | None = None, plot_path: str | None = None) -> None:
     console.print(diffusion_bench.render_table(report) if report.get("kind") == "diffusion" else table(report))
+    for path in filter(None, (plot_path, json_path)):
+        Path(path).absolute().parent.mkdir(parents=True, exist_ok=True)
     if plot_path:
         plot(report, plot_path)
     if json_path:

@@ -389,23 +389,30 @@ def _validate_paths(in_path: str, out_path: str) -> None:
             raise UsageError(f"--in {in_path}: permission denied")
     if out_path == "-":
         return
-    out = Path(out_path)
-    if out_path.endswith(os.sep) or out.is_dir():
-        raise UsageError(f"--out {out_path} is a directory; give a file path (or - for stdout)")
+    validate_output_path(out_path, "--out", stdout_hint=" (or - for stdout)")
+    if Path(out_path).exists() and in_path != "-" and os.path.samefile(in_path, out_path):
+        raise UsageError(f"--in and --out are the same file ({out_path})")
+
+
+def validate_output_path(path: str, flag: str, stdout_hint: str = "") -> None:
+    """Refuse an output file that could not be written (a folder, not a regular file, not writable, a
+    file on the way) with one ``UsageError`` naming ``flag``; creates nothing. The nearest existing
+    ancestor must be a writable folder (missing parent folders are created there when writing)."""
+    out = Path(path)
+    if path.endswith(os.sep) or out.is_dir():
+        raise UsageError(f"{flag} {path} is a directory; give a file path{stdout_hint}")
     if out.exists():
         if not out.is_file():
-            raise UsageError(f"--out {out_path} is not a regular file (use - for stdout)")
+            raise UsageError(f"{flag} {path} is not a regular file{stdout_hint}")
         if not os.access(out, os.W_OK):
-            raise UsageError(f"--out {out_path}: permission denied")
-        if in_path != "-" and os.path.samefile(in_path, out):
-            raise UsageError(f"--in and --out are the same file ({out_path})")
+            raise UsageError(f"{flag} {path}: permission denied")
     parent = out.absolute().parent
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent
     if not parent.is_dir():
-        raise UsageError(f"--out {out_path}: {parent} is a file, not a directory")
+        raise UsageError(f"{flag} {path}: {parent} is a file, not a directory")
     if not os.access(parent, os.W_OK | os.X_OK):
-        raise UsageError(f"--out {out_path}: cannot create files in {parent} (permission denied)")
+        raise UsageError(f"{flag} {path}: cannot create files in {parent} (permission denied)")
 
 
 class Interrupted(SpecdecError):

@@ -68,7 +68,7 @@ def test_bench_interleaves_methods_batch_by_batch(tiny_family, tmp_path, monkeyp
         def decode(lo, hi):
             calls.append((spec, lo, hi))
             return [([i, len(spec)], {"new_tokens": 2, "wall_s": 0.01}) for i in range(lo, hi)]
-        return Runner(decode, len(ids))
+        return bench._Prepared(Runner(decode, len(ids)))
 
     monkeypatch.setattr(bench, "_prepare_method", fake_prepare)
     cfg = bench.BenchConfig(in_path=str(prompts), target=str(tiny_family / "target"), methods=["ar", "ngram", "recycle"],
