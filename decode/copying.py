@@ -119,7 +119,7 @@ class CopyDrafter(Drafter):
         for r, (kept, tried) in enumerate(zip(seg.accepted, self.last)):
             if tried:
                 grow = kept == tried
-                self.length[r] = min(2 * self.length[r], self.max_copy) if grow else max(kept + self.min_copy, self.min_copy)
+                self.length[r] = min(2 * self.length[r], self.max_copy) if grow else kept + self.min_copy
         self.last = [0] * len(self.last)
 
 

@@ -168,7 +168,7 @@ def load_causal_lm(source: str, placement: Placement, device=None, dtype=None):
         kwargs["device_map"] = placement.device_map
     _quiet_progress()
     try:
-        model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(source, config=config, **kwargs)  # the config read above, not read again
     except (OSError, ValueError, RuntimeError, KeyError) as exc:
         raise SpecdecError(_load_error(source, exc)) from None
     except Exception as exc:  # safetensors reports a truncated file with its own exception type
