@@ -38,6 +38,7 @@ class Batch:
     device: torch.device
     num_draft: int
     rows: list[int] = field(default_factory=list)  # original request index of each active row
+    groups: list[int | None] = field(default_factory=list)  # each active row's ``GenRequest.group``
 
 
 @dataclass
@@ -167,6 +168,7 @@ class SpecEngine:
             state.admit(new_state)
             batch.seqs += new.seqs
             batch.rows += new.rows
+            batch.groups += new.groups
             batch.root = torch.cat([batch.root, new.root])
         self._drop_finished(batch, rows, state)
         return batch, state
@@ -206,6 +208,7 @@ class SpecEngine:
             device=self.device,
             num_draft=self.num_draft,
             rows=list(index),
+            groups=[r.group for r in requests],
         )
         first = verdict.next_token.tolist()
         for i, tok in enumerate(first):
@@ -361,6 +364,7 @@ class SpecEngine:
             return
         idx = torch.tensor(keep, dtype=torch.long, device=self.device)
         batch.rows = [batch.rows[i] for i in keep]
+        batch.groups = [batch.groups[i] for i in keep]
         batch.seqs = [batch.seqs[i] for i in keep]
         batch.root = batch.root[idx]
         if keep:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from specdec.decode import aded, copying, drafters, swift
+from specdec.decode import aded, copying, drafters, stand, swift
 from specdec.decode.adaptive import build_adaptive
 from specdec.decode.heads import build_head_drafter
 from specdec.decode.options import DecodeOptions
@@ -34,6 +34,7 @@ MODEL_FREE_DRAFTERS: dict[str, Callable] = {
     "input-copy": lambda spec, target, options: copying.InputCopyDrafter(),
     "swift": swift.build_swift,
     "aded": lambda spec, target, options: aded.AdedDrafter(),
+    "stand": lambda spec, target, options: stand.StandDrafter(),
 }
 MODEL_FREE = tuple(MODEL_FREE_DRAFTERS)
 

@@ -10,6 +10,9 @@ from typing import Protocol
 class GenRequest:
     prompt_ids: list[int]
     max_new_tokens: int
+    # requests of one group are samples of the same prompt (``--num-samples``): drafters may share
+    # what they learn between them; None = a request on its own
+    group: int | None = None
 
 
 @dataclass
