@@ -18,6 +18,7 @@ import typer
 from typer._click import exceptions as click_exceptions
 
 from specdec.cli import diffusion as diffusion_cli
+from specdec.cli import index as index_cli
 from specdec.cli import options as o
 from specdec.cli import train as train_cli
 from specdec.models.errors import SpecdecError, UsageError
@@ -62,7 +63,7 @@ class Schedule(str, Enum):
     static = "static"
 
 
-DrafterOpt = Annotated[str, typer.Option("--drafter", help="ar, ngram, recycle, copy, input-copy, aded, layerskip[:i,j], swift, a default-family member (draft, medusa, clover, eagle) or an artifact folder.")]
+DrafterOpt = Annotated[str, typer.Option("--drafter", help="ar, ngram, recycle, copy, input-copy, aded, retrieval:INDEX, layerskip[:i,j], swift, a default-family member (draft, medusa, clover, eagle) or an artifact folder.")]
 
 
 @app.command()
@@ -84,6 +85,7 @@ def decode(
     strict: Annotated[bool, typer.Option("--strict", help="Stop at the first bad record (exit 3).")] = False,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Start --out over instead of resuming it.")] = False,
     acceptance: Annotated[Optional[str], typer.Option("--acceptance", help="Acceptance-head artifact: adaptive draft length (SpecDec++).")] = None,
+    retrieval: Annotated[Optional[str], typer.Option("--retrieval", help="Retrieval index (specdec index build) fused into a draft model's tree (RASD).")] = None,
     stop_threshold: Annotated[Optional[float], typer.Option("--stop-threshold", help="Adaptive drafting stops when 1 - prod(P_accept) exceeds this (default: the artifact's policy).")] = None,
     min_draft: Annotated[Optional[int], typer.Option("--min-draft", min=0, help="Adaptive drafting: fewest drafts per round; 0 lets a round draft nothing.")] = None,
     max_draft: Annotated[Optional[int], typer.Option("--max-draft", min=1, help="Adaptive drafting: most drafts per round.")] = None,
@@ -114,7 +116,7 @@ def decode(
     console = _console()
     opts = DecodeOptions(
         drafter=drafter, num_draft=num_draft, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-        seed=seed, batch_size=batch_size, max_memory=max_memory, schedule=schedule.value, shared_prefix=shared_prefix, stop=list(stop or []), acceptance=acceptance, stop_threshold=stop_threshold,
+        seed=seed, batch_size=batch_size, max_memory=max_memory, schedule=schedule.value, shared_prefix=shared_prefix, stop=list(stop or []), acceptance=acceptance, retrieval=retrieval, stop_threshold=stop_threshold,
         min_draft=min_draft, max_draft=max_draft, verify=verify.value, top_k=top_k, tree=tree.value if tree else None, tree_tokens=tree_tokens,
         strategy=strategy, gen_length=gen_length, block_size=block_size, steps=steps, cache=cache.value, filter=filter_dir,
         adablock=adablock, kernels=kernels.value, device=device, dtype=dtype.value,
@@ -217,6 +219,7 @@ def recipe_run(
 # after decode and bench, so --help lists the commands in the order a user meets them
 train_cli.register(app)
 diffusion_cli.register(app)
+index_cli.register(app)
 
 
 def _error(message: str, code: int) -> int:

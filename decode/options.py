@@ -50,6 +50,8 @@ class DecodeOptions:
     # an update every online_every verification rounds
     online: bool = False
     online_every: int = 8
+    # RASD: a retrieval index (specdec index build) whose drafts are fused into a draft model's tree
+    retrieval: str | None = None
     # n-gram drafter
     max_ngram: int = 3
     # diffusion decoding

@@ -1,9 +1,9 @@
 """The registry of drafter kinds, and loading a target for decoding.
 
-A drafter spec is a model-free name (``ar``, ``ngram``, ``recycle``, ``layerskip[:i,j]``), a default
-family member (``draft``, ``medusa``, ...) or an artifact folder; an artifact's ``config.json`` says
-its kind (``specdec_kind`` or ``kind``), and ``DRAFTER_KINDS`` maps the kind to its factory. The CLI
-never branches on names.
+A drafter spec is a model-free name (``ar``, ``ngram``, ``recycle``, ``layerskip[:i,j]``,
+``retrieval:INDEX``), a default family member (``draft``, ``medusa``, ...) or an artifact folder; an
+artifact's ``config.json`` says its kind (``specdec_kind`` or ``kind``), and ``DRAFTER_KINDS`` maps the
+kind to its factory. The CLI never branches on names.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from specdec.decode import aded, copying, drafters, stand, swift
+from specdec.decode import aded, copying, drafters, retrieval, stand, swift
 from specdec.decode.adaptive import build_adaptive
 from specdec.decode.heads import build_head_drafter
 from specdec.decode.options import DecodeOptions
@@ -35,6 +35,7 @@ MODEL_FREE_DRAFTERS: dict[str, Callable] = {
     "swift": swift.build_swift,
     "aded": lambda spec, target, options: aded.AdedDrafter(),
     "stand": lambda spec, target, options: stand.StandDrafter(),
+    "retrieval": retrieval.build_retrieval,
 }
 MODEL_FREE = tuple(MODEL_FREE_DRAFTERS)
 
@@ -80,6 +81,10 @@ def _build_draft(path: Path | str, target, tokenizer, options: DecodeOptions):
     model = load_draft(path, options.placement, device=input_device(target), dtype=target.dtype)
     if options.verify not in ("standard", *TREE_SCHEMES):
         raise UsageError(f"verify must be one of standard, {', '.join(TREE_SCHEMES)}; not {options.verify!r}")
+    if options.retrieval:  # RASD: the draft's chain fused with retrieval drafts (decode/retrieval.py)
+        if options.acceptance or options.online or options.verify != "standard":
+            raise UsageError("--retrieval fuses a retrieval tree with the draft's greedy chain: it does not combine with --acceptance, online=1 or verify=rsd|spectr")
+        return retrieval.RasdDrafter(model, retrieval.open_datastore(options.retrieval, tokenizer))
     if options.acceptance:
         if options.online:
             raise UsageError("online=1 trains a plain draft model: it does not combine with --acceptance")
@@ -114,6 +119,8 @@ def _refuse_options_that_do_not_apply(kind: str, options: DecodeOptions) -> None
         raise UsageError(f"--tree and --tree-tokens apply to medusa, clover and eagle drafters, not to {kind}")
     if kind != "draft" and options.acceptance:
         raise UsageError(f"--acceptance applies to draft models, not to a {kind} drafter")
+    if kind != "draft" and options.retrieval:
+        raise UsageError(f"--retrieval applies to draft models, not to a {kind} drafter (use retrieval:INDEX alone)")
     if kind != "draft" and options.online:
         raise UsageError(f"online updates apply to draft models, not to a {kind} drafter")
     if kind != "draft" and options.verify != "standard":
@@ -147,7 +154,10 @@ def build_drafter(spec: str, target, tokenizer, options: DecodeOptions):
     name, _, _ = spec.partition(":")
     if name in MODEL_FREE_DRAFTERS:
         _refuse_options_that_do_not_apply(name, options)
-        return MODEL_FREE_DRAFTERS[name](spec, target, options)
+        drafter = MODEL_FREE_DRAFTERS[name](spec, target, options)
+        if isinstance(drafter, retrieval.RetrievalDrafter):  # an index holds token ids of the tokenizer it was built with
+            drafter.store.check_tokenizer(tokenizer, f"retrieval index {spec.partition(':')[2]}")
+        return drafter
     hub = _hub_id(spec)
     if hub:  # a draft model on the hub (resolved offline from its cache with HF_HUB_OFFLINE=1)
         _refuse_options_that_do_not_apply("draft", options)
