@@ -77,6 +77,7 @@ def decode(
     temperature: o.Temperature = 0.0,
     top_p: o.TopP = 1.0,
     seed: o.Seed = 0,
+    num_samples: o.NumSamples = 1,
     batch_size: o.BatchSize = 8,
     max_memory: Annotated[Optional[str], typer.Option("--max-memory", help="Memory budget (4GiB, 800MB, 512MiB): the largest --batch-size that fits it by specdec's memory model (weights, KV at the model's full context, verify buffers), shrinking the draft's tree tokens / K when one row does not fit.")] = None,
     shared_prefix: Annotated[str, typer.Option("--shared-prefix", help="A prompt prefix the records share is prefilled once for the job: auto (the longest common prefix of 32+ tokens), off, or FILE (its text).")] = "auto",
@@ -116,7 +117,7 @@ def decode(
     console = _console()
     opts = DecodeOptions(
         drafter=drafter, num_draft=num_draft, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-        seed=seed, batch_size=batch_size, max_memory=max_memory, schedule=schedule.value, shared_prefix=shared_prefix, stop=list(stop or []), acceptance=acceptance, retrieval=retrieval, stop_threshold=stop_threshold,
+        seed=seed, num_samples=num_samples, batch_size=batch_size, max_memory=max_memory, schedule=schedule.value, shared_prefix=shared_prefix, stop=list(stop or []), acceptance=acceptance, retrieval=retrieval, stop_threshold=stop_threshold,
         min_draft=min_draft, max_draft=max_draft, verify=verify.value, top_k=top_k, tree=tree.value if tree else None, tree_tokens=tree_tokens,
         strategy=strategy, gen_length=gen_length, block_size=block_size, steps=steps, cache=cache.value, filter=filter_dir,
         adablock=adablock, kernels=kernels.value, device=device, dtype=dtype.value,
@@ -143,6 +144,7 @@ def bench(
     methods: Annotated[str, typer.Option("--methods", help="Comma-separated method specs, e.g. ar,ngram,draft+k=4,hf-assisted:draft,hf-lookup (default: the methods that need no trained artifact and transformers' own; for a dLLM, static and three parallel strategies).")] = "",
     max_new_tokens: o.MaxNewTokens = 128,
     temperature: o.Temperature = 0.0,
+    num_samples: o.NumSamples = 1,
     batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Batch size for specdec methods (peers run at bs=1).")] = 1,
     repeats: Annotated[int, typer.Option("--repeats", min=1, help="Timed passes, each decoding every prompt with every method, interleaved batch by batch; speedup is the median of per-pass ratios to ar.")] = 1,
     warmup: Annotated[int, typer.Option("--warmup", min=0, help="Warm-up prompts per method before timing.")] = 2,
@@ -174,7 +176,7 @@ def bench(
         if path:
             validate_output_path(path, flag)
     options = DecodeOptions(
-        max_new_tokens=max_new_tokens, temperature=temperature, batch_size=batch_size, kernels=kernels.value, threads=threads,
+        max_new_tokens=max_new_tokens, temperature=temperature, num_samples=num_samples, batch_size=batch_size, kernels=kernels.value, threads=threads,
         trust_remote_code=trust_remote_code, device=device, dtype=dtype.value,
         device_map=device_map.value if device_map else None, attn_implementation=attn_implementation,
         shared_prefix=shared_prefix,

@@ -66,6 +66,7 @@ MaxNewTokens = Annotated[int, typer.Option("--max-new-tokens", min=1, help="New-
 Temperature = Annotated[float, typer.Option("--temperature", min=0.0, help="0 = greedy.")]
 TopP = Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass, in (0, 1].")]
 Seed = Annotated[int, typer.Option("--seed", help="Seed for sampling (training: init, data order).")]
+NumSamples = Annotated[int, typer.Option("--num-samples", min=1, help="Independent samples per prompt (needs --temperature > 0), decoded as rows of one batch: drafters such as stand share what they learn between them.")]
 Data = Annotated[list[Path], typer.Option("--data", help="Training data: JSONL (e.g. the output of specdec decode), Parquet or text; repeat for several files.")]
 OutDir = Annotated[Path, typer.Option("--out", help="Artifact folder to write (checkpoints go under OUT/checkpoints).")]
 Recipe = Annotated[Optional[Path], typer.Option("--recipe", help="Recipe YAML (training-config fields; unknown keys are an error). Default: the packaged recipe.")]

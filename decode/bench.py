@@ -7,7 +7,9 @@ pass's ``ar``. A dLLM target runs the diffusion bench (``decode.diffusion_bench`
 bonus token (tokens per target forward). Beside every speedup: the distinct-4-gram ratio of the
 outputs (repetition inflates speedups) and the ideal speedup S = tau / (c_round + v) from measured
 forward costs, where c_round is the drafting cost of one round and v the cost of the verification
-forward, both in units of one single-token target forward; efficiency = measured / ideal.
+forward, both in units of one single-token target forward; efficiency = measured / ideal. With
+``num_samples`` N, a prompt's N samples decode as adjacent rows of one batch (``--batch-size`` prompts,
+N times as many rows) and together are the prompt's output: their tokens and counters summed.
 
 Memory: on CUDA, ``peak_mib`` is the most memory allocated while the method's timed chunks ran (the
 peak counter reset before each chunk, the max over the run; whatever else is resident, the target's
@@ -40,6 +42,7 @@ from specdec.decode.roofline import nominal_bandwidth, peak_bandwidth, roofline
 from specdec.decode.report import plot, provenance
 from specdec.decode.timing import Run, Runner, run_passes, speedup, tokens_per_s
 from specdec.decode.types import GenRequest
+from specdec.decode.validate import check_num_samples
 from specdec.models.artifacts import resolve_member
 from specdec.models.errors import SpecdecError
 from specdec.models.loading import input_device, load_draft, resolve_source
@@ -73,6 +76,7 @@ def run_bench(cfg: BenchConfig, console=None) -> dict:
     if not records:
         raise SpecdecError(f"{cfg.in_path}: no usable prompts")
     base = cfg.options
+    check_num_samples(base.num_samples, base.temperature)
     if is_diffusion_model(target_path, base):
         methods = cfg.methods or list(DEFAULT_DIFFUSION_METHODS)
         return diffusion_bench.bench_diffusion(str(target_path), [r.extra for r in records], methods, base,
@@ -99,7 +103,8 @@ def run_bench(cfg: BenchConfig, console=None) -> dict:
     for spec, entry in zip(methods, entries):
         estimate = prepared[spec].kv_estimate_bytes
         entry.update(peak_mib=peaks[spec].mib(), kv_estimate_mib=None if estimate is None else round(estimate / (1 << 20), 3))
-        if not spec.startswith("hf-"):  # transformers' own runs report no forward counts
+        # transformers' own runs report no forward counts; the model reads a prompt's stats as one row's
+        if not spec.startswith("hf-") and base.num_samples == 1:
             entry.update(roofline(runs[spec].stats, lens, base.batch_size, statistics.median(runs[spec].walls), peak, model,
                                   prepared[spec].draft_model))
     nominal = nominal_bandwidth(device)
@@ -148,24 +153,46 @@ def _prepare_method(spec: str, model, tok, prompts, base: DecodeOptions, warmup:
                         kernels=kernel_backend(opts, next(model.parameters()).device),
                         shared_prefix=shared_prefix_tokens(opts.shared_prefix, tok))
     drafter.propose = timed  # instance attribute: the engine calls it like the method
-    bs = max(1, opts.batch_size)
+    bs, n = max(1, opts.batch_size), opts.num_samples
     warm = prompts[:warmup]
     for i in range(0, len(warm), bs):
-        engine.generate([GenRequest(p, min(16, opts.max_new_tokens)) for p in warm[i : i + bs]])
+        engine.generate(_sample_requests(warm, i, min(i + bs, len(warm)), min(16, opts.max_new_tokens), n))
 
     def decode(lo: int, hi: int) -> list:
         out = []
         for i in range(lo, hi, bs):
             t0 = time.perf_counter()
-            res = engine.generate([GenRequest(p, opts.max_new_tokens) for p in prompts[i : min(i + bs, hi)]])
+            res = engine.generate(_sample_requests(prompts, i, min(i + bs, hi), opts.max_new_tokens, n))
             wall = time.perf_counter() - t0
-            out += [(r.token_ids, {**r.stats, "wall_s": wall / len(res)}) for r in res]
+            out += [_joined(res[j : j + n], wall * n / len(res)) for j in range(0, len(res), n)]
         return out
 
     # the model's estimate for one batch of rows at the run's longest prompt (weights excluded: they are shared)
     mm = memory_model(model, drafter, max(map(len, prompts)), opts.max_new_tokens)
-    estimate = min(bs, len(prompts)) * mm.row_bytes(draft_width(drafter, engine.num_draft))
+    estimate = min(bs, len(prompts)) * n * mm.row_bytes(draft_width(drafter, engine.num_draft))
     return _Prepared(Runner(decode, len(prompts), timed), getattr(drafter, "model", None), estimate)
+
+
+def _sample_requests(prompts, lo: int, hi: int, new_tokens: int, n: int) -> list[GenRequest]:
+    """Prompts ``lo..hi`` as requests, each prompt's ``n`` samples adjacent rows of one group."""
+    return [GenRequest(prompts[i], new_tokens, group=i if n > 1 else None) for i in range(lo, hi) for _ in range(n)]
+
+
+def _joined(results: list, wall: float) -> tuple[list[int], dict]:
+    """One prompt's samples as its output: their tokens one after another, their counters summed."""
+    if len(results) == 1:
+        return results[0].token_ids, {**results[0].stats, "wall_s": wall}
+    stats: dict = {}
+    for res in results:
+        for key, value in res.stats.items():
+            if isinstance(value, list):
+                mine = stats.setdefault(key, [])
+                mine.extend([0] * (len(value) - len(mine)))
+                for i, v in enumerate(value):
+                    mine[i] += v
+            elif isinstance(value, (int, float)) and not key.endswith("wall_s"):
+                stats[key] = stats.get(key, 0) + value
+    return [t for res in results for t in res.token_ids], {**stats, "wall_s": wall}
 
 
 class _PeakMemory:

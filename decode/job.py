@@ -59,8 +59,9 @@ class JobSummary:
     stopped_at_line: int | None = None  # --strict: the input line of the first bad record
     stop_reason: str | None = None
 
-    def add(self, stats: dict) -> None:
-        self.ok += 1
+    def add(self, stats: dict, record: bool = True) -> None:
+        """Count one sample's stats; ``record`` False for a record's later samples (``--num-samples``)."""
+        self.ok += record
         if "strategy" in stats:  # diffusion: its rows share batch forwards, so count steps, not calls
             self.new_tokens += stats.get("decoded_tokens", 0)
             self.diffusion_steps += stats.get("steps", 0)
@@ -166,6 +167,19 @@ class Decoder:
         out.update(completion=text, finish_reason=finish, stats=stats)
         return out
 
+    def output_samples(self, rec: Record, req: GenRequest, results: list, walls: list[float]) -> dict:
+        """The record of a request's samples: sample 0 in the usual fields (what a record without
+        ``--num-samples`` holds), and with more than one every sample, 0 included, in ``samples``."""
+        outs = [self.output(rec, req, r, w) for r, w in zip(results, walls)]
+        if len(outs) > 1:
+            outs[0]["samples"] = [{k: o[k] for k in ("completion", "finish_reason", "stats")} for o in outs]
+        return outs[0]
+
+    def samples(self, rec: Record, req: GenRequest) -> list[GenRequest]:
+        """The ``num_samples`` requests a record is decoded as: one group, named by its input line."""
+        n = self.options.num_samples
+        return [req] if n == 1 else [dataclasses.replace(req, group=rec.line) for _ in range(n)]
+
     def run(self, records, writer: JsonlWriter, strict: bool = False, progress=None) -> JobSummary:
         """Decode ``records`` into ``writer``, skipping input lines it already holds a record for.
 
@@ -209,22 +223,24 @@ class Decoder:
         if "error" in obj:
             summary.failed += 1
         else:
-            summary.add(obj["stats"])
+            for i, sample in enumerate(obj.get("samples") or [obj]):
+                summary.add(sample["stats"], record=i == 0)
         writer.write(obj)
 
     def _run_static(self, todo, writer: JsonlWriter, summary: JobSummary, progress) -> None:
-        """Batches of ``batch_size`` requests in input order; a batch ends when its longest row does,
-        and is written and flushed before the next starts."""
+        """Batches of ``batch_size`` rows in input order (a record's samples in the same batch); a batch
+        ends when its longest row does, and is written and flushed before the next starts."""
         pending: list[tuple[Record, GenRequest | str]] = []
+        n = self.options.num_samples
 
         def flush_batch():
             reqs = [(r, q) for r, q in pending if isinstance(q, GenRequest)]
             results = {}
             if reqs:
                 t0 = time.perf_counter()
-                outs = self.generator.generate([q for _, q in reqs])
+                outs = self.generator.generate([s for r, q in reqs for s in self.samples(r, q)])
                 wall = time.perf_counter() - t0
-                results = {id(r): self.output(r, q, o, wall) for (r, q), o in zip(reqs, outs)}
+                results = {id(r): self.output_samples(r, q, outs[i * n : (i + 1) * n], [wall] * n) for i, (r, q) in enumerate(reqs)}
             for rec, req in pending:
                 self._write(writer, summary, results.get(id(rec)) or rec.error_record(req))
             writer.flush()
@@ -234,7 +250,7 @@ class Decoder:
 
         for rec, req in todo:
             pending.append((rec, req))
-            if sum(isinstance(q, GenRequest) for _, q in pending) >= self.options.batch_size:
+            if n * sum(isinstance(q, GenRequest) for _, q in pending) >= self.options.batch_size:
                 flush_batch()
         if pending:
             flush_batch()
@@ -243,8 +259,10 @@ class Decoder:
         """``batch_size`` rows in flight (``SpecEngine.stream``): records are read as rows free up, and
         a finished record waits until every earlier one is written. Flushed every ``batch_size``
         records written, and at least every ``FLUSH_EVERY_S`` seconds while records come."""
-        queue: deque[list] = deque()  # [record, request or error, output record once known], input order
+        # [record, request or error, output record once known, (stream index, result) per finished sample]
+        queue: deque[list] = deque()  # input order
         waiting: dict[int, list] = {}  # stream index -> its queue entry
+        n = self.options.num_samples
         unflushed, last_flush = 0, time.perf_counter()
 
         def write_ready():
@@ -262,19 +280,23 @@ class Decoder:
 
         def requests():
             for rec, req in todo:
-                entry = [rec, req, None if isinstance(req, GenRequest) else rec.error_record(req)]
+                entry = [rec, req, None if isinstance(req, GenRequest) else rec.error_record(req), []]
                 queue.append(entry)
                 if entry[2] is not None:
                     write_ready()
                     continue
-                waiting[next(handed)] = entry
-                yield req
+                for sample in self.samples(rec, req):  # handed one after another: they share a batch
+                    waiting[next(handed)] = entry
+                    yield sample
 
         handed = itertools.count()  # the stream numbers requests in the order they are handed to it
         for i, result in self.generator.stream(requests(), self.options.batch_size):
             entry = waiting.pop(i)
-            rec, req = entry[0], entry[1]
-            entry[2] = self.output(rec, req, result, result.stats.get("row_wall_s", 0.0))
+            entry[3].append((i, result))
+            if len(entry[3]) < n:
+                continue
+            results = [r for _, r in sorted(entry[3], key=lambda ir: ir[0])]
+            entry[2] = self.output_samples(entry[0], entry[1], results, [r.stats.get("row_wall_s", 0.0) for r in results])
             write_ready()
         write_ready()
         writer.flush()

@@ -26,6 +26,8 @@ class DecodeOptions:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
+    # samples per record (T > 0 only), decoded as rows of one job that drafters may share state between
+    num_samples: int = 1
     batch_size: int = 8
     # a memory budget as written ("4GiB"): decode fits batch size and draft width into it (decode/memory.py)
     max_memory: str | None = None

@@ -31,6 +31,7 @@ def validate_options(opts: DecodeOptions) -> None:
     temperature = getattr(opts, "temperature", 0.0)
     if not _is_number(temperature) or not math.isfinite(temperature) or temperature < 0:
         raise UsageError(f"--temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
+    check_num_samples(getattr(opts, "num_samples", 1), temperature)
     top_p = getattr(opts, "top_p", 1.0)
     if not _is_number(top_p) or not (0 < top_p <= 1):  # NaN fails both comparisons
         raise UsageError(f"--top-p must be in (0, 1], got {top_p}")
@@ -60,6 +61,15 @@ def validate_options(opts: DecodeOptions) -> None:
 
     if kernels not in BACKENDS:
         raise UsageError(f"--kernels must be one of {', '.join(BACKENDS)}, got {kernels!r}")
+
+
+def check_num_samples(num_samples, temperature) -> None:
+    """N samples of a record at T = 0 would be N copies of one greedy output: refused, not decoded."""
+    _int(num_samples, "--num-samples")
+    if num_samples < 1:
+        raise UsageError(f"--num-samples must be a positive integer, got {num_samples}")
+    if num_samples > 1 and temperature <= 0:
+        raise UsageError(f"--num-samples {num_samples} needs --temperature > 0: greedy decoding would give {num_samples} identical samples")
 
 
 def _is_number(value) -> bool:

@@ -1,12 +1,14 @@
 """STAND: greedy output is plain greedy output (static and continuous batching, groups or none);
 sampled output has the target's joint distribution of two tokens (chi-square), which a deliberately
-broken variant fails."""
+broken variant fails; ``decode --num-samples`` writes N distinct samples per record and resumes."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
-from conftest import ByteTokenizer, make_prompts, tiny_llama
+from conftest import ByteTokenizer, invoke, make_prompts, tiny_llama
 from test_sampling import P_FLOOR, chi2_pvalue, exact_two_token_distribution
 
 from specdec.decode import stand
@@ -84,3 +86,75 @@ def test_drafting_the_likeliest_tokens_under_the_rsd_rule_fails(monkeypatch):
     monkeypatch.setattr(stand.StandDrafter, "_order", lambda self, tokens, probs, u: list(range(len(tokens))))
     pvalue, _ = engine_pairs()
     assert pvalue < 1e-6
+
+
+# -- decode --num-samples ------------------------------------------------------------------------
+
+PROMPTS = [{"prompt": f"def f{i}(x):\n    return x + {i}\n"} for i in range(5)]
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def decode(tiny_family, *args):
+    return invoke(["decode", "--target", str(tiny_family / "target"), "--max-new-tokens", "12", "--drafter", "stand", *args])
+
+
+def test_num_samples_writes_distinct_samples_per_record(tiny_family, tmp_path):
+    src = write_jsonl(tmp_path / "in.jsonl", PROMPTS + [{"prompt": ""}])
+    out = tmp_path / "out.jsonl"
+    res = decode(tiny_family, "--in", src, "--out", out, "--temperature", "1.0", "--num-samples", "3", "--batch-size", "4")
+    assert res.exit_code == 3, res.output  # the empty prompt is an error record
+    recs = read_jsonl(out)
+    assert [r["line"] for r in recs] == list(range(1, 7))
+    assert "error" in recs[-1] and "samples" not in recs[-1]
+    for rec in recs[:-1]:
+        samples = rec["samples"]
+        assert len(samples) == 3
+        assert (rec["completion"], rec["finish_reason"], rec["stats"]) == (samples[0]["completion"], samples[0]["finish_reason"], samples[0]["stats"])
+    texts = [s["completion"] for rec in recs[:-1] for s in rec["samples"]]
+    assert len(set(texts)) > len(texts) // 2, texts  # independent samples, not copies
+
+
+def test_num_samples_resumes_without_duplicates(tiny_family, tmp_path):
+    src = write_jsonl(tmp_path / "in.jsonl", PROMPTS)
+    out = tmp_path / "out.jsonl"
+    args = ("--in", src, "--out", out, "--temperature", "0.8", "--num-samples", "2", "--schedule", "static", "--batch-size", "2")
+    assert decode(tiny_family, *args).exit_code == 0
+    full = out.read_text().splitlines(keepends=True)
+    out.write_text("".join(full[:2]) + full[2][:10])  # two records and a torn third
+    assert decode(tiny_family, *args).exit_code == 0
+    recs = read_jsonl(out)
+    assert [r["line"] for r in recs] == [1, 2, 3, 4, 5]
+    assert [r["samples"] for r in recs[:2]] == [json.loads(line)["samples"] for line in full[:2]]
+    assert all(len(r["samples"]) == 2 for r in recs)
+
+
+def test_num_samples_at_temperature_zero_is_refused(tiny_family, tmp_path):
+    src = write_jsonl(tmp_path / "in.jsonl", PROMPTS)
+    res = decode(tiny_family, "--in", src, "--out", tmp_path / "out.jsonl", "--num-samples", "2")
+    assert res.exit_code == 2
+    assert "error:" in res.output and "--num-samples" in res.output
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_bench_counts_every_sample_of_a_prompt(tiny_family, tmp_path):
+    prompts = write_jsonl(tmp_path / "p.jsonl", PROMPTS[:3])
+    report_path = tmp_path / "r.json"
+    args = ["bench", "--in", prompts, "--target", tiny_family / "target", "--max-new-tokens", "8", "--methods", "ar,stand",
+            "--warmup", "1", "--batch-size", "2", "--out", report_path]
+    res = invoke([*args, "--temperature", "0.8", "--num-samples", "3"])
+    assert res.exit_code == 0, res.output
+    report = json.loads(report_path.read_text())
+    assert report["config"]["num_samples"] == 3
+    for m in report["methods"]:
+        assert 3 * 8 < m["new_tokens"] <= 3 * 3 * 8, m  # more than one sample per prompt counted
+        assert m["target_calls"] >= 3 * 3 * 2 and m["tau"] > 0
+    res = invoke([*args, "--num-samples", "2"])
+    assert res.exit_code == 2 and "--num-samples" in res.output
