@@ -92,6 +92,7 @@ def decode(
     max_draft: Annotated[Optional[int], typer.Option("--max-draft", min=1, help="Adaptive drafting: most drafts per round.")] = None,
     verify: Annotated[o.Verify, typer.Option("--verify", help="Draft models at T>0: standard (a chain), rsd (siblings sampled without replacement, recursive rejection) or spectr (k i.i.d. chains, k-sequential selection); --top-k siblings.")] = o.Verify.standard,
     top_k: Annotated[Optional[int], typer.Option("--top-k", min=1, max=16, help="Siblings per step for --verify rsd|spectr; children per node for tree drafters.")] = None,
+    parallel: Annotated[bool, typer.Option("--parallel", help="Draft models: the draft drafts the next block while the target verifies this one (PEARL; a thread or CUDA stream each).")] = False,
     tree: Annotated[Optional[o.Tree], typer.Option("--tree", help="Tree drafters: static, or dynamic (EAGLE-2; EAGLE's default).")] = None,
     tree_tokens: Annotated[Optional[int], typer.Option("--tree-tokens", min=1, max=1024, help="Tree drafters: nodes per tree.")] = None,
     strategy: Annotated[str, typer.Option("--strategy", help="Diffusion LMs: static, threshold, factor, localleap, credit, entropy, learn2pd, freedave, with options as in bench specs (threshold+tau=0.8).")] = "static",
@@ -108,6 +109,7 @@ def decode(
     attn_implementation: o.AttnImpl = None,
     trust_remote_code: o.TrustRemoteCode = False,
     threads: o.Threads = 0,
+    compile: o.Compile = False,
 ) -> None:
     """Decode a JSONL file of prompts: one output line per input line, in order, resumable."""
     from specdec.decode.job import print_summary, run_decode_job, validate_paths
@@ -118,11 +120,11 @@ def decode(
     opts = DecodeOptions(
         drafter=drafter, num_draft=num_draft, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
         seed=seed, num_samples=num_samples, batch_size=batch_size, max_memory=max_memory, schedule=schedule.value, shared_prefix=shared_prefix, stop=list(stop or []), acceptance=acceptance, retrieval=retrieval, stop_threshold=stop_threshold,
-        min_draft=min_draft, max_draft=max_draft, verify=verify.value, top_k=top_k, tree=tree.value if tree else None, tree_tokens=tree_tokens,
+        min_draft=min_draft, max_draft=max_draft, verify=verify.value, top_k=top_k, parallel=parallel, tree=tree.value if tree else None, tree_tokens=tree_tokens,
         strategy=strategy, gen_length=gen_length, block_size=block_size, steps=steps, cache=cache.value, filter=filter_dir,
         adablock=adablock, kernels=kernels.value, device=device, dtype=dtype.value,
         device_map=device_map.value if device_map else None, attn_implementation=attn_implementation,
-        trust_remote_code=trust_remote_code, threads=threads,
+        trust_remote_code=trust_remote_code, threads=threads, compile=compile,
     )
     validate_options(opts)
     if max_memory is not None:
@@ -159,6 +161,7 @@ def bench(
     trust_remote_code: o.TrustRemoteCode = False,
     threads: o.Threads = 0,
     shared_prefix: Annotated[str, typer.Option("--shared-prefix", help="A prompt prefix shared by a batch's records is prefilled once: auto, off, or FILE.")] = "auto",
+    compile: o.Compile = False,
 ) -> None:
     """Benchmark methods against plain decoding (and transformers' own) in one process, on the same prompts."""
     from specdec.decode.bench import BenchConfig, render, run_bench
@@ -179,7 +182,7 @@ def bench(
         max_new_tokens=max_new_tokens, temperature=temperature, num_samples=num_samples, batch_size=batch_size, kernels=kernels.value, threads=threads,
         trust_remote_code=trust_remote_code, device=device, dtype=dtype.value,
         device_map=device_map.value if device_map else None, attn_implementation=attn_implementation,
-        shared_prefix=shared_prefix,
+        shared_prefix=shared_prefix, compile=compile,
     )
     cfg = BenchConfig(
         in_path=in_path, target=target or default_target(console), methods=[m for m in methods.split(",") if m],

@@ -151,7 +151,7 @@ def _prepare_method(spec: str, model, tok, prompts, base: DecodeOptions, warmup:
     timed = _TimedPropose(drafter)
     engine = SpecEngine(model, tok, drafter, Sampling(opts.temperature, opts.top_p), num_draft=opts.num_draft, seed=opts.seed,
                         kernels=kernel_backend(opts, next(model.parameters()).device),
-                        shared_prefix=shared_prefix_tokens(opts.shared_prefix, tok))
+                        shared_prefix=shared_prefix_tokens(opts.shared_prefix, tok), compile=opts.compile)
     drafter.propose = timed  # instance attribute: the engine calls it like the method
     bs, n = max(1, opts.batch_size), opts.num_samples
     warm = prompts[:warmup]

@@ -10,13 +10,19 @@ Sliding-window layers keep every key too (transformers' sliding cache layers kee
 window-1, which a shared slot axis with holes cannot use); the window lives in the mask instead,
 from each slot's position per row. A model mixing full and sliding layers takes one mask per layer
 type, ``{layer_type: mask}``, as its own forward builds them.
+
+A model whose steps run compiled (``decode.compiled``) keeps its keys and values in preallocated
+``SlotBuffers`` instead of a ``DynamicCache``; the slot book is the same, only how a tail is dropped
+and how rows are copied differ.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from transformers import DynamicCache
 
+from specdec.decode import compiled
 from specdec.decode.lean import lean_output, lean_step
 from specdec.models import arch
 
@@ -75,19 +81,22 @@ def left_pad(x: torch.Tensor, width: int, value, dim: int = 1) -> torch.Tensor:
 
 
 class KVState(SlotBook):
-    def __init__(self, model, batch_size: int, device: torch.device, lean: bool = False):
+    def __init__(self, model, batch_size: int, device: torch.device, lean: bool = False, compile: bool = False):
         """lean: run the model through ``decode.lean``'s plain-function forward where it reproduces HF's
-        (small Llama-architecture drafts; others keep HF's forward)."""
+        (small Llama-architecture drafts; others keep HF's forward). compile: decode steps run compiled
+        against preallocated buffers (``decode.compiled``; it takes precedence over lean)."""
         super().__init__(batch_size, device)
         self.model = model
-        # full cache layers only (no config): every layer keeps every slot, sliding ones included
-        self.cache = DynamicCache()
+        self._compiled = compiled.for_model(model) if compile else None
+        # full cache layers only (no config): every layer keeps every slot, sliding ones included;
+        # compiled steps' buffers are allocated at the first forward, when the shapes are known
+        self.cache = DynamicCache() if self._compiled is None else None
         types, window = arch.layer_types(model.config), arch.sliding_window(model.config)
         # the window applies where some layer slides; the full mask too where others do not
         self._window = window if window is not None and arch.SLIDING in types else None
         self._mixed = self._window is not None and arch.FULL in types
         # decode.lean reproduces a forward that takes one mask
-        self._lean = lean_step(model) if lean and not self._mixed else None
+        self._lean = lean_step(model) if lean and not self._mixed and self._compiled is None else None
         self._pending: torch.Tensor | None = None  # validity of the last forward's segment
         self._pending_pos: torch.Tensor | None = None  # and its positions
         # the Triton tree-attention kernel reads a bool mask; everything else gets an additive float mask
@@ -116,6 +125,16 @@ class KVState(SlotBook):
             depth = (input_valid.long().cumsum(-1) - 1).clamp_(min=0)
         if tree_attn is None:
             tree_attn = torch.ones(t, t, dtype=torch.bool, device=input_ids.device).tril_()[None].expand(bsz, t, t)
+        # a compiled step runs at a bucketed length: the segment is padded with holes (logits_to_keep
+        # would keep a hole's logits, so such forwards, the prefills, run eagerly)
+        own = t  # the segment's own tokens; t becomes the length it runs at
+        width = compiled.bucket(t) if self._compiled is not None and not model_kwargs else None
+        if width is not None and width > t:
+            pad, t = width - t, width
+            input_ids, input_valid = F.pad(input_ids, (0, pad)), F.pad(input_valid, (0, pad), value=False)
+            depth, tree_attn = F.pad(depth, (0, pad)), F.pad(tree_attn, (0, pad, 0, pad), value=False)
+        if self._compiled is not None:
+            self._reserve(self.length + t)
         seg = tree_attn & input_valid[:, None, :]
         # each token sees itself, so a padded query never has an empty softmax row
         seg = seg | torch.eye(t, dtype=torch.bool, device=input_ids.device)[None]
@@ -131,7 +150,7 @@ class KVState(SlotBook):
         if self._lean is not None and not model_kwargs:
             out = lean_output(*self._lean(input_ids, mask, positions, self.cache))
         else:
-            out = self.model(
+            out = (self._compiled.forward if width is not None else self.model)(
                 input_ids=input_ids,
                 attention_mask=mask,
                 position_ids=positions,
@@ -140,10 +159,59 @@ class KVState(SlotBook):
                 output_hidden_states=hidden,
                 **model_kwargs,
             )
-        self._pending, self._pending_pos = input_valid, positions
+        if width is not None:
+            out = self._unpad(out, own)
+        self._pending, self._pending_pos = input_valid[:, :own], positions[:, :own]
         return out
 
+    def _unpad(self, out, t: int):
+        """A compiled step's outputs for the segment's own tokens; copies where CUDA graphs would
+        overwrite them at the next replay."""
+        own = (lambda x: x[:, :t].clone()) if self._compiled.graphs else (lambda x: x[:, :t])
+        out.logits = own(out.logits)
+        if out.get("hidden_states") is not None:
+            out.hidden_states = tuple(own(h) for h in out.hidden_states)
+        return out
+
+    def _reserve(self, slots: int) -> None:
+        """Compiled steps: buffers holding at least ``slots`` slots, their write offset at the committed length."""
+        if self.cache is None or slots > self.cache.capacity:
+            capacity = compiled.capacity_for(slots + compiled.CAPACITY_STEP // 2)
+            if self.cache is not None and self.length:
+                self.cache = compiled.SlotBuffers.holding(self.cache.committed(self.length), capacity)
+            else:
+                layers = self.model.config.get_text_config().num_hidden_layers
+                self.cache = compiled.SlotBuffers(layers, capacity, self.pos.device)
+        self.cache.set_length(self.length)
+
+    def _drop_tail(self, n: int) -> None:
+        """Forget the last ``n`` slots of the cache (preallocated buffers: the slot book's length is the truth)."""
+        if n > 0 and self._compiled is None:
+            self.cache.crop(-n)
+
+    def _committed(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, the keys and values of the committed slots."""
+        if self.cache is None or not self.length:
+            return []
+        if self._compiled is not None:
+            return self.cache.committed(self.length)
+        return [(layer.keys, layer.values) for layer in self.cache.layers]
+
+    def _hold(self, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """The cache becomes one holding ``kv`` (per layer keys, values of the committed slots)."""
+        if self._compiled is not None:
+            width = kv[0][0].shape[2] if kv else 0
+            self.cache = compiled.SlotBuffers.holding(kv, compiled.capacity_for(width + compiled.CAPACITY_STEP // 2)) if width else None
+            return
+        self.cache = DynamicCache()
+        for i, (k, v) in enumerate(kv):
+            self.cache.update(k[:, :, :0], v[:, :, :0], i)  # the layer's shapes and dtype
+            layer = self.cache.layers[i]
+            layer.keys, layer.values = k, v  # held as they are: update would copy them once more
+
     def _mask(self, visible: torch.Tensor) -> torch.Tensor:
+        if self._compiled is not None:  # the keys a compiled step sees are the whole buffer
+            visible = F.pad(visible, (0, self.cache.capacity - visible.shape[-1]), value=False)
         if self._bool_mask:
             return visible.contiguous()
         # additive and materialised: CPU SDPA takes a very slow path for broadcast bool masks
@@ -153,8 +221,7 @@ class KVState(SlotBook):
     def commit_prefix(self, keep: int, keep_valid: torch.Tensor) -> None:
         """Keep the first ``keep`` slots of the last segment; keep_valid [B, keep] marks holes."""
         t = self._pending.shape[1]
-        if keep < t:
-            self.cache.crop(-(t - keep))
+        self._drop_tail(t - keep)
         self._append(keep_valid[:, :keep], self._pending_pos[:, :keep])
 
     def commit_gather(self, index: torch.Tensor, keep_valid: torch.Tensor) -> None:
@@ -168,15 +235,13 @@ class KVState(SlotBook):
                 seg = buf[:, :, start:]
                 idx = index[:, None, :, None].expand(-1, buf.shape[1], -1, buf.shape[-1])
                 buf[:, :, start : start + m] = seg.gather(2, idx)
-        if m < t:
-            self.cache.crop(-(t - m))
+        self._drop_tail(t - m)
         self._append(keep_valid, self._pending_pos.gather(1, index))
 
     def rollback(self, n_tail: int, keep: list[int]) -> None:
         """Of the last n_tail committed slots (speculative drafts), row r keeps its first keep[r]."""
         m = max(keep) if keep else 0
-        if n_tail > m:
-            self.cache.crop(-(n_tail - m))
+        self._drop_tail(n_tail - m)
         base = self.length - n_tail
         kept = torch.tensor(keep, device=self.pos.device)
         tail = self.valid[:, base : base + m] & (torch.arange(m, device=self.pos.device)[None] < kept[:, None])
@@ -194,21 +259,16 @@ class KVState(SlotBook):
         slots; a side that holds no slots yet contributes holes."""
         width = max(self.length, other.length)
         rows = (self.valid.shape[0], other.valid.shape[0])
-        merged = DynamicCache()
-        if width:
-            sides = (self.cache, other.cache)
-            ref = other.cache if other.length else self.cache
-            for i, layer in enumerate(ref.layers):
-                kv = []
-                for name in ("keys", "values"):
-                    like = getattr(layer, name)
-                    parts = [
-                        getattr(c.layers[i], name) if n_slots else like.new_zeros(n, like.shape[1], 0, like.shape[3])
-                        for c, n, n_slots in zip(sides, rows, (self.length, other.length))
-                    ]
-                    kv.append(torch.cat([left_pad(x, width, 0.0, dim=2) for x in parts], 0))
-                merged.update(*kv, i)
-        self.cache = merged
+        sides = (self._committed(), other._committed())
+        ref = sides[1] or sides[0]
+        kv = []
+        for i, (k_like, v_like) in enumerate(ref):
+            pair = []
+            for j, like in enumerate((k_like, v_like)):
+                parts = [side[i][j] if side else like.new_zeros(n, like.shape[1], 0, like.shape[3]) for side, n in zip(sides, rows)]
+                pair.append(torch.cat([left_pad(x, width, 0.0, dim=2) for x in parts], 0))
+            kv.append(tuple(pair))
+        self._hold(kv)
         self._admit(other)
 
     def repeat(self, n: int) -> "KVState":
@@ -216,23 +276,20 @@ class KVState(SlotBook):
         computed once)."""
         out = KVState.__new__(KVState)
         out.__dict__.update(self.__dict__)
-        out.cache = DynamicCache()
-        for i, layer in enumerate(self.cache.layers):
-            out.cache.update(layer.keys.expand(n, -1, -1, -1).contiguous(), layer.values.expand(n, -1, -1, -1).contiguous(), i)
+        out._hold([(k.expand(n, -1, -1, -1).contiguous(), v.expand(n, -1, -1, -1).contiguous()) for k, v in self._committed()])
         out.valid, out.positions, out.pos = self.valid.expand(n, -1).clone(), self.positions.expand(n, -1).clone(), self.pos.expand(n).clone()
         out._pending = out._pending_pos = None
         return out
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """Drop finished rows (rows: indices of the rows that continue)."""
-        self.cache.batch_select_indices(rows)
+        kv = self._committed()
         self._select(rows)
         # slots that no remaining row uses on the left are dead weight: cut them
         used = self.valid.any(0)
+        first = 0
         if self.length and not bool(used[0]):
             first = int(used.long().argmax().item()) if bool(used.any()) else self.length
-            if first > 0:
-                for layer in self.cache.layers:
-                    layer.keys = layer.keys[:, :, first:]
-                    layer.values = layer.values[:, :, first:]
-                self._truncate(self.length, first)
+        self._hold([(k[rows, :, first:], v[rows, :, first:]) for k, v in kv])
+        if first > 0:
+            self._truncate(self.length, first)

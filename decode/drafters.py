@@ -296,7 +296,7 @@ class ModelDrafter(Drafter):
 
     def begin(self, batch, seg: Segment) -> None:
         # a draft is called once per drafted token: its per-call cost is what decode.lean trims
-        self.state = KVState(self.model, len(batch.seqs), batch.device, lean=True)
+        self.state = KVState(self.model, len(batch.seqs), batch.device, lean=True, compile=batch.compile)
         self.fed = [0] * len(batch.seqs)
 
     def _feed_pending(self, batch, hidden: bool = False):
@@ -463,7 +463,7 @@ class ModelDrafter(Drafter):
     def admit(self, batch, seg: Segment) -> None:
         # the new prompts get a forward of their own now: fed lazily, each would widen the next round's
         # pending feed to a whole prompt for every row of the batch
-        state = KVState(self.model, len(batch.seqs), batch.device, lean=True)
+        state = KVState(self.model, len(batch.seqs), batch.device, lean=True, compile=batch.compile)
         state.forward(seg.input_ids, seg.input_valid)
         state.commit_prefix(seg.input_ids.shape[1], seg.input_valid)
         self.state.admit(state)

@@ -38,6 +38,7 @@ class Batch:
     device: torch.device
     num_draft: int
     rows: list[int] = field(default_factory=list)  # original request index of each active row
+    compile: bool = False  # decode steps run compiled (decode.compiled): drafters' own caches too
     groups: list[int | None] = field(default_factory=list)  # each active row's ``GenRequest.group``
 
 
@@ -71,6 +72,7 @@ class SpecEngine:
         shared_prefix: list[int] | str | None = None,
         min_shared: int = 32,
         admit_fraction: float = 0.25,
+        compile: bool = False,
     ):
         self.target = target
         self.tokenizer = tokenizer
@@ -87,6 +89,7 @@ class SpecEngine:
         self.shared_prefix = shared_prefix
         self.min_shared = min_shared
         self.admit_fraction = admit_fraction
+        self.compile = compile
         self._prefix: tuple | None = None  # (tokens, keep_all, one-row KVState, its Segment)
 
     # -- the loop ---------------------------------------------------------------------------
@@ -191,7 +194,7 @@ class SpecEngine:
             head, head_seg = self._prefix_state(prefix, keep_all)
             state = head.repeat(bsz)
         else:
-            state = KVState(self.target, bsz, self.device)
+            state = KVState(self.target, bsz, self.device, compile=self.compile)
         out = state.forward(ids, valid, hidden=self._wants_hidden, **({} if keep_all else {"logits_to_keep": 1}))
         state.commit_prefix(width, valid)
         seg = Segment(ids, valid, out.logits, *self._hidden(out))
@@ -209,6 +212,7 @@ class SpecEngine:
             num_draft=self.num_draft,
             rows=list(index),
             groups=[r.group for r in requests],
+            compile=self.compile,
         )
         first = verdict.next_token.tolist()
         for i, tok in enumerate(first):
@@ -252,7 +256,7 @@ class SpecEngine:
         if self._prefix is None or self._prefix[0] != key[0] or self._prefix[1] != keep_all:
             ids = torch.tensor([prefix], dtype=torch.long, device=self.device)
             valid = torch.ones_like(ids, dtype=torch.bool)
-            state = KVState(self.target, 1, self.device)
+            state = KVState(self.target, 1, self.device, compile=self.compile)
             out = state.forward(ids, valid, hidden=self._wants_hidden, **({} if keep_all else {"logits_to_keep": 1}))
             state.commit_prefix(ids.shape[1], valid)
             self._prefix = (key[0], keep_all, state, Segment(ids, valid, out.logits, *self._hidden(out)))

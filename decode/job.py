@@ -124,6 +124,7 @@ class Decoder:
             stop=options.stop,
             kernels=kernel_backend(options, input_device(model)),
             shared_prefix=shared_prefix_tokens(options.shared_prefix, self.tokenizer),
+            compile=options.compile,
         )
 
     def encode(self, rec: Record) -> list[int]:

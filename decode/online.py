@@ -92,7 +92,7 @@ class OnlineDrafter(ModelDrafter):
             self._update()
             if self.rebuild_cache:
                 # the cache's keys and values came from the old weights: rebuild from each row's text
-                self.state = KVState(self.model, len(batch.seqs), batch.device, lean=True)
+                self.state = KVState(self.model, len(batch.seqs), batch.device, lean=True, compile=batch.compile)
                 self.fed = [0] * len(batch.seqs)
 
     def _record(self, batch, seg: Segment, drafted: int) -> None:

@@ -32,6 +32,8 @@ class DecodeOptions:
     # a memory budget as written ("4GiB"): decode fits batch size and draft width into it (decode/memory.py)
     max_memory: str | None = None
     schedule: str = "auto"  # one of SCHEDULES
+    # decode steps compiled against preallocated key/value buffers (decode/compiled.py)
+    compile: bool = False
     # a prompt prefix every record shares, prefilled once for the job: "auto" (detected), "off", or a file of its text
     shared_prefix: str = "auto"
     stop: list = field(default_factory=list)
@@ -52,6 +54,8 @@ class DecodeOptions:
     # an update every online_every verification rounds
     online: bool = False
     online_every: int = 8
+    # PEARL (decode/pearl.py): the draft model drafts the next block while the target verifies this one
+    parallel: bool = False
     # RASD: a retrieval index (specdec index build) whose drafts are fused into a draft model's tree
     retrieval: str | None = None
     # n-gram drafter
