@@ -8,7 +8,8 @@ follows, an evenly spaced sample of at most ``max_occurrences`` of them keeps th
 continuations. The continuations form a trie with a count per node (how many occurrences pass through
 it); the nodes with the highest counts, up to the round's budget, are the draft tree. A node never
 counts more than its parent, so the best nodes by count (shallower first on ties) are prefix-closed and
-already in topological order. The tree is verified like every other token tree (one-hot drafts), so
+already in topological order, and the trie is grown best-first: only the nodes a round considers have
+their children counted. The tree is verified like every other token tree (one-hot drafts), so
 greedy output is identical to plain decoding and sampled output keeps the target's distribution.
 
 RASD (``draft+retrieval=INDEX``): the draft model drafts its greedy chain of K tokens as usual; the
@@ -18,7 +19,7 @@ off is pruned with the draft's probabilities where the draft computed them anywa
 hanging from the root or from a chain node stays when it is among the draft's ``prune_top_k``
 likeliest tokens at that step, or when the retrieval itself is confident (at least ``keep_share`` of
 the occurrences through its parent take it). So the draft thins out the retrieval's weak alternatives
-without vetoing a continuation the corpus agrees on (a draft that has not seen the corpus would).
+without vetoing, as a draft that never saw the corpus would, a continuation the corpus agrees on.
 Nodes further off the chain have no draft distribution and keep their trie counts. Up to
 ``retrieval_tokens`` new nodes join the chain, best count first, and one target forward verifies the
 fused tree. The chain is the draft's argmax at any temperature: the tree's tokens are one-hot
@@ -32,6 +33,7 @@ A datastore folder holds ``datastore.safetensors`` (``tokens`` int32 with -1 sep
 from __future__ import annotations
 
 import bisect
+import heapq
 import os
 import shutil
 from array import array
@@ -90,9 +92,10 @@ class Datastore:
         lo = bisect.bisect_left(self.sa, pat, key=key)
         return lo, bisect.bisect_right(self.sa, pat, lo=lo, key=key)
 
-    def continuations(self, seq: list[int], max_suffix: int, min_suffix: int, depth: int, cap: int) -> list[list[int]]:
-        """What followed the longest suffix of ``seq`` that occurs in the corpus (up to ``depth`` tokens
-        each, at most ``cap`` occurrences); empty when not even ``min_suffix`` tokens occur."""
+    def match(self, seq: list[int], max_suffix: int, min_suffix: int, cap: int) -> list[int]:
+        """Where the continuations of the longest suffix of ``seq`` that occurs in the corpus start (the
+        position after each of at most ``cap`` occurrences that its document goes on from); empty when
+        not even ``min_suffix`` tokens occur."""
         lo_n, hi_n = min_suffix, min(max_suffix, len(seq))
         best = None
         # occurrences only shrink as the suffix grows (an occurrence of a suffix holds one of each shorter one)
@@ -106,22 +109,20 @@ class Datastore:
         n = best[0] if best else 0
         while n >= min_suffix:
             _, lo, hi = best if best[0] == n else (n, *self.find(seq[-n:]))
-            conts = self._following(lo, hi, n, depth, cap)
-            if conts:
-                return conts
+            step = max(1, -(-(hi - lo) // cap))  # evenly spaced: the range is sorted by what follows
+            starts = [self.sa[i] + n for i in range(lo, hi, step)]
+            starts = [p for p in starts if self.tokens[p] != SEPARATOR]
+            if starts:
+                return starts
             n -= 1  # every occurrence ends its document: a shorter suffix may have something after it
         return []
 
-    def _following(self, lo: int, hi: int, n: int, depth: int, cap: int) -> list[list[int]]:
-        step = max(1, -(-(hi - lo) // cap))  # evenly spaced: the range is sorted by what follows
+    def continuations(self, seq: list[int], max_suffix: int, min_suffix: int, depth: int, cap: int) -> list[list[int]]:
+        """The continuations ``match`` finds, up to ``depth`` tokens each (up to their document's end)."""
         out = []
-        for i in range(lo, hi, step):
-            start = self.sa[i] + n
-            cont = self.tokens[start : start + depth]
-            if SEPARATOR in cont:
-                cont = cont[: cont.index(SEPARATOR)]
-            if cont:
-                out.append(cont.tolist())
+        for p in self.match(seq, max_suffix, min_suffix, cap):
+            cont = self.tokens[p : p + depth]
+            out.append((cont[: cont.index(SEPARATOR)] if SEPARATOR in cont else cont).tolist())
         return out
 
     def check_tokenizer(self, tokenizer, what: str = "retrieval index") -> None:
@@ -195,30 +196,45 @@ def open_datastore(path: str | os.PathLike, tokenizer=None) -> Datastore:
 
 
 class Trie:
-    """Continuations merged by prefix: per node its token, parent (-1: the root), depth and count."""
+    """The continuations as a trie, grown best-first on demand: ``take`` gives the node with the most
+    occurrences through it (the shallower, then the earlier found, on ties), and only a node that is
+    ``expand``ed has its children counted. A child never counts more than its parent, so the nodes
+    taken form a tree, parents first, and a round reads the corpus only for the nodes it considers.
+    Per node: its token, parent (-1: the root), depth and count."""
 
-    def __init__(self, conts: list[list[int]], max_depth: int):
+    def __init__(self, corpus: array, starts: list[int], max_depth: int):
+        self.corpus, self.max_depth = corpus, max_depth
+        self.occurrences = len(starts)
         self.token: list[int] = []
         self.parent: list[int] = []
         self.depth: list[int] = []
         self.count: list[int] = []
-        index: dict[tuple[int, int], int] = {}
-        for cont in conts:
-            node = -1
-            for tok in cont[:max_depth]:
-                child = index.get((node, tok))
-                if child is None:
-                    child = index[(node, tok)] = len(self.token)
-                    self.token.append(tok)
-                    self.parent.append(node)
-                    self.depth.append(1 if node < 0 else self.depth[node] + 1)
-                    self.count.append(0)
-                self.count[child] += 1
-                node = child
+        self._next: list[list[int]] = []  # per node: where the token after it lies, per occurrence
+        self._heap: list[tuple[int, int, int]] = []
+        self._children(-1, starts, 0)
 
-    def best_first(self) -> list[int]:
-        """Nodes by count, shallower first on ties: every prefix of this order is a tree, parents first."""
-        return sorted(range(len(self.token)), key=lambda i: (-self.count[i], self.depth[i], i))
+    def _children(self, parent: int, at: list[int], depth: int) -> None:
+        if depth >= self.max_depth:
+            return
+        groups: dict[int, list[int]] = {}
+        for p in at:
+            tok = self.corpus[p]
+            if tok != SEPARATOR:  # the corpus ends with one: p + 1 stays inside it
+                groups.setdefault(tok, []).append(p + 1)
+        for tok, nxt in groups.items():
+            node = len(self.token)
+            self.token.append(tok)
+            self.parent.append(parent)
+            self.depth.append(depth + 1)
+            self.count.append(len(nxt))
+            self._next.append(nxt)
+            heapq.heappush(self._heap, (-len(nxt), depth + 1, node))
+
+    def take(self) -> int | None:
+        return heapq.heappop(self._heap)[2] if self._heap else None
+
+    def expand(self, node: int) -> None:
+        self._children(node, self._next[node], self.depth[node])
 
 
 def tree_proposal(trees: list[tuple[list[int], list[int]]], device) -> Proposal | None:
@@ -247,7 +263,7 @@ class RetrievalDrafter(Drafter):
     its ``num_draft`` best nodes (up to ``max_depth`` deep) as the token tree. No per-row state: the
     lookup reads only the row's text, so rows join and leave freely."""
 
-    default_k = 24  # tree nodes
+    default_k = 16  # tree nodes: each widens the verify forward, which a CPU pays for in full
 
     def __init__(self, store: Datastore, max_suffix: int = 16, min_suffix: int = 2, max_occurrences: int = 64, max_depth: int = 12):
         self.store = store
@@ -255,13 +271,18 @@ class RetrievalDrafter(Drafter):
         self.max_occurrences, self.max_depth = max_occurrences, max_depth
 
     def trie(self, seq: list[int], depth: int) -> Trie:
-        return Trie(self.store.continuations(seq, self.max_suffix, self.min_suffix, depth, self.max_occurrences), depth)
+        return Trie(self.store.tokens, self.store.match(seq, self.max_suffix, self.min_suffix, self.max_occurrences), depth)
 
     def tree(self, seq: list[int], budget: int) -> tuple[list[int], list[int]]:
         trie = self.trie(seq, self.max_depth)
-        chosen = trie.best_first()[:budget]
-        slot = {node: i for i, node in enumerate(chosen)}
-        return [trie.token[i] for i in chosen], [slot[trie.parent[i]] if trie.parent[i] >= 0 else -1 for i in chosen]
+        slot: dict[int, int] = {}
+        tokens, parents = [], []
+        while len(tokens) < budget and (node := trie.take()) is not None:
+            slot[node] = len(tokens)
+            tokens.append(trie.token[node])
+            parents.append(slot[trie.parent[node]] if trie.parent[node] >= 0 else -1)
+            trie.expand(node)
+        return tokens, parents
 
     def admit(self, batch, seg: Segment) -> None:
         pass  # drafts come from each row's own text and the shared datastore
@@ -294,7 +315,7 @@ class RasdDrafter(ModelDrafter):
     draft's probabilities (the module docstring states the choices). ``num_draft`` is the chain's K;
     up to ``retrieval_tokens`` retrieval nodes, ``retrieval_depth`` deep (or K when deeper), join it."""
 
-    def __init__(self, model, store: Datastore, retrieval_tokens: int = 16, retrieval_depth: int = 8, prune_top_k: int = 8,
+    def __init__(self, model, store: Datastore, retrieval_tokens: int = 8, retrieval_depth: int = 8, prune_top_k: int = 8,
                  keep_share: float = 0.5):
         super().__init__(model)
         self.retrieval = RetrievalDrafter(store)
@@ -331,27 +352,23 @@ class RasdDrafter(ModelDrafter):
         k = len(chain)
         tokens, parents = list(chain), [-1] + list(range(k - 1))
         kids = {(parents[i], tok): i for i, tok in enumerate(chain)}
-        placed = {-1: -1}  # trie node -> tree node (the roots coincide)
-        occurrences = sum(c for c, p in zip(trie.count, trie.parent) if p < 0)
+        placed = {-1: -1}  # trie node -> tree node (the roots coincide); only placed nodes are expanded
         added = 0
-        for node in trie.best_first():
-            parent = placed.get(trie.parent[node])
-            if parent is None:  # its parent was pruned or did not fit
-                continue
-            tok = trie.token[node]
+        while added < self.retrieval_tokens and (node := trie.take()) is not None:
+            parent, tok = placed[trie.parent[node]], trie.token[node]
             here = kids.get((parent, tok))
             if here is not None:  # the chain (or a branch already placed) says the same: no new node
                 placed[node] = here
+                trie.expand(node)
                 continue
             step = parent + 1  # the draft step whose distribution the root (-1) or chain node ``parent`` feeds
-            above = occurrences if trie.parent[node] < 0 else trie.count[trie.parent[node]]
+            above = trie.occurrences if trie.parent[node] < 0 else trie.count[trie.parent[node]]
             confident = trie.count[node] >= self.keep_share * above
             if parent < k and step < k and tok not in top[step] and not confident:
-                continue
-            if added >= self.retrieval_tokens:
                 continue
             placed[node] = kids[(parent, tok)] = len(tokens)
             tokens.append(tok)
             parents.append(parent)
             added += 1
+            trie.expand(node)
         return tokens, parents

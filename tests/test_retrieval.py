@@ -92,8 +92,16 @@ def test_lookup_takes_the_longest_suffix_stops_at_documents_and_caps_occurrences
 
 
 def test_trie_counts_and_best_first_order():
-    trie = Trie([[5], [5, 7], [6], [5, 7, 1]], max_depth=2)
-    assert trie.token == [5, 7, 6] and trie.parent == [-1, 0, -1] and trie.count == [3, 2, 1]
+    store = Datastore.from_documents([[2, 3, 5], [2, 3, 5, 7], [2, 3, 6], [2, 3, 5, 7, 1]])
+    trie = Trie(store.tokens, store.match([2, 3], 16, 2, 64), max_depth=2)
+    assert trie.occurrences == 4 and trie.token == [5, 6] and trie.count == [3, 1]  # only the first level is counted
+    order = []
+    while (node := trie.take()) is not None:
+        order.append(node)
+        trie.expand(node)
+    # 5 (3 occurrences), then 7 after it (2) before 6 (1); max_depth keeps 7's child 1 out
+    assert [trie.token[i] for i in order] == [5, 7, 6] and [trie.parent[i] for i in order] == [-1, 0, -1]
+    assert [trie.count[i] for i in order] == [3, 2, 1] and len(trie.token) == 3
     drafter = RetrievalDrafter(Datastore.from_documents([[1, 2, 3, 4, 5], [9, 2, 3, 4, 6], [2, 3, 4, 5, 7]]))
     # 5 follows twice (then 7 once), 6 once: count first, the shallower node on ties
     assert drafter.tree([8, 2, 3, 4], budget=3) == ([5, 6, 7], [-1, -1, 0])
@@ -108,11 +116,13 @@ def test_trie_counts_and_best_first_order():
 def test_fusion_merges_by_prefix_and_prunes_with_the_draft():
     store = Datastore.from_documents([[1, 2, 3, 4, 5], [9, 2, 3, 4, 6], [2, 3, 4, 5, 7], [2, 3, 4, 8, 1], [3, 4, 8, 1]])
     d = RasdDrafter(tiny_llama(seed=1, layers=1, hidden=32), store, retrieval_tokens=8, prune_top_k=2)
-    trie = d.retrieval.trie([0, 2, 3, 4], 8)  # after [2, 3, 4]: 5 (then 7), 6, 8 1 (counts 2, 1, 1)
+    def trie():  # after [2, 3, 4]: 5 (then 7), 6, 8 1 (counts 2, 1, 1); a fused tree consumes its trie
+        return d.retrieval.trie([0, 2, 3, 4], 8)
+
     chain = [5, 9, 9]
     # the draft's two likeliest tokens after the root, after chain node 0 and after chain node 1
     top = [{5, 8}, {7, 1}, {9, 4}]
-    tokens, parents = d._fuse(chain, top, trie)
+    tokens, parents = d._fuse(chain, top, trie())
     # 5 is chain node 0 (merged); 6 is pruned (not among the draft's top tokens after the root), 8 is
     # among them; 7 hangs from chain node 0 and is among the draft's top there; 8's child 1 is off the
     # chain, where the draft has no distribution: kept. Best count first, so 8 before 7.
@@ -121,11 +131,11 @@ def test_fusion_merges_by_prefix_and_prunes_with_the_draft():
     # a draft that ranks none of them keeps what the corpus is confident of: 7 takes half of the
     # occurrences through 5 (keep_share 0.5); 6 and 8 take a quarter each of the root's four
     nothing = [set(), set(), set()]
-    assert d._fuse(chain, nothing, trie) == ([5, 9, 9, 7], [-1, 0, 1, 0])
+    assert d._fuse(chain, nothing, trie()) == ([5, 9, 9, 7], [-1, 0, 1, 0])
     d.keep_share = 1.0
-    assert d._fuse(chain, nothing, trie) == (chain, [-1, 0, 1])
+    assert d._fuse(chain, nothing, trie()) == (chain, [-1, 0, 1])
     d.retrieval_tokens = 1
-    assert d._fuse(chain, top, trie) == ([5, 9, 9, 8], [-1, 0, 1, -1])  # the budget counts new nodes only
+    assert d._fuse(chain, top, trie()) == ([5, 9, 9, 8], [-1, 0, 1, -1])  # the budget counts new nodes only
 
 
 @pytest.mark.parametrize("along_chain", [True, False])
