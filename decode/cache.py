@@ -97,6 +97,9 @@ class KVState(SlotBook):
         self._mixed = self._window is not None and arch.FULL in types
         # decode.lean reproduces a forward that takes one mask
         self._lean = lean_step(model) if lean and not self._mixed and self._compiled is None else None
+        # one row that has only ever been given whole causal segments has no holes: its mask is the plain
+        # causal one, which the model builds itself (or leaves to flash attention); see forward
+        self._solid = batch_size == 1
         self._pending: torch.Tensor | None = None  # validity of the last forward's segment
         self._pending_pos: torch.Tensor | None = None  # and its positions
         # the Triton tree-attention kernel reads a bool mask; everything else gets an additive float mask
@@ -119,6 +122,10 @@ class KVState(SlotBook):
         tokens before it, so holes do not advance positions).
         """
         bsz, t = input_ids.shape
+        if input_valid is not None or tree_attn is not None or depth is not None:
+            self._solid = False
+        if self._solid and self._window is None and self._lean is None and self._compiled is None and not self._bool_mask:
+            return self._forward_causal(input_ids, hidden, model_kwargs)
         if input_valid is None:
             input_valid = torch.ones_like(input_ids, dtype=torch.bool)
         if depth is None:
@@ -162,6 +169,22 @@ class KVState(SlotBook):
         if width is not None:
             out = self._unpad(out, own)
         self._pending, self._pending_pos = input_valid[:, :own], positions[:, :own]
+        return out
+
+    def _forward_causal(self, input_ids: torch.Tensor, hidden: bool, model_kwargs: dict):
+        """A segment of one row without holes after slots without holes: no mask is built or passed,
+        so the attention implementation takes its causal path (flash attention's, SDPA's ``is_causal``)."""
+        t = input_ids.shape[1]
+        positions = self.pos[:, None] + torch.arange(t, device=input_ids.device)[None]
+        out = self.model(
+            input_ids=input_ids,
+            position_ids=positions,
+            past_key_values=self.cache,
+            use_cache=True,
+            output_hidden_states=hidden,
+            **model_kwargs,
+        )
+        self._pending, self._pending_pos = torch.ones_like(input_ids, dtype=torch.bool), positions
         return out
 
     def _unpad(self, out, t: int):
@@ -270,6 +293,7 @@ class KVState(SlotBook):
             kv.append(tuple(pair))
         self._hold(kv)
         self._admit(other)
+        self._solid = False
 
     def repeat(self, n: int) -> "KVState":
         """A state of ``n`` rows, each a copy of this one-row state (a prefix shared by every row,
@@ -278,6 +302,7 @@ class KVState(SlotBook):
         out.__dict__.update(self.__dict__)
         out._hold([(k.expand(n, -1, -1, -1).contiguous(), v.expand(n, -1, -1, -1).contiguous()) for k, v in self._committed()])
         out.valid, out.positions, out.pos = self.valid.expand(n, -1).clone(), self.positions.expand(n, -1).clone(), self.pos.expand(n).clone()
+        out._solid = self._solid and n == 1
         out._pending = out._pending_pos = None
         return out
 

@@ -195,7 +195,8 @@ class SpecEngine:
             state = head.repeat(bsz)
         else:
             state = KVState(self.target, bsz, self.device, compile=self.compile)
-        out = state.forward(ids, valid, hidden=self._wants_hidden, **({} if keep_all else {"logits_to_keep": 1}))
+        # one prompt has no padding: no validity given keeps the state's mask-free causal path open
+        out = state.forward(ids, valid if bsz > 1 else None, hidden=self._wants_hidden, **({} if keep_all else {"logits_to_keep": 1}))
         state.commit_prefix(width, valid)
         seg = Segment(ids, valid, out.logits, *self._hidden(out))
         if prefix:
@@ -257,7 +258,7 @@ class SpecEngine:
             ids = torch.tensor([prefix], dtype=torch.long, device=self.device)
             valid = torch.ones_like(ids, dtype=torch.bool)
             state = KVState(self.target, 1, self.device, compile=self.compile)
-            out = state.forward(ids, valid, hidden=self._wants_hidden, **({} if keep_all else {"logits_to_keep": 1}))
+            out = state.forward(ids, None, hidden=self._wants_hidden, **({} if keep_all else {"logits_to_keep": 1}))
             state.commit_prefix(ids.shape[1], valid)
             self._prefix = (key[0], keep_all, state, Segment(ids, valid, out.logits, *self._hidden(out)))
         return self._prefix[2], self._prefix[3]
@@ -296,7 +297,7 @@ class SpecEngine:
             lengths = proposal.lengths
             steps = torch.arange(n, device=self.device)[None]
             valid = torch.cat([ones, steps < lengths[:, None]] if lengths is not None else [ones, ones.expand(bsz, n)], dim=1)
-            out = state.forward(input_ids, valid, hidden=hidden)
+            out = state.forward(input_ids, valid if lengths is not None else None, hidden=hidden)
             verdict = verify_chain(
                 out.logits, proposal.tokens, proposal.draft_probs, batch.sampling, batch.generator, lengths, self.kernels
             )

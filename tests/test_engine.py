@@ -197,3 +197,24 @@ def test_ngram_lookup_prefers_recent_matches_and_extends_periodically():
     assert d._lookup([9, 1, 2, 6, 1, 2, 7, 8, 1, 2], 3) == [7, 8, 1]  # most recent (1, 2), not the first
     assert d._lookup([5, 5, 5], 4) == [5, 5, 5, 5]
     assert d._lookup([1, 2, 3], 4) == []  # nothing repeats: no draft
+
+
+def test_one_row_runs_without_a_mask_and_matches_generate(target, draft_model, monkeypatch):
+    """bs=1 with a chain drafter: every target forward gets no attention mask (the attention
+    implementation's own causal path, flash attention's on a GPU), and output is still generate's."""
+    masks = []
+    forward = type(target).forward
+
+    def spy(self, *args, **kwargs):
+        if self is target:  # not the draft (same class)
+            masks.append(kwargs.get("attention_mask"))
+        return forward(self, *args, **kwargs)
+
+    prompt = make_prompts(1, seed=9)[0]
+    ref = target.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, eos_token_id=2, pad_token_id=0)
+    monkeypatch.setattr(type(target), "forward", spy)
+    for drafter in (NoDrafter(), ModelDrafter(draft_model)):
+        masks.clear()
+        res = SpecEngine(target, ByteTokenizer(), drafter).generate([GenRequest(prompt, 20)])[0]
+        assert res.token_ids == ref[0, len(prompt) :].tolist()
+        assert len(masks) >= 2 and all(m is None for m in masks)
