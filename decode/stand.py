@@ -53,6 +53,7 @@ class StandTable:
         self.top_k, self.max_ngram, self.min_q = top_k, max_ngram, min_q
         self.mass: dict[tuple, dict[int, float]] = {}
         self.count: dict[tuple, int] = {}
+        self._q: dict[tuple, tuple[list[int], list[float]] | None] = {}  # lookups since the last change
         self.refs = 0  # rows reading this table
         self.has_prompt = False  # the group's prompt is in (its samples share one prompt)
 
@@ -64,6 +65,7 @@ class StandTable:
             for t, p in zip(tokens, probs):
                 mass[t] = mass.get(t, 0.0) + p
             self.count[ctx] = self.count.get(ctx, 0) + 1
+            self._q.pop(ctx, None)
             if len(mass) > self.top_k:  # a running average of top-k lists, itself cut to its top k
                 for t, _ in sorted(mass.items(), key=lambda tp: tp[1])[: len(mass) - self.top_k]:
                     del mass[t]
@@ -72,14 +74,19 @@ class StandTable:
         """(tokens, q) of the longest context ``tail`` ends with, likeliest first; None if none."""
         for n in range(min(self.max_ngram, len(tail)), 0, -1):
             ctx = tuple(tail[-n:])
-            mass = self.mass.get(ctx)
-            if mass:
-                n_obs = self.count[ctx]
-                kept = sorted(((t, m) for t, m in mass.items() if m / n_obs >= self.min_q), key=lambda tm: (-tm[1], tm[0]))
-                total = sum(m for _, m in kept)
-                if total > 0:
-                    return [t for t, _ in kept], [m / total for _, m in kept]
+            if ctx not in self.mass:
+                continue
+            if ctx not in self._q:
+                self._q[ctx] = self._distribution(ctx)
+            if self._q[ctx] is not None:
+                return self._q[ctx]
         return None
+
+    def _distribution(self, ctx: tuple) -> tuple[list[int], list[float]] | None:
+        n_obs = self.count[ctx]
+        kept = sorted(((t, m) for t, m in self.mass[ctx].items() if m / n_obs >= self.min_q), key=lambda tm: (-tm[1], tm[0]))
+        total = sum(m for _, m in kept)
+        return ([t for t, _ in kept], [m / total for _, m in kept]) if total > 0 else None
 
 
 class _Node:
@@ -96,7 +103,7 @@ class StandDrafter(Drafter):
     default_k = 6  # tree depth
     needs_prefill_logits = True
 
-    def __init__(self, top_k: int = 8, max_ngram: int = 3, nodes: int = 16, min_q: float = 1e-3,
+    def __init__(self, top_k: int = 8, max_ngram: int = 3, nodes: int = 8, min_q: float = 1e-3,
                  min_reach: float = 0.02, prior: float = 4.0):
         self.top_k, self.max_ngram, self.nodes = top_k, max_ngram, nodes
         self.min_q, self.min_reach, self.prior = min_q, min_reach, prior
@@ -243,15 +250,14 @@ class StandDrafter(Drafter):
 
     def _draft_probs(self, batch, width: int) -> torch.Tensor:
         """[B, N, V]: each node's q (its parent's context distribution), zero off its support."""
-        bsz = len(self.trees)
-        idx = torch.zeros(bsz, width, self.top_k, dtype=torch.long)
-        val = torch.zeros(bsz, width, self.top_k)
-        for r, tree in enumerate(self.trees):
-            for i, nd in enumerate(tree):
-                idx[r, i, : len(nd.q_tokens)] = torch.tensor(nd.q_tokens)
-                val[r, i, : len(nd.q_probs)] = torch.tensor(nd.q_probs)
+        bsz, k = len(self.trees), self.top_k
+        pad_idx, pad_val = [[0] * k] * width, [[0.0] * k] * width
+        idx = [[nd.q_tokens + [0] * (k - len(nd.q_tokens)) for nd in tree] + pad_idx[len(tree) :] for tree in self.trees]
+        val = [[nd.q_probs + [0.0] * (k - len(nd.q_probs)) for nd in tree] + pad_val[len(tree) :] for tree in self.trees]
+        idx = torch.tensor(idx, dtype=torch.long, device=batch.device)
+        val = torch.tensor(val, dtype=torch.float32, device=batch.device)
         # scatter_add: the padding entries add zero to token 0 instead of overwriting its q
-        return torch.zeros(bsz, width, self._vocab, device=batch.device).scatter_add_(2, idx.to(batch.device), val.to(batch.device))
+        return torch.zeros(bsz, width, self._vocab, device=batch.device).scatter_add_(2, idx, val)
 
     def _order(self, tokens: list[int], probs: list[float], u: list[float] | None) -> list[int]:
         """Indices of the support in draw order: Gumbel-top-k (draws without replacement from q) when
