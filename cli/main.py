@@ -63,7 +63,7 @@ class Schedule(str, Enum):
     static = "static"
 
 
-DrafterOpt = Annotated[str, typer.Option("--drafter", help="ar, ngram, recycle, copy, input-copy, aded, retrieval:INDEX, layerskip[:i,j], swift, a default-family member (draft, medusa, clover, eagle) or an artifact folder.")]
+DrafterOpt = Annotated[str, typer.Option("--drafter", help="ar, ngram, recycle, copy, input-copy, aded, stand, retrieval:INDEX, layerskip[:i,j], swift, a default-family member (draft, medusa, clover, eagle) or an artifact folder.")]
 
 
 @app.command()
