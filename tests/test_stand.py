@@ -56,6 +56,22 @@ def test_greedy_with_rows_joining_a_running_batch(target):
     assert got == greedy_runs(target, requests, NoDrafter(), batch_size=3)
 
 
+def test_rows_of_a_group_share_one_table(target):
+    seen = []
+
+    class Probe(StandDrafter):
+        def propose(self, batch):
+            seen.append((list(batch.groups), [id(self.tables[key]) for key in self.row_keys], len(self.tables)))
+            return super().propose(batch)
+
+    prompt = make_prompts(1, seed=2)[0]
+    requests = [GenRequest(prompt, 6, group=7), GenRequest(prompt, 6, group=7), GenRequest(prompt, 16)]
+    SpecEngine(target, ByteTokenizer(), Probe(), Sampling(temperature=1.0), seed=0, eos_ids=[]).generate(requests)
+    groups, tables, count = seen[0]
+    assert groups == [7, 7, None] and tables[0] == tables[1] != tables[2] and count == 2
+    assert seen[-1][0] == [None] and seen[-1][2] == 1  # the group's table left with its last row
+
+
 def engine_pairs(rows: int = 4000, batch_size: int = 1000):
     """The first two tokens of ``rows`` samples of one prompt, all of one group, streamed so that rows
     draft from a table the other rows' rounds filled."""
@@ -84,7 +100,7 @@ def test_engine_samples_the_target_joint_distribution():
 def test_drafting_the_likeliest_tokens_under_the_rsd_rule_fails(monkeypatch):
     """RSD's ratio test assumes each sibling is a draw from q: top tokens taken in order are not."""
     monkeypatch.setattr(stand.StandDrafter, "_order", lambda self, tokens, probs, u: list(range(len(tokens))))
-    pvalue, _ = engine_pairs()
+    pvalue, _ = engine_pairs(rows=2000, batch_size=500)  # fails by far: half the samples suffice
     assert pvalue < 1e-6
 
 
