@@ -213,6 +213,7 @@ class StandDrafter(Drafter):
                 at = path[d] - 1
 
     def _rho(self, d: int) -> float:
+        """How far q's acceptance at depth ``d`` holds up: observed over predicted, shrunk towards 1."""
         if d >= len(self.pred):
             return 1.0
         return (self.hit[d] + self.prior) / (self.pred[d] + self.prior)
