@@ -6,21 +6,23 @@ becomes a hole that row never attends to again. A verification round therefore a
 1 + max(accepted) slots for the whole batch, and no row waits for or redoes another row's work.
 Positions are explicit (position_ids), so holes never shift a row's positions.
 
+Keys and values live in preallocated buffers (``SlotBuffers``) written in place: a step appends
+without copying the cache (``DynamicCache`` concatenates every layer's keys and values on every
+forward, a fifth of a small model's decode time on a CPU), dropping a tail (rejected drafts) is only
+bookkeeping, and the capacity grows by half when a forward would not fit. Eager forwards read the filled
+slots only; compiled steps (``decode.compiled``) read whole buffers at fixed shapes.
+
 Sliding-window layers keep every key too (transformers' sliding cache layers keep only the last
 window-1, which a shared slot axis with holes cannot use); the window lives in the mask instead,
 from each slot's position per row. A model mixing full and sliding layers takes one mask per layer
 type, ``{layer_type: mask}``, as its own forward builds them.
-
-A model whose steps run compiled (``decode.compiled``) keeps its keys and values in preallocated
-``SlotBuffers`` instead of a ``DynamicCache``; the slot book is the same, only how a tail is dropped
-and how rows are copied differ.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from transformers import DynamicCache
+from transformers.cache_utils import Cache, StaticLayer
 
 from specdec.decode import compiled
 from specdec.decode.lean import lean_output, lean_step
@@ -80,6 +82,80 @@ def left_pad(x: torch.Tensor, width: int, value, dim: int = 1) -> torch.Tensor:
     return torch.cat([torch.full(shape, value, dtype=x.dtype, device=x.device), x], dim)
 
 
+CAPACITY_STEP = 256  # buffer capacities are multiples of this (for compiled steps: one graph per capacity)
+
+
+def capacity_for(slots: int) -> int:
+    return -(-slots // CAPACITY_STEP) * CAPACITY_STEP
+
+
+class SlotLayer(StaticLayer):
+    """One layer's preallocated keys and values [B, H, capacity, D].
+
+    Eager forwards write at ``end`` (a Python int the state sets before each forward) and get back the
+    filled slots only, so attention costs what the text holds, not the capacity. Compiled steps
+    (``end`` None) take transformers' static path: the write offset is a tensor and the whole buffer is
+    returned, shapes fixed; the mask hides what is not a slot of the row."""
+
+    def __init__(self, capacity: int, device: torch.device):
+        super().__init__(capacity)
+        # on the buffers' device from the start, so the layer's initialisation keeps this tensor
+        self.cumulative_length = torch.zeros((), dtype=torch.long, device=device)
+        self.end: int | None = 0
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if self.end is None:
+            return super().update(key_states, value_states, *args, **kwargs)
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        start = self.end
+        self.end += key_states.shape[-2]
+        self.keys[:, :, start : self.end] = key_states
+        self.values[:, :, start : self.end] = value_states
+        return self.keys[:, :, : self.end], self.values[:, :, : self.end]
+
+    def get_seq_length(self) -> int:
+        return self.end if self.end is not None else super().get_seq_length()
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        if self.end is None:
+            return super().get_mask_sizes(query_length)
+        return self.end + query_length, 0
+
+
+class SlotBuffers(Cache):
+    """Every layer's ``SlotLayer`` of one capacity. Slots past what the slot book committed hold stale
+    values that every mask hides, so dropping a tail is only bookkeeping: each forward starts by
+    setting the write offsets to the committed length (``at``)."""
+
+    def __init__(self, num_layers: int, capacity: int, device: torch.device):
+        super().__init__(layers=[SlotLayer(capacity, device) for _ in range(num_layers)])
+        self.capacity = capacity
+
+    @classmethod
+    def holding(cls, kv: list[tuple[torch.Tensor, torch.Tensor]], capacity: int) -> "SlotBuffers":
+        """Buffers of ``capacity`` slots whose first slots hold ``kv`` (per layer keys, values [B, H, S, D])."""
+        out = cls(len(kv), capacity, kv[0][0].device)
+        for layer, (k, v) in zip(out.layers, kv):
+            layer.lazy_initialization(k[:, :, :1], v[:, :, :1])
+            layer.keys[:, :, : k.shape[2]] = k
+            layer.values[:, :, : v.shape[2]] = v
+        return out
+
+    def at(self, n: int, compiled_step: bool) -> None:
+        """The next forward writes from slot ``n``: a tensor offset for a compiled step, an int otherwise."""
+        for layer in self.layers:
+            if compiled_step:
+                layer.end = None
+                layer.cumulative_length.fill_(n)
+            else:
+                layer.end = n
+
+    def committed(self, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Views of every layer's first ``n`` slots."""
+        return [(layer.keys[:, :, :n], layer.values[:, :, :n]) for layer in self.layers]
+
+
 class KVState(SlotBook):
     def __init__(self, model, batch_size: int, device: torch.device, lean: bool = False, compile: bool = False):
         """lean: run the model through ``decode.lean``'s plain-function forward where it reproduces HF's
@@ -88,9 +164,10 @@ class KVState(SlotBook):
         super().__init__(batch_size, device)
         self.model = model
         self._compiled = compiled.for_model(model) if compile else None
-        # full cache layers only (no config): every layer keeps every slot, sliding ones included;
-        # compiled steps' buffers are allocated at the first forward, when the shapes are known
-        self.cache = DynamicCache() if self._compiled is None else None
+        # full cache layers only: every layer keeps every slot, sliding ones included; the buffers are
+        # allocated at the first forward, when the shapes are known
+        self.cache: SlotBuffers | None = None
+        self._whole = False  # the last forward read whole buffers (a compiled step)
         types, window = arch.layer_types(model.config), arch.sliding_window(model.config)
         # the window applies where some layer slides; the full mask too where others do not
         self._window = window if window is not None and arch.SLIDING in types else None
@@ -140,8 +217,7 @@ class KVState(SlotBook):
             pad, t = width - t, width
             input_ids, input_valid = F.pad(input_ids, (0, pad)), F.pad(input_valid, (0, pad), value=False)
             depth, tree_attn = F.pad(depth, (0, pad)), F.pad(tree_attn, (0, pad, 0, pad), value=False)
-        if self._compiled is not None:
-            self._reserve(self.length + t)
+        self._reserve(self.length + t, compiled_step=width is not None)
         seg = tree_attn & input_valid[:, None, :]
         # each token sees itself, so a padded query never has an empty softmax row
         seg = seg | torch.eye(t, dtype=torch.bool, device=input_ids.device)[None]
@@ -175,6 +251,7 @@ class KVState(SlotBook):
         """A segment of one row without holes after slots without holes: no mask is built or passed,
         so the attention implementation takes its causal path (flash attention's, SDPA's ``is_causal``)."""
         t = input_ids.shape[1]
+        self._reserve(self.length + t)
         positions = self.pos[:, None] + torch.arange(t, device=input_ids.device)[None]
         out = self.model(
             input_ids=input_ids,
@@ -196,44 +273,33 @@ class KVState(SlotBook):
             out.hidden_states = tuple(own(h) for h in out.hidden_states)
         return out
 
-    def _reserve(self, slots: int) -> None:
-        """Compiled steps: buffers holding at least ``slots`` slots, their write offset at the committed length."""
+    def _reserve(self, slots: int, compiled_step: bool = False) -> None:
+        """Buffers holding at least ``slots`` slots (grown by half at least, so growing is rare), the next
+        write at the committed length."""
         if self.cache is None or slots > self.cache.capacity:
-            capacity = compiled.capacity_for(slots + compiled.CAPACITY_STEP // 2)
-            if self.cache is not None and self.length:
-                self.cache = compiled.SlotBuffers.holding(self.cache.committed(self.length), capacity)
+            old = self.cache.capacity if self.cache is not None else 0
+            capacity = capacity_for(max(slots + CAPACITY_STEP // 2, old + old // 2))
+            if self.length:
+                self.cache = SlotBuffers.holding(self._committed(), capacity)
             else:
                 layers = self.model.config.get_text_config().num_hidden_layers
-                self.cache = compiled.SlotBuffers(layers, capacity, self.pos.device)
-        self.cache.set_length(self.length)
-
-    def _drop_tail(self, n: int) -> None:
-        """Forget the last ``n`` slots of the cache (preallocated buffers: the slot book's length is the truth)."""
-        if n > 0 and self._compiled is None:
-            self.cache.crop(-n)
+                self.cache = SlotBuffers(layers, capacity, self.pos.device)
+        self.cache.at(self.length, compiled_step)
+        self._whole = compiled_step
 
     def _committed(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer, the keys and values of the committed slots."""
         if self.cache is None or not self.length:
             return []
-        if self._compiled is not None:
-            return self.cache.committed(self.length)
-        return [(layer.keys, layer.values) for layer in self.cache.layers]
+        return self.cache.committed(self.length)
 
     def _hold(self, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """The cache becomes one holding ``kv`` (per layer keys, values of the committed slots)."""
-        if self._compiled is not None:
-            width = kv[0][0].shape[2] if kv else 0
-            self.cache = compiled.SlotBuffers.holding(kv, compiled.capacity_for(width + compiled.CAPACITY_STEP // 2)) if width else None
-            return
-        self.cache = DynamicCache()
-        for i, (k, v) in enumerate(kv):
-            self.cache.update(k[:, :, :0], v[:, :, :0], i)  # the layer's shapes and dtype
-            layer = self.cache.layers[i]
-            layer.keys, layer.values = k, v  # held as they are: update would copy them once more
+        width = kv[0][0].shape[2] if kv else 0
+        self.cache = SlotBuffers.holding(kv, capacity_for(width + CAPACITY_STEP // 2)) if width else None
 
     def _mask(self, visible: torch.Tensor) -> torch.Tensor:
-        if self._compiled is not None:  # the keys a compiled step sees are the whole buffer
+        if self._whole:  # a compiled step's keys are the whole buffer
             visible = F.pad(visible, (0, self.cache.capacity - visible.shape[-1]), value=False)
         if self._bool_mask:
             return visible.contiguous()
@@ -243,8 +309,6 @@ class KVState(SlotBook):
 
     def commit_prefix(self, keep: int, keep_valid: torch.Tensor) -> None:
         """Keep the first ``keep`` slots of the last segment; keep_valid [B, keep] marks holes."""
-        t = self._pending.shape[1]
-        self._drop_tail(t - keep)
         self._append(keep_valid[:, :keep], self._pending_pos[:, :keep])
 
     def commit_gather(self, index: torch.Tensor, keep_valid: torch.Tensor) -> None:
@@ -255,16 +319,14 @@ class KVState(SlotBook):
         for layer in self.cache.layers:
             for name in ("keys", "values"):
                 buf = getattr(layer, name)
-                seg = buf[:, :, start:]
+                seg = buf[:, :, start : start + t]
                 idx = index[:, None, :, None].expand(-1, buf.shape[1], -1, buf.shape[-1])
                 buf[:, :, start : start + m] = seg.gather(2, idx)
-        self._drop_tail(t - m)
         self._append(keep_valid, self._pending_pos.gather(1, index))
 
     def rollback(self, n_tail: int, keep: list[int]) -> None:
         """Of the last n_tail committed slots (speculative drafts), row r keeps its first keep[r]."""
         m = max(keep) if keep else 0
-        self._drop_tail(n_tail - m)
         base = self.length - n_tail
         kept = torch.tensor(keep, device=self.pos.device)
         tail = self.valid[:, base : base + m] & (torch.arange(m, device=self.pos.device)[None] < kept[:, None])

@@ -1,16 +1,15 @@
 """Compiled decode steps over preallocated key/value buffers (``--compile``).
 
 A decode step's cost on a GPU at small batch is launch overhead and weight reads, not arithmetic: the
-eager forward launches hundreds of kernels per layer and HF's ``DynamicCache`` concatenates every
-layer's keys and values on every step (a copy of the whole cache, and a new shape each time). With
-``--compile`` a model's forwards run through ``torch.compile`` (CUDA graphs on a GPU:
-``mode="reduce-overhead"``) against ``SlotBuffers``: every layer's keys and values preallocated to a
-fixed capacity, written in place at a write offset held in a tensor (so a step's shapes and addresses
-do not change from round to round), with the causal/tree/hole mask spanning the whole capacity.
+eager forward launches hundreds of kernels per layer. With ``--compile`` a model's forwards run through
+``torch.compile`` (CUDA graphs on a GPU: ``mode="reduce-overhead"``) against the preallocated
+``decode.cache.SlotBuffers``, written in place at a write offset held in a tensor and read whole (so a
+step's shapes and addresses do not change from round to round), with the causal/tree/hole mask
+spanning the whole capacity.
 
 Shapes are bucketed so that a handful of graphs serve a job: a segment of ``t`` tokens (the root plus a
 chain of drafts, a tree, one drafted token) is padded with holes to the next power of two up to
-``MAX_BUCKET``, and the capacity grows in steps of ``CAPACITY_STEP`` slots. Longer segments (prefills)
+``MAX_BUCKET``, and the buffers' capacity grows in steps (``decode.cache.CAPACITY_STEP``). Longer segments (prefills)
 run the same modules eagerly against the same buffers: compiling a prompt's shape would cost more than
 it saves. Holes (padding) are masked like every other hole of the slot axis, so outputs are the eager
 forward's up to floating-point reassociation, and the lossless tests run with compiled steps too.
@@ -21,10 +20,8 @@ from __future__ import annotations
 import weakref
 
 import torch
-from transformers.cache_utils import Cache, StaticLayer
 
 MAX_BUCKET = 64  # segments up to this many tokens run compiled; longer ones (prefills) eagerly
-CAPACITY_STEP = 256  # the slot capacity grows in these steps (each capacity is one more graph per bucket)
 # the compiler backend; tests set "aot_eager", which traces and partitions the same graphs without
 # generating code, so that capture is tested in seconds
 BACKEND = "inductor"
@@ -62,39 +59,3 @@ def bucket(t: int) -> int | None:
     if t > MAX_BUCKET:
         return None
     return 1 << max(0, (t - 1).bit_length())
-
-
-def capacity_for(slots: int) -> int:
-    return -(-slots // CAPACITY_STEP) * CAPACITY_STEP
-
-
-class SlotBuffers(Cache):
-    """Per layer, keys and values of ``capacity`` slots written in place at the layer's write offset (a
-    tensor each layer advances as it writes). Slots past what the slot book committed hold stale values
-    that every mask hides; dropping a tail is therefore only bookkeeping, and each forward starts by
-    setting the offsets to the committed length."""
-
-    def __init__(self, num_layers: int, capacity: int, device: torch.device):
-        super().__init__(layers=[StaticLayer(capacity) for _ in range(num_layers)])
-        self.capacity = capacity
-        for layer in self.layers:
-            # on the buffers' device from the start, so a layer's initialisation keeps this tensor
-            layer.cumulative_length = torch.zeros((), dtype=torch.long, device=device)
-
-    @classmethod
-    def holding(cls, kv: list[tuple[torch.Tensor, torch.Tensor]], capacity: int) -> "SlotBuffers":
-        """Buffers of ``capacity`` slots whose first slots hold ``kv`` (per layer keys, values [B, H, S, D])."""
-        out = cls(len(kv), capacity, kv[0][0].device)
-        for layer, (k, v) in zip(out.layers, kv):
-            layer.lazy_initialization(k[:, :, :1], v[:, :, :1])
-            layer.keys[:, :, : k.shape[2]] = k
-            layer.values[:, :, : v.shape[2]] = v
-        return out
-
-    def set_length(self, n: int) -> None:
-        for layer in self.layers:
-            layer.cumulative_length.fill_(n)
-
-    def committed(self, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Views of every layer's first ``n`` slots."""
-        return [(layer.keys[:, :, :n], layer.values[:, :, :n]) for layer in self.layers]

@@ -2,7 +2,7 @@
 
 A draft model is called once per drafted token, at one token a call, and on a small model that call's
 price is set by work per module and per op, not arithmetic. ``LeanStep`` runs the same arithmetic as
-plain tensor ops, with q/k/v and gate/up fused into one matmul each, against the same ``DynamicCache``
+plain tensor ops, with q/k/v and gate/up fused into one matmul each, against the same cache
 (so ``KVState``'s crop/rollback/row selection apply unchanged).
 
 It is used for drafts only (the target keeps HF's forward: the lossless guarantee is stated against

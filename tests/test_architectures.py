@@ -184,7 +184,9 @@ def test_sliding_state_keeps_every_slot_and_its_position(zoo):
     state = captured["state"]
     for row in range(state.valid.shape[0]):
         assert state.positions[row][state.valid[row]].tolist() == list(range(int(state.pos[row])))
-    assert all(layer.keys.shape[2] == state.length for layer in state.cache.layers)
+    # every layer, sliding ones included, holds every committed slot (none kept only the last window)
+    assert len(state._committed()) == model.config.num_hidden_layers
+    assert all(layer.keys.shape[2] >= state.length > model.config.sliding_window for layer in state.cache.layers)
 
 
 # ---------------------------------------------------------------------------------------------

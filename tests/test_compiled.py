@@ -18,6 +18,7 @@ from test_continuous import BATCH, BUDGETS, make_drafter
 from test_sampling import P_FLOOR, chi2_pvalue, exact_two_token_distribution
 
 from specdec.decode import compiled
+from specdec.decode import cache as cache_module
 from specdec.decode.cache import KVState
 from specdec.decode.drafters import ModelDrafter, RecycleDrafter
 from specdec.decode.engine import SpecEngine
@@ -29,7 +30,7 @@ from specdec.decode.verify import Sampling
 def quick_backend(monkeypatch):
     monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
     # small capacity steps: buffers grow (and are copied) several times within one request
-    monkeypatch.setattr(compiled, "CAPACITY_STEP", 16)
+    monkeypatch.setattr(cache_module, "CAPACITY_STEP", 16)
     compiled._COMPILED.clear()
     yield
     compiled._COMPILED.clear()
@@ -58,7 +59,7 @@ def calls(monkeypatch):
 def test_bucket_and_capacity():
     assert [compiled.bucket(t) for t in (1, 2, 3, 5, 8, 9, 64)] == [1, 2, 4, 8, 8, 16, 64]
     assert compiled.bucket(65) is None  # prefills run eagerly
-    assert compiled.capacity_for(1) == 16 and compiled.capacity_for(16) == 16 and compiled.capacity_for(17) == 32
+    assert cache_module.capacity_for(1) == 16 and cache_module.capacity_for(16) == 16 and cache_module.capacity_for(17) == 32
 
 
 def test_compiled_state_matches_eager_forward(target):

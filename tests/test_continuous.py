@@ -120,11 +120,12 @@ def test_admission_leaves_every_rows_cache_equal_to_a_fresh_prefill(target, draf
                 text = seq[: int(state.pos[row])]  # the root is not in the cache yet
                 fresh = KVState(target, 1, torch.device("cpu"))
                 fresh.forward(torch.tensor([text]))
+                fresh.commit_prefix(len(text), torch.ones(1, len(text), dtype=torch.bool))
                 keep = state.valid[row]
                 assert state.positions[row][keep].tolist() == list(range(len(text)))
-                for got, ref in zip(state.cache.layers, fresh.cache.layers):
-                    torch.testing.assert_close(got.keys[row][:, keep], ref.keys[0], rtol=1e-9, atol=1e-9)
-                    torch.testing.assert_close(got.values[row][:, keep], ref.values[0], rtol=1e-9, atol=1e-9)
+                for (got_k, got_v), (ref_k, ref_v) in zip(state._committed(), fresh._committed()):
+                    torch.testing.assert_close(got_k[row][:, keep], ref_k[0], rtol=1e-9, atol=1e-9)
+                    torch.testing.assert_close(got_v[row][:, keep], ref_v[0], rtol=1e-9, atol=1e-9)
                 checked[0] += 1
         return verify(state, batch, proposal)
 

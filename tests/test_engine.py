@@ -103,10 +103,11 @@ def test_kv_rollback_equals_fresh_prefill(target, draft_model):
         fresh = KVState(target, 1, torch.device("cpu"))
         with torch.inference_mode():
             fresh.forward(torch.tensor([text]))
+        fresh.commit_prefix(len(text), torch.ones(1, len(text), dtype=torch.bool))
         keep = state.valid[row]
-        for got_layer, ref_layer in zip(state.cache.layers, fresh.cache.layers):
-            torch.testing.assert_close(got_layer.keys[row][:, keep], ref_layer.keys[0], rtol=1e-9, atol=1e-9)
-            torch.testing.assert_close(got_layer.values[row][:, keep], ref_layer.values[0], rtol=1e-9, atol=1e-9)
+        for (got_k, got_v), (ref_k, ref_v) in zip(state._committed(), fresh._committed()):
+            torch.testing.assert_close(got_k[row][:, keep], ref_k[0], rtol=1e-9, atol=1e-9)
+            torch.testing.assert_close(got_v[row][:, keep], ref_v[0], rtol=1e-9, atol=1e-9)
 
 
 @pytest.mark.parametrize("vectorised", [False, True])
