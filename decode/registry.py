@@ -94,6 +94,10 @@ def _build_draft(path: Path | str, target, tokenizer, options: DecodeOptions):
     # two siblings per step unless --top-k says otherwise: each level of siblings costs the target a
     # wider forward, not the draft another call
     width = options.top_k or 2
+    if options.parallel:  # PEARL: drafts while the target verifies (decode/pearl.py)
+        from specdec.decode.pearl import ParallelDrafter
+
+        return ParallelDrafter(model)
     if options.online:  # the draft learns from the job's own verification rounds (decode/online.py)
         from specdec.decode.online import OnlineDrafter
 
@@ -123,6 +127,10 @@ def _refuse_options_that_do_not_apply(kind: str, options: DecodeOptions) -> None
         raise UsageError(f"--retrieval applies to draft models, not to a {kind} drafter (use retrieval:INDEX alone)")
     if kind != "draft" and options.online:
         raise UsageError(f"online updates apply to draft models, not to a {kind} drafter")
+    if kind != "draft" and options.parallel:
+        raise UsageError(f"--parallel (PEARL) applies to draft models, not to a {kind} drafter")
+    if options.parallel and (options.acceptance or options.online or options.verify != "standard"):
+        raise UsageError("--parallel drafts a plain chain: it does not combine with --acceptance, online=1 or --verify rsd|spectr")
     if kind != "draft" and options.verify != "standard":
         raise UsageError(f"--verify {options.verify} applies to draft models, not to a {kind} drafter")
     if not options.acceptance and any(v is not None for v in (options.stop_threshold, options.min_draft, options.max_draft)):

@@ -1,0 +1,225 @@
+"""PEARL's post-verify: the draft drafts the next block while the target verifies this one.
+
+Plain speculative decoding alternates, and each model waits for the other: the target while the
+draft drafts, the draft while the target verifies. ``ParallelDrafter.propose`` hands the engine a
+block of drafts and starts a background thread in which the draft goes on as if the target will
+accept all of them: first its guess of the token the target emits after the block, then drafts
+after that guess. ``observe`` (the verdict is in) stops that thread and joins it. When every row
+accepted the whole block and the target's token is the draft's guess, the drafts made meanwhile
+are the next round's proposal, ready at no drafting time; otherwise they are rolled back.
+
+Adaptive length: the thread drafts until the verdict is in (at most ``num_draft`` drafts after the
+guess), so a block that follows a fully accepted one is as long as the draft gets while the target
+verifies, and a rejected block costs at most the one draft step in flight when the verdict came.
+
+Lossless: verification is exact for any proposal whose tokens were drawn from the q it reports. A
+kept block was drafted on the very text the target produced (the guess is the target's token) and
+reports the q each draft was drawn from; a rolled-back one is never shown to the target.
+At T>0 the outcome for a seed depends on timing (how many drafts the thread made); its distribution
+does not.
+
+Threads: the draft's KV cache is touched by one thread at a time. The background thread owns it
+from the end of ``propose`` to the join in ``observe``, and every other step joins first. The
+thread draws from the drafter's own generator (torch generators are not thread-safe, and
+verification draws from the engine's meanwhile) and runs under inference mode of its own (a
+thread-local mode). An exception in the thread is raised again by the join. On a CPU the two
+threads run torch ops at once (ops release the GIL), each with the process's intra-op threads: half
+the cores each is the right ``--threads`` (the automatic setting gives models under 5M parameters
+one); on CUDA the draft runs on a stream of its own.
+
+Not built: pre-verify (the target checking the first draft while the draft drafts the rest) needs a
+second, concurrent target forward inside the engine's round.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import torch
+
+from specdec.decode.drafters import ModelDrafter, Proposal, Segment
+from specdec.decode.verify import Sampling, logits_to_probs
+
+
+class ParallelDrafter(ModelDrafter):
+    def __init__(self, model, adaptive: bool = True):
+        """adaptive False: the thread always drafts the guess and ``num_draft`` drafts, verdict or not
+        (the main thread then waits for it): runs that a seed reproduces exactly at T>0."""
+        super().__init__(model)
+        self.adaptive = adaptive
+        self.generator: torch.Generator | None = None
+        self.ready_rounds = 0  # proposals drafted while the target verified the block before
+        self._stream = None
+        self._thread: threading.Thread | None = None
+        self._verdict_in = threading.Event()
+        self._ahead: tuple[int, list, list] | None = None  # the thread's (steps fed, tokens, q's)
+        self._error: BaseException | None = None
+        self._ready: Proposal | None = None  # a kept block: the next proposal; the cache holds all but its last draft
+        self._proposed = 0  # drafts in this round's proposal (0: no proposal)
+
+    # -- the drafter protocol --------------------------------------------------------------------
+
+    def begin(self, batch, seg: Segment) -> None:
+        self._abandon()
+        self._stream = torch.cuda.Stream(batch.device) if batch.device.type == "cuda" else None
+        seed = int(torch.randint(1 << 62, (1,), generator=batch.generator, device=batch.device).item())
+        self.generator = torch.Generator(device=batch.device).manual_seed(seed)
+        self._ready, self._proposed = None, 0
+        with self._draft_stream():
+            super().begin(batch, seg)
+
+    def propose(self, batch) -> Proposal | None:
+        self._join()
+        k = batch.num_draft
+        with self._draft_stream():
+            if self._ready is not None and self._ready.tokens.shape[1] <= k:
+                proposal, self._ready = self._ready, None
+                self.ready_rounds += 1
+            else:
+                self._discard_ready()
+                proposal = self._propose_fixed(batch, k)
+        if proposal is None:
+            return None
+        self._proposed = proposal.tokens.shape[1]
+        self._hand_over(proposal)
+        self._start(proposal.tokens[:, -1], batch.sampling, k)
+        return proposal
+
+    def observe(self, batch, seg: Segment) -> None:
+        if not self._proposed:  # the engine drafted nothing this round: a kept block no longer follows the text
+            with self._draft_stream():
+                self._discard_ready()
+            return
+        self._verdict_in.set()
+        self._join()
+        steps, tokens, probs = self._ahead
+        n = self._proposed
+        self._ahead, self._proposed = None, 0
+        accepted = seg.accepted
+        kept = steps >= 1 and all(a == n for a in accepted)
+        # the guess is compared to the target's token only when every draft was accepted (a host read)
+        kept = kept and torch.equal(tokens[0], batch.root)
+        with self._draft_stream():
+            if kept:
+                # cache: the block's drafts d1..dn, the guess (the target's token), then the drafts after it
+                self.fed = [f + n - 1 + min(steps, 2) for f in self.fed]
+                self._drafted = max(steps - 2, 0)
+                self._ready = block_after_guess(tokens, probs)
+            else:
+                real = n - 1 + min(steps, 1)  # slots holding the block's drafts; the rest are speculative
+                keep = [min(a, real) for a in accepted]
+                self.state.rollback(n - 1 + steps, keep)
+                self.fed = [f + kp for f, kp in zip(self.fed, keep)]
+                self._drafted = 0
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        self._join()
+        with self._draft_stream():
+            super().select_rows(rows)
+            if self._ready is not None:
+                probs = self._ready.draft_probs
+                self._ready = Proposal(tokens=self._ready.tokens[rows], draft_probs=None if probs is None else probs[rows])
+
+    def admit(self, batch, seg: Segment) -> None:
+        self._join()
+        with self._draft_stream():
+            self._discard_ready()  # the new rows have no block drafted ahead
+            super().admit(batch, seg)
+
+    # -- drafting --------------------------------------------------------------------------------
+
+    def _pick(self, logits: torch.Tensor, batch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self._sample(logits, batch.sampling)
+
+    def _sample(self, logits: torch.Tensor, sampling: Sampling) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if sampling.greedy:
+            return logits.argmax(-1), None
+        q = logits_to_probs(logits, sampling)
+        return torch.multinomial(q, 1, generator=self.generator).squeeze(-1), q
+
+    def _discard_ready(self) -> None:
+        """Roll back a kept block's drafts (the cache holds all but its last)."""
+        if self._ready is not None:
+            self.state.rollback(self._drafted, [0] * len(self.fed))
+            self._drafted = 0
+            self._ready = None
+
+    def _start(self, last: torch.Tensor, sampling: Sampling, k: int) -> None:
+        self._verdict_in.clear()
+        self._ahead, self._error = (0, [], []), None
+        self._thread = threading.Thread(target=self._draft_ahead, args=(last, sampling, k), daemon=True)
+        self._thread.start()
+
+    def _draft_ahead(self, last: torch.Tensor, sampling: Sampling, k: int) -> None:
+        """Background: feed the block's last draft, guess the target's token, then draft up to k
+        tokens after the guess; stop early once the verdict is in (adaptive)."""
+        try:
+            stream = torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
+            with torch.inference_mode(), stream:
+                tok, tokens, probs = last, [], []
+                one = torch.ones(last.shape[0], 1, dtype=torch.bool, device=last.device)
+                while len(tokens) < k + 1 and not (self.adaptive and self._verdict_in.is_set()):
+                    out = self.state.forward(tok[:, None])
+                    self.state.commit_prefix(1, one)
+                    tok, q = self._sample(out.logits[:, -1], sampling)
+                    tokens.append(tok)
+                    probs.append(q)
+                    if self._stream is not None:
+                        self._stream.synchronize()  # so the verdict check sees how far the draft really got
+                    self._ahead = (len(tokens), tokens, probs)
+        except BaseException as exc:  # raised again by the join, in the decode loop's thread
+            self._error = exc
+
+    def _join(self) -> None:
+        thread, self._thread = self._thread, None
+        if thread is None:
+            return
+        self._verdict_in.set()
+        thread.join()
+        if self._stream is not None:
+            torch.cuda.current_stream(self._stream.device).wait_stream(self._stream)
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError("the parallel draft failed while the target verified") from error
+
+    def _abandon(self) -> None:
+        """Join a thread left by a decode that stopped mid-round; its work and any error go with the old batch."""
+        try:
+            self._join()
+        except RuntimeError:
+            pass
+
+    # -- CUDA streams ----------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _draft_stream(self):
+        """Draft work issued from the decode loop's thread runs on the draft's stream too, so the draft's
+        cache is only ever written on that one stream; the streams wait for each other at both ends."""
+        if self._stream is None:
+            yield
+            return
+        main = torch.cuda.current_stream(self._stream.device)
+        self._stream.wait_stream(main)
+        with torch.cuda.stream(self._stream):
+            yield
+        main.wait_stream(self._stream)
+
+    def _hand_over(self, proposal: Proposal) -> None:
+        """The proposal's tensors were made on the draft's stream and are read on the main one: the
+        allocator must not give their memory to the draft's stream before the main stream is done."""
+        if self._stream is None:
+            return
+        main = torch.cuda.current_stream(self._stream.device)
+        for t in (proposal.tokens, proposal.draft_probs):
+            if t is not None:
+                t.record_stream(main)
+
+
+def block_after_guess(tokens: list, probs: list) -> Proposal | None:
+    """The next proposal from what the thread drew: the drafts after the guess (the guess itself is the
+    target's token now, not a draft), each with the q it was drawn from. None when the thread stopped
+    at the guess."""
+    if len(tokens) < 2:
+        return None
+    return Proposal(tokens=torch.stack(tokens[1:], 1), draft_probs=None if probs[1] is None else torch.stack(probs[1:], 1))

@@ -1,0 +1,314 @@
+"""PEARL's post-verify (decode/pearl.py): the draft drafts the next block in a thread of its own
+while the target verifies, and decoding stays lossless.
+
+Greedy output equals plain greedy (batch sizes 1 and 3, rows finishing at different times, rows
+joining a running batch) with blocks kept and rolled back; at T>0 the first three tokens follow the
+target's distribution (chi-square), and a variant whose kept blocks lose the q their drafts were
+drawn from fails the same test. The draft's cache is never touched by two threads at once, a failure
+in the background thread is an error (not a hang), and the block length follows the time the target
+leaves the draft.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+
+import pytest
+import torch
+from conftest import ByteTokenizer, invoke, make_prompts, tiny_llama
+from specdec.decode import pearl
+from specdec.decode.drafters import ModelDrafter, NoDrafter, Proposal
+from specdec.decode.engine import SpecEngine
+from specdec.decode.options import DecodeOptions, parse_method
+from specdec.decode.pearl import ParallelDrafter
+from specdec.decode.types import GenRequest
+from specdec.decode.verify import Sampling, logits_to_probs
+from test_sampling import P_FLOOR, chi2_pvalue
+
+
+@pytest.fixture(autouse=True)
+def one_thread_per_model():
+    """Two models at once on a CPU: one intra-op thread each (torch's setting is process-wide)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def requests(prompts, budgets):
+    return [GenRequest(p, n) for p, n in zip(prompts, budgets)]
+
+
+@pytest.fixture(scope="module")
+def twin(target):
+    """A draft that agrees with the target (its copy): every block is accepted, so blocks are kept."""
+    return copy.deepcopy(target)
+
+
+@pytest.fixture(scope="module")
+def near(target):
+    """A draft that mostly agrees with the target: blocks kept, blocks rejected, guesses missed."""
+    model = copy.deepcopy(target)
+    noise = torch.randn(model.lm_head.weight.shape, generator=torch.Generator().manual_seed(0), dtype=model.lm_head.weight.dtype)
+    with torch.no_grad():
+        model.lm_head.weight.add_(noise * 0.05)
+    return model
+
+
+@pytest.fixture(scope="module")
+def drafts(twin, near, draft_model):
+    return {"twin": twin, "near": near, "poor": draft_model}
+
+
+def run(target, drafter, reqs, num_draft=4, batch_size=None):
+    engine = SpecEngine(target, ByteTokenizer(), drafter, Sampling(), num_draft=num_draft, seed=0)
+    if batch_size is None:
+        return {i: r for i, r in enumerate(engine.generate(list(reqs)))}
+    return dict(engine.stream(iter(reqs), batch_size=batch_size))
+
+
+@pytest.mark.parametrize("adaptive", [True, False])
+@pytest.mark.parametrize("which", ["twin", "near", "poor"])
+@pytest.mark.parametrize("bsz", [1, 3])
+def test_greedy_is_plain_greedy(target, drafts, bsz, which, adaptive):
+    reqs = requests(make_prompts(bsz, seed=31 + bsz), [40, 23, 31][:bsz])
+    drafter = ParallelDrafter(drafts[which], adaptive=adaptive)
+    spec, ar = run(target, drafter, reqs), run(target, NoDrafter(), reqs)
+    assert [r.token_ids for r in spec.values()] == [r.token_ids for r in ar.values()]
+    assert [r.finish_reason for r in spec.values()] == [r.finish_reason for r in ar.values()]
+    if which == "twin" and not adaptive:  # the thread always drafts a whole block: some are kept
+        assert drafter.ready_rounds > 0
+    if which == "poor":
+        assert drafter.ready_rounds == 0
+
+
+@pytest.mark.parametrize("which", ["twin", "near", "poor"])
+def test_greedy_with_rows_joining_a_running_batch(target, drafts, which):
+    reqs = [GenRequest(p, 4 + 9 * (i % 3)) for i, p in enumerate(make_prompts(7, seed=3))]
+    drafter = ParallelDrafter(drafts[which], adaptive=False)
+    spec, ar = run(target, drafter, reqs, batch_size=3), run(target, NoDrafter(), reqs, batch_size=3)
+    assert {i: r.token_ids for i, r in spec.items()} == {i: r.token_ids for i, r in ar.items()}
+
+
+def test_every_proposal_is_what_a_fresh_draft_of_the_text_proposes(target, near):
+    """A kept block, and every block drafted after a keep or a rollback, is what a drafter that
+    prefills the committed text drafts: the cache the thread leaves (the block's drafts, the guess,
+    the drafts after it) is kept or cut exactly where the text says."""
+    drafter = ParallelDrafter(near, adaptive=False)
+    kinds = []
+    propose = drafter.propose
+
+    def spy(batch):
+        ready = drafter._ready is not None
+        proposal = propose(batch)
+        fresh = ModelDrafter(near)
+        fresh.begin(batch, None)
+        assert torch.equal(proposal.tokens, fresh.propose(batch).tokens)
+        kinds.append(ready)
+        return proposal
+
+    drafter.propose = spy
+    reqs = requests(make_prompts(3, seed=5), [48, 48, 48])
+    run(target, drafter, reqs, num_draft=3, batch_size=1)
+    assert drafter.ready_rounds == sum(kinds) > 2
+    # rounds drafted in the loop's thread right after a kept block: the cache cut back after a miss
+    assert any(a and not b for a, b in zip(kinds, kinds[1:]))
+
+
+def bigram(vocab: int, scale: float):
+    """A model whose next token depends on the last token only (attention and MLP outputs zeroed, the
+    cache still kept): a long sample is a Markov chain whose transitions are known exactly."""
+    model = tiny_llama(vocab=vocab, hidden=32, layers=1, seed=3, max_pos=8192)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.lm_head.weight.mul_(scale)
+    return model
+
+
+def _kept_blocks_with_shifted_q(monkeypatch):
+    """Broken on purpose: a kept block reports, for each draft, the q of the step before it (the
+    guess's q for the first draft): the drafts were drawn from one distribution, verified against another."""
+
+    def shifted(tokens, probs):
+        if len(tokens) < 2:
+            return None
+        return Proposal(tokens=torch.stack(tokens[1:], 1), draft_probs=torch.stack(probs[:-1], 1))
+
+    monkeypatch.setattr(pearl, "block_after_guess", shifted)
+
+
+@pytest.mark.parametrize("variant", ["pearl", "broken"])
+def test_sampling_follows_the_target_distribution(variant, monkeypatch):
+    """One long row of a bigram target: every token pair follows its transition matrix, and so does
+    the first token after each kept block (where the broken variant differs). A sharp draft of a flat
+    target makes a misreported q show: its drafts are accepted far more often than they should be."""
+    vocab, tokens = 6, 3000
+    target = bigram(vocab, 0.1)
+    draft = bigram(vocab, 10.0)
+    if variant == "broken":
+        _kept_blocks_with_shifted_q(monkeypatch)
+    drafter = ParallelDrafter(draft, adaptive=False)  # whole blocks every round: a seed reproduces the run
+    starts, propose = [], drafter.propose
+
+    def spy(batch):
+        if drafter._ready is not None:
+            starts.append(len(batch.seqs[0]))  # the next token is the first one verified from a kept block
+        return propose(batch)
+
+    drafter.propose = spy
+    sampling = Sampling(temperature=0.9)
+    engine = SpecEngine(target, ByteTokenizer(), drafter, sampling, num_draft=1, seed=7, eos_ids=[])
+    seq = [3] + engine.generate([GenRequest([3], tokens)])[0].token_ids
+    with torch.no_grad():
+        transitions = logits_to_probs(target(torch.arange(vocab)[:, None]).logits[:, -1], sampling).double()
+
+    def pvalue(pairs):
+        counts = torch.bincount(torch.tensor([a * vocab + b for a, b in pairs]), minlength=vocab * vocab).double()
+        first = counts.reshape(vocab, vocab).sum(1, keepdim=True)  # expected: each first token's count times its row
+        return chi2_pvalue(counts, (first / first.sum() * transitions).reshape(-1))
+
+    after_kept = pvalue([(seq[s - 1], seq[s]) for s in starts])
+    print(f"\n{variant}: chi-square p = {after_kept:.3g} after {len(starts)} kept blocks")
+    assert len(starts) > 100
+    if variant == "broken":
+        assert after_kept < 1e-6
+    else:
+        assert after_kept > P_FLOOR
+        assert pvalue(list(zip(seq[:-1], seq[1:]))) > P_FLOOR
+
+
+def test_the_draft_cache_is_never_touched_by_two_threads(target, twin, monkeypatch):
+    """Every cache operation holds a lock it must get at once; each forward sleeps a little so an
+    overlap, were there one, would be caught."""
+    from specdec.decode.cache import KVState
+
+    lock, overlaps, threads = threading.Lock(), [], set()
+    drafter = ParallelDrafter(twin)
+
+    def guarded(name):
+        real = getattr(KVState, name)
+
+        def op(self, *args, **kwargs):
+            if self is not drafter.state:
+                return real(self, *args, **kwargs)
+            if not lock.acquire(blocking=False):
+                overlaps.append(name)
+                return real(self, *args, **kwargs)
+            try:
+                threads.add(threading.get_ident())
+                if name == "forward":
+                    time.sleep(0.002)
+                return real(self, *args, **kwargs)
+            finally:
+                lock.release()
+
+        return op
+
+    for name in ("forward", "commit_prefix", "rollback", "select_rows", "admit"):
+        monkeypatch.setattr(KVState, name, guarded(name))
+    reqs = [GenRequest(p, 6 + 7 * (i % 3)) for i, p in enumerate(make_prompts(6, seed=8))]
+    spec, ar = run(target, drafter, reqs, batch_size=2), run(target, NoDrafter(), reqs, batch_size=2)
+    assert {i: r.token_ids for i, r in spec.items()} == {i: r.token_ids for i, r in ar.items()}
+    assert not overlaps
+    assert len(threads) > 1  # the background thread did draft
+
+
+def test_a_failure_in_the_background_thread_is_an_error_not_a_hang(target, twin, monkeypatch):
+    drafter = ParallelDrafter(twin, adaptive=False)  # the thread drafts every round, verdict or not
+    loop = []  # the thread the decode loop runs in
+    sample = ParallelDrafter._sample
+
+    def failing(self, logits, sampling):
+        if threading.get_ident() != loop[0]:
+            raise ValueError("draft step failed")
+        return sample(self, logits, sampling)
+
+    monkeypatch.setattr(ParallelDrafter, "_sample", failing)
+    outcome = []
+
+    def decode():
+        loop.append(threading.get_ident())
+        try:
+            run(target, drafter, requests(make_prompts(2, seed=4), [20, 20]))
+        except Exception as exc:  # noqa: BLE001 - the test inspects it
+            outcome.append(exc)
+
+    worker = threading.Thread(target=decode, daemon=True)
+    worker.start()
+    worker.join(timeout=60)
+    assert not worker.is_alive(), "decoding hung on a failed background draft"
+    assert len(outcome) == 1 and isinstance(outcome[0], RuntimeError)
+    assert isinstance(outcome[0].__cause__, ValueError)
+
+
+def _slow(model, seconds):
+    model = copy.deepcopy(model)
+    model.register_forward_pre_hook(lambda module, args: time.sleep(seconds))
+    return model
+
+
+@pytest.mark.parametrize("adaptive", [True, False])
+def test_block_length_follows_the_time_the_target_leaves_the_draft(target, adaptive):
+    """A slow target leaves the draft time for whole blocks; a slow draft is stopped by the verdict
+    (adaptive), so its kept blocks are short, unless it must always draft whole blocks."""
+    k = 5
+    lengths = {}
+    for name, tgt, draft in (("slow target", _slow(target, 0.05), copy.deepcopy(target)),
+                             ("slow draft", target, _slow(target, 0.02))):
+        drafter = ParallelDrafter(draft, adaptive=adaptive)
+        sizes = []
+        propose = drafter.propose
+
+        def spy(batch, propose=propose, drafter=drafter, sizes=sizes):
+            ready = drafter._ready is not None
+            proposal = propose(batch)
+            if ready:
+                sizes.append(proposal.tokens.shape[1])
+            return proposal
+
+        drafter.propose = spy
+        run(tgt, drafter, requests(make_prompts(1, seed=6), [30]), num_draft=k)
+        lengths[name] = sizes
+    assert lengths["slow target"] and all(n == k for n in lengths["slow target"])
+    if adaptive:
+        assert all(n < k for n in lengths["slow draft"])
+    else:
+        assert lengths["slow draft"] and all(n == k for n in lengths["slow draft"])
+
+
+def test_method_spec_and_flag_build_the_parallel_drafter(tiny_family, tmp_path):
+    import json
+
+    from specdec.decode.registry import build_drafter, check_drafter_options, load_decode_target
+    from specdec.models.errors import UsageError
+
+    head, overrides = parse_method("draft+parallel=1+k=3")
+    opts = DecodeOptions(device="cpu").with_overrides(overrides)
+    assert (head, opts.parallel, opts.num_draft) == ("draft", True, 3)
+    target, tok, _ = load_decode_target(str(tiny_family / "target"), opts)
+    drafter = build_drafter(str(tiny_family / "draft"), target, tok, opts)
+    assert isinstance(drafter, ParallelDrafter)
+    prompts = [tok.encode("def add(a, b):\n"), tok.encode("for i in range(10):\n")]
+    ar = SpecEngine(target, tok).generate(requests(prompts, [24, 24]))
+    spec = SpecEngine(target, tok, drafter, num_draft=3).generate(requests(prompts, [24, 24]))
+    assert [r.token_ids for r in spec] == [r.token_ids for r in ar]
+    for spec_text, needle in (("ngram", "draft models"), ("draft+verify=rsd", "does not combine"), ("draft+online=1", "does not combine")):
+        name, more = parse_method(spec_text)
+        with pytest.raises(UsageError, match=needle):
+            check_drafter_options(name if name != "draft" else str(tiny_family / "draft"), opts.with_overrides(more))
+
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"prompt": "def f(x):\n"}) + "\n")
+    outs = {}
+    for flags in ([], ["--drafter", tiny_family / "draft", "--parallel"]):
+        out = tmp_path / f"out{len(flags)}.jsonl"
+        res = invoke(["decode", "--in", src, "--out", out, "--target", tiny_family / "target", "--max-new-tokens", "16", *flags])
+        assert res.exit_code == 0, res.output
+        outs[len(flags)] = [json.loads(line)["completion"] for line in out.read_text().splitlines()]
+    assert outs[0] == outs[3]
+    res = invoke(["decode", "--in", src, "--out", tmp_path / "bad.jsonl", "--target", tiny_family / "target", "--drafter", "ngram", "--parallel"])
+    assert res.exit_code == 2 and "--parallel" in res.stderr
