@@ -3,6 +3,8 @@ and a deliberately broken acceptance rule fails the same test."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from conftest import ByteTokenizer, tiny_llama
@@ -88,6 +90,15 @@ def exact_two_token_distribution(model, prompt, sampling):
     return (p1[:, None] * p2).reshape(-1)
 
 
+def two_token_pvalue(results, model, prompt, sampling) -> float:
+    """The chi-square p-value of the first two tokens of ``results`` against ``model``'s exact joint
+    distribution of the two tokens after ``prompt``."""
+    exact = exact_two_token_distribution(model, prompt, sampling)
+    vocab = math.isqrt(exact.numel())
+    pairs = torch.tensor([r.token_ids[0] * vocab + r.token_ids[1] for r in results])
+    return chi2_pvalue(torch.bincount(pairs, minlength=vocab * vocab).double(), exact.double())
+
+
 @pytest.mark.parametrize("name", ["draft", "ngram", "recycle"])
 def test_engine_samples_the_target_joint_distribution(name):
     vocab = 12
@@ -104,7 +115,5 @@ def test_engine_samples_the_target_joint_distribution(name):
     engine = SpecEngine(target, ByteTokenizer(), drafter, sampling, num_draft=3, seed=123, eos_ids=[])
     rows = 6000
     res = engine.generate([GenRequest(prompt, 2) for _ in range(rows)])
-    pairs = torch.tensor([r.token_ids[0] * vocab + r.token_ids[1] for r in res])
-    exact = exact_two_token_distribution(target, prompt, sampling)
-    assert chi2_pvalue(torch.bincount(pairs, minlength=vocab * vocab).double(), exact.double()) > P_FLOOR
+    assert two_token_pvalue(res, target, prompt, sampling) > P_FLOOR
     assert sum(r.stats["accepted_tokens"] for r in res) > 0  # drafts were actually tested

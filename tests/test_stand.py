@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 from conftest import ByteTokenizer, invoke, make_prompts, tiny_llama
-from test_sampling import P_FLOOR, chi2_pvalue, exact_two_token_distribution
+from test_sampling import P_FLOOR, two_token_pvalue
 
 from specdec.decode import stand
 from specdec.decode.drafters import NoDrafter
@@ -86,9 +86,7 @@ def engine_pairs(rows: int = 4000, batch_size: int = 1000):
     # every other row runs longer, so the batch never empties and the group's table lives on
     requests = [GenRequest(prompt, 2 + 4 * (i % 2), group=0) for i in range(rows)]
     res = [r for _, r in sorted(engine.stream(iter(requests), batch_size), key=lambda ir: ir[0])]
-    pairs = torch.tensor([r.token_ids[0] * vocab + r.token_ids[1] for r in res])
-    exact = exact_two_token_distribution(target, prompt, sampling)
-    return chi2_pvalue(torch.bincount(pairs, minlength=vocab * vocab).double(), exact.double()), res
+    return two_token_pvalue(res, target, prompt, sampling), res
 
 
 def test_engine_samples_the_target_joint_distribution():
