@@ -11,6 +11,7 @@ are the next round's proposal, ready at no drafting time; otherwise they are rol
 Adaptive length: the thread drafts until the verdict is in (at most ``num_draft`` drafts after the
 guess), so a block that follows a fully accepted one is as long as the draft gets while the target
 verifies, and a rejected block costs at most the one draft step in flight when the verdict came.
+As in PEARL, drafting ahead follows a fully accepted block only; after a rejection a round is plain.
 
 Lossless: verification is exact for any proposal whose tokens were drawn from the q it reports. A
 kept block was drafted on the very text the target produced (the guess is the target's token) and
@@ -44,10 +45,12 @@ from specdec.decode.verify import Sampling, logits_to_probs
 
 class ParallelDrafter(ModelDrafter):
     def __init__(self, model, adaptive: bool = True):
-        """adaptive False: the thread always drafts the guess and ``num_draft`` drafts, verdict or not
-        (the main thread then waits for it): runs that a seed reproduces exactly at T>0."""
+        """adaptive False: the thread runs every round and always drafts the guess and ``num_draft``
+        drafts, verdict or not (the main thread then waits for it): runs that a seed reproduces exactly
+        at T>0."""
         super().__init__(model)
         self.adaptive = adaptive
+        self._ahead_next = not adaptive  # draft ahead in the next round (see ``observe``)
         self.generator: torch.Generator | None = None
         self.ready_rounds = 0  # proposals drafted while the target verified the block before
         self._stream = None
@@ -66,6 +69,7 @@ class ParallelDrafter(ModelDrafter):
         seed = int(torch.randint(1 << 62, (1,), generator=batch.generator, device=batch.device).item())
         self.generator = torch.Generator(device=batch.device).manual_seed(seed)
         self._ready, self._proposed = None, 0
+        self._ahead_next = not self.adaptive
         with self._draft_stream():
             super().begin(batch, seg)
 
@@ -83,7 +87,10 @@ class ParallelDrafter(ModelDrafter):
             return None
         self._proposed = proposal.tokens.shape[1]
         self._hand_over(proposal)
-        self._start(proposal.tokens[:, -1], batch.sampling, k)
+        if self._ahead_next:
+            self._start(proposal.tokens[:, -1], batch.sampling, k)
+        else:
+            self._ahead = (0, [], [])
         return proposal
 
     def observe(self, batch, seg: Segment) -> None:
@@ -97,6 +104,9 @@ class ParallelDrafter(ModelDrafter):
         n = self._proposed
         self._ahead, self._proposed = None, 0
         accepted = seg.accepted
+        # PEARL's switch: the draft drafts ahead after a round whose whole block was accepted; after a
+        # rejection, work ahead would most likely be thrown away and only slow the target down
+        self._ahead_next = not self.adaptive or all(a == n for a in accepted)
         kept = steps >= 1 and all(a == n for a in accepted)
         # the guess is compared to the target's token only when every draft was accepted (a host read)
         kept = kept and torch.equal(tokens[0], batch.root)

@@ -117,6 +117,38 @@ def test_every_proposal_is_what_a_fresh_draft_of_the_text_proposes(target, near)
     assert any(a and not b for a, b in zip(kinds, kinds[1:]))
 
 
+def test_the_draft_drafts_ahead_only_after_a_fully_accepted_block(target, near, monkeypatch):
+    """PEARL's switch: after a rejection the round is plain (no thread); after a fully accepted block
+    the draft drafts ahead. Not adaptive: every round drafts ahead."""
+    for adaptive in (True, False):
+        drafter = ParallelDrafter(near, adaptive=adaptive)
+        started, full = [], []
+        start, observe = drafter._start, drafter.observe
+
+        def spy_start(*args, start=start, started=started):
+            started[-1] = True
+            return start(*args)
+
+        def spy_observe(batch, seg, observe=observe, full=full, drafter=drafter):
+            full.append(all(a == drafter._proposed for a in seg.accepted))
+            return observe(batch, seg)
+
+        drafter._start, drafter.observe = spy_start, spy_observe
+        propose = drafter.propose
+
+        def spy_propose(batch, propose=propose, started=started):
+            started.append(False)
+            return propose(batch)
+
+        drafter.propose = spy_propose
+        run(target, drafter, requests(make_prompts(1, seed=5), [64]), num_draft=3)
+        assert any(full) and not all(full)
+        if adaptive:
+            assert started == [False] + full[:-1]
+        else:
+            assert all(started)
+
+
 def bigram(vocab: int, scale: float):
     """A model whose next token depends on the last token only (attention and MLP outputs zeroed, the
     cache still kept): a long sample is a Markov chain whose transitions are known exactly."""
