@@ -24,9 +24,10 @@ from the end of ``propose`` to the join in ``observe``, and every other step joi
 thread draws from the drafter's own generator (torch generators are not thread-safe, and
 verification draws from the engine's meanwhile) and runs under inference mode of its own (a
 thread-local mode). An exception in the thread is raised again by the join. On a CPU the two
-threads run torch ops at once (ops release the GIL), each with the process's intra-op threads: half
-the cores each is the right ``--threads`` (the automatic setting gives models under 5M parameters
-one); on CUDA the draft runs on a stream of its own.
+threads overlap inside torch ops only (they release the GIL; the Python around them does not), so
+models whose forward is mostly Python overhead gain little; each thread uses the process's intra-op
+threads: half the cores each is the right ``--threads`` (the automatic setting gives models under 5M
+parameters one). On CUDA the draft runs on a stream of its own.
 
 Not built: pre-verify (the target checking the first draft while the draft drafts the rest) needs a
 second, concurrent target forward inside the engine's round.
