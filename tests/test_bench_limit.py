@@ -1,0 +1,59 @@
+"""scripts/bench-limit at tiny shapes on a CPU: every method and batch size measured, lossless, rendered.
+
+The compiler backend is ``aot_eager`` (graphs captured without generating code) and one intra-op
+thread, so the run takes about half a minute on a small shared machine."""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "scripts" / "bench-limit"
+ENGINE = ("ar", "ngram", "draft", "ar+compile", "ngram+compile", "draft+compile")
+
+
+def test_bench_limit_tiny(tmp_path):
+    out = tmp_path / "limit.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--shapes", "tiny", "--batch-sizes", "1,2", "--prompts", "2", "--prompt-len", "16",
+         "--max-new", "16", "--compile-backend", "aot_eager", "--out", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(out.read_text())
+    assert report["complete"] and report["peak_gbps_copy"] > 0
+    rows = {(r["batch_size"], r["method"]): r for r in report["rows"]}
+    assert set(rows) == {(bs, m) for bs in (1, 2) for m in ENGINE} | {(1, "hf-generate"), (1, "hf-static-compile")}
+    for (bs, method), r in rows.items():
+        if method.startswith("hf-") and r.get("tokens_per_s") is None:
+            assert r["note"].startswith("unavailable"), r  # transformers' compiled generate may not run here
+            continue
+        assert r["tokens_per_s"] > 0, (bs, method)
+        assert r["identical"] is True and r["same_as_ar"] == 1.0, (bs, method)  # greedy: lossless against eager ar
+        if method in ENGINE:
+            assert r["tau"] >= 1 and r["ideal_speedup"] > 0 and r["efficiency"] > 0, (bs, method)
+            assert 0 < r["peak_fraction"] < 1.5, (bs, method)
+    assert rows[(1, "ar")]["tau"] == 1.0 and rows[(1, "ar")]["speedup"] == 1.0
+    # drafts were accepted, so the lossless check covered the acceptance path, not only rejections
+    assert rows[(1, "ngram")]["tau"] > 1 and rows[(2, "draft")]["accepted_tokens"] > 0
+    assert report["all_identical"] is True
+    # the report is a table report that scripts/benchmarks-doc renders
+    doc = runpy.run_path(str(ROOT / "scripts" / "benchmarks-doc"), run_name="benchmarks_doc")
+    assert doc["kind"](report) == "table"
+    assert any("| 1 | ngram+compile |" in line for line in doc["section"]("cpu-limit", report))
+
+
+def test_bench_limit_llama3_needs_cuda():
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--shapes", "llama3"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert proc.returncode == 2 and "no CUDA device" in proc.stderr
