@@ -168,6 +168,9 @@ class KVState(SlotBook):
         # allocated at the first forward, when the shapes are known
         self.cache: SlotBuffers | None = None
         self._whole = False  # the last forward read whole buffers (a compiled step)
+        # a prefix every row shares, held once (decode.hydragen): per layer (keys, values) [1, Hkv, P, D]
+        # in front of every row's slots, which then hold the rows' own suffixes only
+        self.prefix: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         types, window = arch.layer_types(model.config), arch.sliding_window(model.config)
         # the window applies where some layer slides; the full mask too where others do not
         self._window = window if window is not None and arch.SLIDING in types else None
@@ -230,6 +233,8 @@ class KVState(SlotBook):
             near = (positions[:, :, None] - keys[:, None, :]) < self._window
             sliding = self._mask(visible & near[:, None])
             mask = {arch.FULL: mask, arch.SLIDING: sliding} if self._mixed else sliding
+        if self.prefix is not None:
+            model_kwargs = {**model_kwargs, "shared_prefix": self.prefix}
         if self._lean is not None and not model_kwargs:
             out = lean_output(*self._lean(input_ids, mask, positions, self.cache))
         else:
@@ -341,7 +346,11 @@ class KVState(SlotBook):
     def admit(self, other: "KVState") -> None:
         """Append other's rows (a prefill of newly admitted requests, or an empty state) after these:
         the continuous-batching merge. Keys and values are aligned as ``SlotBook._admit`` aligns the
-        slots; a side that holds no slots yet contributes holes."""
+        slots; a side that holds no slots yet contributes holes. Two sides that share one prefix
+        keep sharing it; otherwise each side's prefix is copied into its rows first."""
+        if self.prefix is not other.prefix:
+            self.materialize()
+            other.materialize()
         width = max(self.length, other.length)
         rows = (self.valid.shape[0], other.valid.shape[0])
         sides = (self._committed(), other._committed())
@@ -356,6 +365,31 @@ class KVState(SlotBook):
         self._hold(kv)
         self._admit(other)
         self._solid = False
+
+    def share(self, n: int) -> "KVState":
+        """A state of ``n`` rows that attend to this one-row state's slots as a prefix held once
+        (``decode.hydragen``), each with an empty suffix of its own."""
+        out = KVState(self.model, n, self.pos.device)
+        out.prefix = self._committed()
+        out.pos = self.pos.expand(n).clone()
+        out._solid = False  # the prefix needs the suffix mask passed through the attention function
+        return out
+
+    def materialize(self) -> None:
+        """Copy a shared prefix into every row's slots (the state no longer shares it)."""
+        if self.prefix is None:
+            return
+        bsz, width = self.valid.shape[0], self.prefix[0][0].shape[2]
+        rows = self._committed()
+        kv = []
+        for i, (pk, pv) in enumerate(self.prefix):
+            own = rows[i] if rows else (pk[:, :, :0].expand(bsz, -1, -1, -1), pv[:, :, :0].expand(bsz, -1, -1, -1))
+            kv.append((torch.cat([pk.expand(bsz, -1, -1, -1), own[0]], 2), torch.cat([pv.expand(bsz, -1, -1, -1), own[1]], 2)))
+        device = self.pos.device
+        self.valid = torch.cat([torch.ones(bsz, width, dtype=torch.bool, device=device), self.valid], 1)
+        self.positions = torch.cat([torch.arange(width, device=device).expand(bsz, -1), self.positions], 1)
+        self.prefix = None
+        self._hold(kv)
 
     def repeat(self, n: int) -> "KVState":
         """A state of ``n`` rows, each a copy of this one-row state (a prefix shared by every row,

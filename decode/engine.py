@@ -20,6 +20,7 @@ from typing import Iterable, Iterator
 
 import torch
 
+from specdec.decode import hydragen
 from specdec.decode.cache import KVState
 from specdec.decode.drafters import Drafter, NoDrafter, Proposal, Segment, admits, tree_attention_from_parents
 from specdec.decode.types import GenRequest, GenResult
@@ -73,6 +74,7 @@ class SpecEngine:
         min_shared: int = 32,
         admit_fraction: float = 0.25,
         compile: bool = False,
+        hold_prefix_once: bool = True,
     ):
         self.target = target
         self.tokenizer = tokenizer
@@ -91,6 +93,8 @@ class SpecEngine:
         self.admit_fraction = admit_fraction
         self.compile = compile
         self._prefix: tuple | None = None  # (tokens, keep_all, one-row KVState, its Segment)
+        # decided at the first shared prefix (see _hydragen); False: every row gets a copy
+        self._prefix_held_once: bool | None = None if hold_prefix_once else False
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -192,7 +196,7 @@ class SpecEngine:
             # the shared prefix's keys and values are computed once and copied to every row; each row's
             # suffix follows it (left-padded among the suffixes: holes between prefix and suffix)
             head, head_seg = self._prefix_state(prefix, keep_all)
-            state = head.repeat(bsz)
+            state = head.share(bsz) if self._hydragen() else head.repeat(bsz)
         else:
             state = KVState(self.target, bsz, self.device, compile=self.compile)
         # one prompt has no padding: no validity given keeps the state's mask-free causal path open
@@ -250,6 +254,13 @@ class SpecEngine:
                 n = i
                 break
         return prompts[0][:n] if n >= self.min_shared else []
+
+    def _hydragen(self) -> bool:
+        """Whether rows hold a shared prefix once (decode.hydragen) rather than a copy each: where the
+        target's attention allows it, and not for compiled steps (their buffers are whole rows)."""
+        if self._prefix_held_once is None:
+            self._prefix_held_once = not self.compile and hydragen.enable(self.target)
+        return self._prefix_held_once
 
     def _prefix_state(self, prefix: list[int], keep_all: bool) -> tuple[KVState, Segment]:
         """A one-row state holding ``prefix`` and its segment, computed once and kept for the next prefills."""

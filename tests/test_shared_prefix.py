@@ -5,6 +5,7 @@ import pytest
 import torch
 from conftest import ByteTokenizer, make_prompts
 
+from specdec.decode import hydragen
 from specdec.decode.drafters import ModelDrafter, NgramDrafter, RecycleDrafter, layer_skip_view
 from specdec.decode.engine import SpecEngine
 from specdec.decode.types import GenRequest
@@ -88,3 +89,78 @@ def test_continuous_batching_admits_rows_onto_the_shared_prefix(target):
     engine = SpecEngine(target, ByteTokenizer(), NgramDrafter(), shared_prefix="auto", min_shared=8)
     got = dict(engine.stream(iter(reqs), batch_size=3))
     assert [got[i].token_ids for i in range(len(reqs))] == alone
+
+
+# ---------------------------------------------------------------------------------------------
+# Hydragen: the prefix held once, attention split into prefix and suffix
+
+
+def _reference_attention(q, k, v, mask, scaling):
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    scores = q @ k.transpose(-1, -2) * scaling
+    scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    return (torch.softmax(scores, -1) @ v).transpose(1, 2)
+
+
+@pytest.mark.parametrize("boolean", [False, True])
+def test_prefix_suffix_attention_is_attention_over_both(boolean):
+    g = torch.Generator().manual_seed(0)
+    bsz, heads, kv_heads, t, p, s, d = 3, 4, 2, 5, 11, 7, 8
+    q = torch.randn(bsz, heads, t, d, generator=g, dtype=torch.float64)
+    pk, pv = (torch.randn(1, kv_heads, p, d, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(bsz, kv_heads, s, d, generator=g, dtype=torch.float64) for _ in range(2))
+    seen = torch.rand(bsz, 1, t, s, generator=g) < 0.6  # holes and tree-like masks over the suffix
+    seen[..., -1] = True
+    mask = seen if boolean else torch.zeros(seen.shape, dtype=torch.float64).masked_fill(~seen, torch.finfo(torch.float64).min)
+    full = torch.cat([torch.ones(bsz, 1, t, p, dtype=torch.bool), seen], -1)
+    ref = _reference_attention(q, torch.cat([pk.expand(bsz, -1, -1, -1), k], 2), torch.cat([pv.expand(bsz, -1, -1, -1), v], 2), full, 0.3)
+    torch.testing.assert_close(hydragen.prefix_suffix_attention(q, k, v, mask, pk, pv, 0.3), ref)
+
+
+def test_rows_hold_only_their_suffix_and_decode_as_whole_prompts_do(target, draft_model):
+    """The prefix is held once: rows' buffers hold their suffixes, every layer's attention receives
+    the prefix, and rows admitted with another prefix copy theirs in (materialize) without changing
+    anything decoded."""
+    prefix, prompts = _prompts(4, prefix_len=48)
+    other_prefix, others = _prompts(3, prefix_len=40, seed=9)
+    reqs = [GenRequest(p, n) for p, n in zip(prompts + others, [7, 3, 12, 5, 9, 2, 6])]
+    alone = [SpecEngine(target, ByteTokenizer()).generate([r])[0].token_ids for r in reqs]
+    engine = SpecEngine(target, ByteTokenizer(), ModelDrafter(draft_model), shared_prefix="auto", min_shared=8)
+    widths, calls = [], {"prefixed": 0}
+    prefill = engine._prefill
+
+    def spy(requests, index, rows, generator):
+        batch, state, seg = prefill(requests, index, rows, generator)
+        widths.append((state.prefix is not None, state.length, max(len(r.prompt_ids) for r in requests)))
+        return batch, state, seg
+
+    original = hydragen.prefix_suffix_attention
+
+    def counting(*args):
+        calls["prefixed"] += 1
+        return original(*args)
+
+    engine._prefill = spy
+    hydragen.prefix_suffix_attention, saved = counting, hydragen.prefix_suffix_attention
+    try:
+        got = dict(engine.stream(iter(reqs), batch_size=2))
+    finally:
+        hydragen.prefix_suffix_attention = saved
+    assert [got[i].token_ids for i in range(len(reqs))] == alone
+    held_once = [w for w in widths if w[0]]
+    assert held_once and all(length < longest - 30 for _, length, longest in held_once)
+    assert calls["prefixed"] >= target.config.num_hidden_layers
+
+
+def test_models_hydragen_cannot_serve_keep_the_copied_prefix():
+    from test_architectures import EOS, build
+
+    model = build("mistral")  # sliding windows: the prefix would need a per-query window
+    prefix = list(range(5, 45))
+    reqs = [GenRequest(prefix + [50 + i, 60 + i], 8) for i in range(3)]
+    whole = SpecEngine(model, ByteTokenizer(), eos_ids=[EOS]).generate(reqs)
+    shared = SpecEngine(model, ByteTokenizer(), eos_ids=[EOS], shared_prefix="auto", min_shared=8)
+    assert [r.token_ids for r in shared.generate(reqs)] == [r.token_ids for r in whole]
+    assert shared._prefix is not None and not shared._hydragen()
+    assert not model.config._attn_implementation.startswith(hydragen.PREFIX)

@@ -1,0 +1,107 @@
+"""Hydragen: attention over a prefix every row shares, computed once for the whole batch.
+
+Rows that share a prompt prefix (a system prompt, few-shot examples) would each hold a copy of its keys
+and values and each read them at every step. Here the prefix's keys and values are held once (one row)
+and a row's cache holds only its own suffix. Attention splits exactly in two: over the prefix, the
+queries of every row and every head of a key/value group are stacked into one matrix, so the prefix is
+read once per step by a matrix-matrix product instead of once per row; over each row's suffix, with the
+row's mask (holes, trees), as before. The two softmaxes are merged with their log-sum-exps:
+``out = (e^lse_p out_p + e^lse_s out_s) / (e^lse_p + e^lse_s)``, which is softmax attention over the
+concatenated keys up to floating-point reassociation.
+
+It runs as a transformers attention function. ``enable`` registers, for the model's SDPA, a wrapper that takes the prefix from the forward's keyword ``shared_prefix`` (one
+(keys, values) pair per layer) and hands every forward without one to the original function, so the
+model is unchanged for everything else. Models it cannot serve exactly keep the copied prefix: sliding
+windows (the prefix would need a per-query window), attention logit soft-capping, other implementations.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+from specdec.models import arch
+
+PREFIX = "specdec_hydragen_"
+SUPPORTED = ("sdpa",)  # eager attention differs per architecture; such models keep the copied prefix
+
+
+def enable(model) -> bool:
+    """Make ``model`` take ``shared_prefix`` in its forwards; False (and nothing changed) where it cannot."""
+    cfg = model.config
+    name = cfg._attn_implementation
+    if name.startswith(PREFIX):
+        return True
+    if name not in SUPPORTED or arch.sliding_window(cfg) is not None:
+        return False
+    if getattr(cfg.get_text_config(), "attn_logit_softcapping", None):
+        return False
+    original = AttentionInterface._global_mapping[name]
+    AttentionInterface.register(PREFIX + name, _wrapper(original))
+    # forwards without a mask (one row without holes) get the original implementation's mask builder
+    AttentionMaskInterface.register(PREFIX + name, ALL_MASK_ATTENTION_FUNCTIONS._global_mapping[name])
+    model.set_attn_implementation(PREFIX + name)
+    return True
+
+
+def _wrapper(original):
+    def attention(module, query, key, value, attention_mask, shared_prefix=None, **kwargs):
+        if shared_prefix is None:
+            return original(module, query, key, value, attention_mask, **kwargs)
+        prefix_key, prefix_value = shared_prefix[module.layer_idx]
+        scaling = kwargs.get("scaling")
+        if scaling is None:
+            scaling = query.shape[-1] ** -0.5
+        return prefix_suffix_attention(query, key, value, attention_mask, prefix_key, prefix_value, scaling), None
+
+    return attention
+
+
+def prefix_suffix_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    prefix_key: torch.Tensor,
+    prefix_value: torch.Tensor,
+    scaling: float,
+) -> torch.Tensor:
+    """Softmax attention of query [B, H, T, D] over the shared prefix's keys/values [1, Hkv, P, D]
+    followed by each row's own key/value [B, Hkv, S, D] (additive or boolean mask [B, 1|H, T, S], None:
+    causal over the suffix's last T slots). Returns [B, T, H, D], the layout attention functions return."""
+    bsz, heads, t, dim = query.shape
+    kv_heads = key.shape[1]
+    groups = heads // kv_heads
+    dtype = query.dtype
+    work = torch.promote_types(dtype, torch.float32)  # half precision softmaxes are merged in float32
+    q = query.to(work)
+
+    # prefix: every row's queries of a key/value head's group in one matrix [Hkv, g*B*T, D]
+    stacked = q.view(bsz, kv_heads, groups, t, dim).permute(1, 2, 0, 3, 4).reshape(kv_heads, groups * bsz * t, dim)
+    scores = torch.bmm(stacked, prefix_key[0].to(work).transpose(1, 2)) * scaling  # [Hkv, g*B*T, P]
+    lse_p = torch.logsumexp(scores, dim=-1)
+    out_p = torch.bmm(torch.softmax(scores, dim=-1), prefix_value[0].to(work))  # [Hkv, g*B*T, D]
+    out_p = out_p.view(kv_heads, groups, bsz, t, dim).permute(2, 0, 1, 3, 4).reshape(bsz, heads, t, dim)
+    lse_p = lse_p.view(kv_heads, groups, bsz, t).permute(2, 0, 1, 3).reshape(bsz, heads, t)
+
+    # each row's suffix, with its mask
+    k, v = key.to(work), value.to(work)
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scaling  # [B, H, T, S]
+    if mask is None:
+        s = k.shape[2]
+        mask = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(diagonal=s - t)
+    if mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    else:
+        scores = scores + mask.to(work)
+    lse_s = torch.logsumexp(scores, dim=-1)
+    out_s = torch.matmul(torch.softmax(scores, dim=-1), v)
+
+    # merge the two softmaxes by their normalisers
+    top = torch.maximum(lse_p, lse_s)
+    w_p, w_s = torch.exp(lse_p - top), torch.exp(lse_s - top)
+    out = (out_p * w_p[..., None] + out_s * w_s[..., None]) / (w_p + w_s)[..., None]
+    return out.to(dtype).transpose(1, 2).contiguous()
