@@ -374,19 +374,20 @@ def _ideal(spec, run: Run, entry: dict, costs, draft_model) -> dict:
     width = 1 + round(drafted / max(rounds, 1))
     t1 = costs(1)
     v = costs(width) / t1
-    c_round = _draft_cost_per_round(spec, run, costs, draft_model) / t1
+    c_round = _draft_cost_per_round(spec, run, costs, draft_model, drafted / max(rounds, 1)) / t1
     ideal = tau / (c_round + v)
     return {"ideal_speedup": round(ideal, 3), "efficiency": round(entry["speedup"] / ideal, 3), "verify_cost": round(v, 3), "draft_cost": round(c_round, 3)}
 
 
-def _draft_cost_per_round(spec, run: Run, costs, draft_model) -> float:
-    """Seconds of drafting per round: K draft-model forwards for model drafters, measured propose
-    time for neural heads, zero for model-free drafters (their host time is implementation overhead)."""
+def _draft_cost_per_round(spec, run: Run, costs, draft_model, drafts_per_round: float) -> float:
+    """Seconds of drafting per round: one draft-model forward per token a row drafts in a round
+    (``drafts_per_round``: per row, as the verify width is; a batch's rows share each draft forward),
+    measured propose time for neural heads, zero for model-free drafters (their host time is
+    implementation overhead)."""
     name, _ = parse_method(spec)
     if name.split(":")[0] in ("ngram", "recycle", "ar"):
         return 0.0
     if draft_model is not None:
-        drafts_per_round = sum(s.get("drafted_tokens", 0) for s in run.stats) / max(run.rounds, 1)
         return drafts_per_round * costs(1, draft_model)
     return run.propose_s / max(run.rounds, 1)
 

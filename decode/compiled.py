@@ -37,6 +37,10 @@ class Compiled:
         # dynamic=None: a dimension seen at a second size (the batch, as rows finish) is traced as
         # symbolic from then on, instead of one graph per size up to dynamo's recompile limit
         self.forward = torch.compile(model, mode=mode, backend=BACKEND, dynamic=None)
+        # a job meets a graph per bucket, capacity and batch-size change, the draft's and the target's
+        # under one code object: past dynamo's default limit (8) it would quietly run eager
+        config = torch._dynamo.config
+        config.recompile_limit = max(config.recompile_limit, 64)
 
     @property
     def graphs(self) -> bool:

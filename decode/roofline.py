@@ -60,7 +60,19 @@ def peak_bandwidth(device, megabytes: int = 512, repeats: int = 5) -> float:
 
 
 def param_bytes(model) -> int:
+    """Bytes of the weights the model holds."""
     return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def weight_bytes_read(model) -> int:
+    """Bytes of the weights a forward reads: all of them but the input embedding table, of which a
+    forward reads only its tokens' rows (a table tied to the output projection is read whole there)."""
+    total = param_bytes(model)  # parameters() counts a tied table once
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if embed is not None and (out is None or out.weight is not embed.weight):
+        total -= embed.weight.numel() * embed.weight.element_size()
+    return total
 
 
 def kv_bytes_per_token(model) -> int:
@@ -78,7 +90,7 @@ def bytes_read(stats: list[dict], prompt_lens: list[int], batch_size: int, model
     """Bytes the forwards of one pass had to read: the target's weights once per batch forward (a
     batch runs as many forwards as its longest row needs), each row's cache once per forward it took
     part in (at its average context length), and a draft model's weights once per drafted position."""
-    weights, kv_token = param_bytes(model), kv_bytes_per_token(model)
+    weights, kv_token = weight_bytes_read(model), kv_bytes_per_token(model)
     forwards = kv = drafts = 0
     for lo in range(0, len(stats), batch_size):
         chunk = range(lo, min(lo + batch_size, len(stats)))
@@ -87,7 +99,7 @@ def bytes_read(stats: list[dict], prompt_lens: list[int], batch_size: int, model
         for i in chunk:
             context = prompt_lens[i] + stats[i].get("new_tokens", 0) / 2
             kv += stats[i].get("target_calls", 0) * context * kv_token
-    total = forwards * weights + kv + (drafts * param_bytes(draft) if draft is not None else 0)
+    total = forwards * weights + kv + (drafts * weight_bytes_read(draft) if draft is not None else 0)
     return {"target_forwards": forwards, "bytes": total, "weight_bytes": weights}
 
 

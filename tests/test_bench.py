@@ -111,16 +111,40 @@ def test_roofline_counts_the_bytes_each_forward_must_read():
     context, a draft's weights once per drafted position; achieved bandwidth over wall time."""
     from conftest import tiny_llama
 
-    from specdec.decode.roofline import bytes_read, kv_bytes_per_token, param_bytes, roofline
+    from specdec.decode.roofline import bytes_read, kv_bytes_per_token, param_bytes, roofline, weight_bytes_read
 
     model, draft = tiny_llama(layers=2), tiny_llama(layers=1, hidden=32)
     stats = [{"target_calls": 5, "new_tokens": 8, "drafted_tokens": 12}, {"target_calls": 3, "new_tokens": 4, "drafted_tokens": 6},
              {"target_calls": 4, "new_tokens": 6, "drafted_tokens": 9}]
     lens = [10, 20, 30]
     read = bytes_read(stats, lens, 2, model, draft)
+    # a forward reads its tokens' rows of the input embedding, not the table: only a tied table is read whole
+    table = model.get_input_embeddings().weight
+    assert not model.config.tie_word_embeddings
+    assert weight_bytes_read(model) == param_bytes(model) - table.numel() * table.element_size()
+    tied = tiny_llama(layers=1, hidden=32)
+    tied.lm_head.weight = tied.get_input_embeddings().weight
+    assert weight_bytes_read(tied) == param_bytes(tied)
     kv = kv_bytes_per_token(model)
     assert kv == 2 * 2 * 2 * 12 * 8  # 2 (k, v) x layers x kv heads x head dim x float64
-    want = (5 + 4) * param_bytes(model) + (5 * 14 + 3 * 22 + 4 * 33) * kv + (12 + 9) * param_bytes(draft)
+    want = (5 + 4) * weight_bytes_read(model) + (5 * 14 + 3 * 22 + 4 * 33) * kv + (12 + 9) * weight_bytes_read(draft)
     assert read["target_forwards"] == 9 and read["bytes"] == want
     row = roofline(stats, lens, 2, wall_s=2.0, peak=want, model=model, draft=draft)
     assert row["peak_fraction"] == 0.5 and row["achieved_gbps"] == round(want / 2 / 1e9, 3)
+
+
+def test_ideal_speedup_charges_a_round_its_drafts_per_row():
+    """At batch size 2 the rows share each draft forward: a round of K=4 drafts costs four draft
+    forwards, not eight (the verify width is per row too)."""
+    from specdec.decode.bench import _ideal
+    from specdec.decode.timing import Run
+
+    stats = [{"target_calls": 5, "drafted_tokens": 16}, {"target_calls": 5, "drafted_tokens": 16}]  # a prefill + 4 rounds each
+    run = Run(outputs=[[], []], stats=stats, walls=[1.0], rounds=4)  # 4 batch rounds
+
+    def costs(width, model=None):
+        return 0.25 if model is not None else {1: 1.0, 5: 1.5}[width]
+
+    got = _ideal("draft+k=4", run, {"tau": 3.0, "speedup": 1.2}, costs, draft_model=object())
+    assert got["verify_cost"] == 1.5 and got["draft_cost"] == 1.0
+    assert got["ideal_speedup"] == round(3.0 / (1.0 + 1.5), 3)
