@@ -93,6 +93,7 @@ def decode(
     verify: Annotated[o.Verify, typer.Option("--verify", help="Draft models at T>0: standard (a chain), rsd (siblings sampled without replacement, recursive rejection) or spectr (k i.i.d. chains, k-sequential selection); --top-k siblings.")] = o.Verify.standard,
     top_k: Annotated[Optional[int], typer.Option("--top-k", min=1, max=16, help="Siblings per step for --verify rsd|spectr; children per node for tree drafters.")] = None,
     parallel: Annotated[bool, typer.Option("--parallel", help="Draft models: the draft drafts the next block while the target verifies this one (PEARL; a thread or CUDA stream each).")] = False,
+    pre_verify: Annotated[bool, typer.Option("--pre-verify", help="With --parallel: the target tests the first draft while the draft draws the rest, and a round whose first draft every row rejects ends there (PEARL's pre-verify; a second target forward when it is accepted).")] = False,
     tree: Annotated[Optional[o.Tree], typer.Option("--tree", help="Tree drafters: static, or dynamic (EAGLE-2; EAGLE's default).")] = None,
     tree_tokens: Annotated[Optional[int], typer.Option("--tree-tokens", min=1, max=1024, help="Tree drafters: nodes per tree.")] = None,
     strategy: Annotated[str, typer.Option("--strategy", help="Diffusion LMs: static, threshold, factor, localleap, credit, entropy, learn2pd, freedave, with options as in bench specs (threshold+tau=0.8).")] = "static",
@@ -120,7 +121,7 @@ def decode(
     opts = DecodeOptions(
         drafter=drafter, num_draft=num_draft, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
         seed=seed, num_samples=num_samples, batch_size=batch_size, max_memory=max_memory, schedule=schedule.value, shared_prefix=shared_prefix, stop=list(stop or []), acceptance=acceptance, retrieval=retrieval, stop_threshold=stop_threshold,
-        min_draft=min_draft, max_draft=max_draft, verify=verify.value, top_k=top_k, parallel=parallel, tree=tree.value if tree else None, tree_tokens=tree_tokens,
+        min_draft=min_draft, max_draft=max_draft, verify=verify.value, top_k=top_k, parallel=parallel, pre_verify=pre_verify, tree=tree.value if tree else None, tree_tokens=tree_tokens,
         strategy=strategy, gen_length=gen_length, block_size=block_size, steps=steps, cache=cache.value, filter=filter_dir,
         adablock=adablock, kernels=kernels.value, device=device, dtype=dtype.value,
         device_map=device_map.value if device_map else None, attn_implementation=attn_implementation,

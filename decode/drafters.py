@@ -41,6 +41,9 @@ class Proposal:
     tree_attn: torch.Tensor | None = None  # [B or 1, N+1, N+1] ancestor matrix incl. the root (derived if None)
     depth: torch.Tensor | None = None  # [B or 1, N+1] depth of the root (0) and of each node
     max_depth: int = 0
+    # PEARL's pre-verify (a chain without lengths): tokens [B, 1] hold each row's first draft only, the
+    # drafter draws the rest meanwhile; rest() waits for them and returns the whole chain, first draft included
+    rest: Callable[[], Proposal] | None = None
 
     @property
     def is_tree(self) -> bool:

@@ -156,7 +156,10 @@ class SpecEngine:
             room = self.max_context - max(map(len, batch.seqs))
             batch.num_draft = self.num_draft if room > self.num_draft + 1 else 0
             proposal = self.drafter.propose(batch) if batch.num_draft > 0 else None
-            seg, verdict = self._verify(state, batch, proposal)
+            if proposal is not None and proposal.rest is not None:
+                seg, verdict, proposal = self._verify_split(state, batch, proposal)
+            else:
+                seg, verdict = self._verify(state, batch, proposal)
             emitted = self._accept(batch, rows, proposal, verdict)
             seg.accepted = emitted
             self.drafter.observe(batch, seg)
@@ -318,6 +321,54 @@ class SpecEngine:
             state.commit_prefix(keep, keep_valid)
         seg = Segment(input_ids, valid, out.logits, *self._hidden(out), keep_index=index, keep_valid=keep_valid)
         return seg, verdict
+
+    def _verify_split(self, state: KVState, batch: Batch, first: Proposal) -> tuple[Segment, Verdict, Proposal]:
+        """PEARL's pre-verify: ``first`` holds each row's first draft d1 and the drafter draws d2..dK
+        meanwhile. A forward over [root] alone tests d1; a row that rejects it is done (the correction
+        token drawn from the root's residual), and when every row does, the round ends without waiting
+        for the rest. Otherwise a second forward over [d1..dK] (the root is in the cache now) tests
+        d2..dK for the rows that accepted d1, the others holes. These are the tests one forward over
+        [root, d1..dK] makes, in the same order, split in two: greedy output and the sampled
+        distribution are those of ``_verify``. Whether any row goes on is a second host sync. Returns
+        the proposal the verdict refers to."""
+        bsz = len(batch.seqs)
+        root = batch.root[:, None]
+        ones = torch.ones(bsz, 1, dtype=torch.bool, device=self.device)
+        out = state.forward(root, None, hidden=self._wants_hidden)
+        state.commit_prefix(1, ones)
+        # the token after an accepted d1 needs d1's logits, which only the second forward has: the root's
+        # stand in for them, and what is drawn from them is never used
+        first_verdict = verify_chain(out.logits.expand(-1, 2, -1), first.tokens, first.draft_probs, batch.sampling, batch.generator)
+        seg = Segment(root, ones, out.logits, *self._hidden(out), keep_index=torch.zeros_like(root), keep_valid=ones)
+        ok = first_verdict.accepted > 0
+        if not bool(ok.any()):
+            return seg, first_verdict, first
+        proposal = first.rest()
+        n = proposal.tokens.shape[1]
+        all_ok = bool(ok.all())
+        valid = ok[:, None].expand(bsz, n)
+        # every row going on: no validity given keeps a single row's mask-free causal path open
+        out2 = state.forward(proposal.tokens, None if all_ok else valid, hidden=self._wants_hidden)
+        probs = None if proposal.draft_probs is None else proposal.draft_probs[:, 1:]
+        rest = verify_chain(out2.logits, proposal.tokens[:, 1:], probs, batch.sampling, batch.generator, None, self.kernels)
+        accepted = torch.where(ok, rest.accepted + 1, 0)
+        next_token = torch.where(ok, rest.next_token, first_verdict.next_token)
+        keep = int(accepted.max().item())
+        steps = torch.arange(n, device=self.device)[None]
+        state.commit_prefix(keep, (steps < accepted[:, None])[:, :keep])
+        path = torch.where(steps < accepted[:, None], steps, -1)
+        index = torch.arange(keep + 1, device=self.device)[None].expand(bsz, keep + 1)
+        (hidden, layers), (hidden2, layers2) = (seg.hidden, seg.hidden_layers), self._hidden(out2)
+        seg = Segment(
+            torch.cat([root, proposal.tokens], 1),
+            torch.cat([ones, valid], 1),
+            torch.cat([out.logits, out2.logits], 1),
+            None if hidden is None else torch.cat([hidden, hidden2], 1),
+            None if layers is None else tuple(torch.cat(pair, 1) for pair in zip(layers, layers2)),
+            keep_index=index,
+            keep_valid=index <= accepted[:, None],
+        )
+        return seg, Verdict(accepted=accepted, path=path, next_token=next_token), proposal
 
     @property
     def _wants_hidden(self) -> bool:

@@ -56,6 +56,8 @@ class DecodeOptions:
     online_every: int = 8
     # PEARL (decode/pearl.py): the draft model drafts the next block while the target verifies this one
     parallel: bool = False
+    # with parallel: the target tests the first draft while the draft draws the rest (PEARL's pre-verify)
+    pre_verify: bool = False
     # RASD: a retrieval index (specdec index build) whose drafts are fused into a draft model's tree
     retrieval: str | None = None
     # n-gram drafter

@@ -1,4 +1,5 @@
-"""PEARL's post-verify: the draft drafts the next block while the target verifies this one.
+"""PEARL: the draft drafts the next block while the target verifies this one (post-verify), and
+optionally the target tests the first draft while the draft draws the rest (pre-verify).
 
 Plain speculative decoding alternates, and each model waits for the other: the target while the
 draft drafts, the draft while the target verifies. ``ParallelDrafter.propose`` hands the engine a
@@ -29,13 +30,22 @@ models whose forward is mostly Python overhead gain little; each thread uses the
 threads: half the cores each is the right ``--threads`` (the automatic setting gives models under 5M
 parameters one). On CUDA the draft runs on a stream of its own.
 
-Not built: pre-verify (the target checking the first draft while the draft drafts the rest) needs a
-second, concurrent target forward inside the engine's round.
+Pre-verify (``pre_verify``): a block the draft must draft in the loop's thread (no kept block is
+ready) is handed to the engine after its first draft d1, with ``Proposal.rest``; the background thread
+draws d2..dK (and then, drafting ahead, the guess and the drafts after it) while the target's forward
+over the root alone tests d1 (``SpecEngine._verify_split``). When every row rejects d1 the round ends
+there and the thread's drafts are rolled back; otherwise ``rest`` waits for the block and a second
+target forward tests d2..dK. A round whose d1 is accepted costs the target two forwards instead of
+one; one whose d1 is rejected costs a one-token forward and no waiting for the draft; and the draft
+reaches its guess only after the block, so blocks drafted ahead are shorter. Off by default: where a
+forward's cost is mostly fixed (small models, a CPU) the second forward costs more than the rejected
+rounds save.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 
 import torch
@@ -45,12 +55,15 @@ from specdec.decode.verify import Sampling, logits_to_probs
 
 
 class ParallelDrafter(ModelDrafter):
-    def __init__(self, model, adaptive: bool = True):
+    def __init__(self, model, adaptive: bool = True, pre_verify: bool = False):
         """adaptive False: the thread runs every round and always drafts the guess and ``num_draft``
-        drafts, verdict or not (the main thread then waits for it): runs that a seed reproduces exactly
-        at T>0."""
+        drafts (and with pre-verify the block's drafts after the first), verdict or not (the main
+        thread then waits for it): runs that a seed reproduces exactly at T>0. pre_verify: see the
+        module's docstring."""
         super().__init__(model)
         self.adaptive = adaptive
+        self.pre_verify = pre_verify
+        self.cut_rounds = 0  # pre-verified rounds that ended at the first draft (every row rejected it)
         self._ahead_next = not adaptive  # draft ahead in the next round (see ``observe``)
         self.generator: torch.Generator | None = None
         self.ready_rounds = 0  # proposals drafted while the target verified the block before
@@ -60,7 +73,10 @@ class ParallelDrafter(ModelDrafter):
         self._ahead: tuple[int, list, list] | None = None  # the thread's (steps fed, tokens, q's)
         self._error: BaseException | None = None
         self._ready: Proposal | None = None  # a kept block: the next proposal; the cache holds all but its last draft
-        self._proposed = 0  # drafts in this round's proposal (0: no proposal)
+        self._proposed = 0  # drafts in this round's block (0: no proposal)
+        self._block = 0  # of them, drafted by the thread (pre-verify: all but the first)
+        self._block_done = threading.Event()  # the thread has drawn them (or stopped)
+        self._whole = False  # the engine asked for the whole block (``Proposal.rest``)
 
     # -- the drafter protocol --------------------------------------------------------------------
 
@@ -77,21 +93,26 @@ class ParallelDrafter(ModelDrafter):
     def propose(self, batch) -> Proposal | None:
         self._join()
         k = batch.num_draft
+        self._block, self._whole = 0, False
         with self._draft_stream():
             if self._ready is not None and self._ready.tokens.shape[1] <= k:
                 proposal, self._ready = self._ready, None
                 self.ready_rounds += 1
             else:
                 self._discard_ready()
-                proposal = self._propose_fixed(batch, k)
+                self._block = k - 1 if self.pre_verify and k > 1 else 0
+                proposal = self._propose_fixed(batch, k - self._block)
         if proposal is None:
             return None
-        self._proposed = proposal.tokens.shape[1]
+        self._proposed = proposal.tokens.shape[1] + self._block
         self._hand_over(proposal)
-        if self._ahead_next:
-            self._start(proposal.tokens[:, -1], batch.sampling, k)
+        ahead = k + 1 if self._ahead_next else 0  # the guess and up to k drafts after it
+        if self._block or ahead:
+            self._start(proposal.tokens[:, -1], batch.sampling, self._block + ahead)
         else:
             self._ahead = (0, [], [])
+        if self._block:
+            proposal.rest = functools.partial(self._whole_block, proposal)
         return proposal
 
     def observe(self, batch, seg: Segment) -> None:
@@ -102,25 +123,28 @@ class ParallelDrafter(ModelDrafter):
         self._verdict_in.set()
         self._join()
         steps, tokens, probs = self._ahead
-        n = self._proposed
+        n, b = self._proposed, self._block
         self._ahead, self._proposed = None, 0
+        self.cut_rounds += bool(b) and not self._whole
+        ahead = steps - b  # the thread's steps past the block: the guess, then drafts after it
         accepted = seg.accepted
         # PEARL's switch: the draft drafts ahead after a round whose whole block was accepted; after a
         # rejection, work ahead would most likely be thrown away and only slow the target down
         self._ahead_next = not self.adaptive or all(a == n for a in accepted)
-        kept = steps >= 1 and all(a == n for a in accepted)
+        kept = ahead >= 1 and all(a == n for a in accepted)
         # the guess is compared to the target's token only when every draft was accepted (a host read)
-        kept = kept and torch.equal(tokens[0], batch.root)
+        kept = kept and torch.equal(tokens[b], batch.root)
         with self._draft_stream():
             if kept:
                 # cache: the block's drafts d1..dn, the guess (the target's token), then the drafts after it
-                self.fed = [f + n - 1 + min(steps, 2) for f in self.fed]
-                self._drafted = max(steps - 2, 0)
-                self._ready = block_after_guess(tokens, probs)
+                self.fed = [f + n - 1 + min(ahead, 2) for f in self.fed]
+                self._drafted = max(ahead - 2, 0)
+                self._ready = block_after_guess(tokens[b:], probs[b:])
             else:
-                real = n - 1 + min(steps, 1)  # slots holding the block's drafts; the rest are speculative
+                slots = n - 1 - b + steps  # drafts fed in the loop's thread, then the thread's
+                real = min(slots, n)  # slots holding the block's drafts; the rest are speculative
                 keep = [min(a, real) for a in accepted]
-                self.state.rollback(n - 1 + steps, keep)
+                self.state.rollback(slots, keep)
                 self.fed = [f + kp for f, kp in zip(self.fed, keep)]
                 self._drafted = 0
 
@@ -156,21 +180,23 @@ class ParallelDrafter(ModelDrafter):
             self._drafted = 0
             self._ready = None
 
-    def _start(self, last: torch.Tensor, sampling: Sampling, k: int) -> None:
+    def _start(self, last: torch.Tensor, sampling: Sampling, limit: int) -> None:
         self._verdict_in.clear()
+        self._block_done.clear()
         self._ahead, self._error = (0, [], []), None
-        self._thread = threading.Thread(target=self._draft_ahead, args=(last, sampling, k), daemon=True)
+        self._thread = threading.Thread(target=self._draft_ahead, args=(last, sampling, limit), daemon=True)
         self._thread.start()
 
-    def _draft_ahead(self, last: torch.Tensor, sampling: Sampling, k: int) -> None:
-        """Background: feed the block's last draft, guess the target's token, then draft up to k
-        tokens after the guess; stop early once the verdict is in (adaptive)."""
+    def _draft_ahead(self, last: torch.Tensor, sampling: Sampling, limit: int) -> None:
+        """Background: feed the last draft handed over, draw the block's remaining drafts (pre-verify),
+        then the guess of the target's token and drafts after it, ``limit`` tokens in all; stop early
+        once the verdict is in (adaptive)."""
         try:
             stream = torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
             with torch.inference_mode(), stream:
                 tok, tokens, probs = last, [], []
                 one = torch.ones(last.shape[0], 1, dtype=torch.bool, device=last.device)
-                while len(tokens) < k + 1 and not (self.adaptive and self._verdict_in.is_set()):
+                while len(tokens) < limit and not (self.adaptive and self._verdict_in.is_set()):
                     out = self.state.forward(tok[:, None])
                     self.state.commit_prefix(1, one)
                     tok, q = self._sample(out.logits[:, -1], sampling)
@@ -179,8 +205,28 @@ class ParallelDrafter(ModelDrafter):
                     if self._stream is not None:
                         self._stream.synchronize()  # so the verdict check sees how far the draft really got
                     self._ahead = (len(tokens), tokens, probs)
+                    if len(tokens) == self._block:
+                        self._block_done.set()
         except BaseException as exc:  # raised again by the join, in the decode loop's thread
             self._error = exc
+        finally:
+            self._block_done.set()  # a thread stopped by the verdict or by a failure wakes ``_whole_block``
+
+    def _whole_block(self, first: Proposal) -> Proposal:
+        """``Proposal.rest`` of a pre-verified round: the first draft and the ones the thread drew after
+        it, once it has. The thread synchronised its stream before publishing them, and ``_ahead`` keeps
+        them alive until ``observe``."""
+        self._block_done.wait()
+        if self._error is not None:
+            self._join()  # raises it
+        _, tokens, probs = self._ahead
+        b = self._block
+        block = Proposal(
+            tokens=torch.cat([first.tokens, torch.stack(tokens[:b], 1)], 1),
+            draft_probs=None if first.draft_probs is None else torch.cat([first.draft_probs, torch.stack(probs[:b], 1)], 1),
+        )
+        self._whole = True
+        return block
 
     def _join(self) -> None:
         thread, self._thread = self._thread, None

@@ -97,7 +97,7 @@ def _build_draft(path: Path | str, target, tokenizer, options: DecodeOptions):
     if options.parallel:  # PEARL: drafts while the target verifies (decode/pearl.py)
         from specdec.decode.pearl import ParallelDrafter
 
-        return ParallelDrafter(model)
+        return ParallelDrafter(model, pre_verify=options.pre_verify)
     if options.online:  # the draft learns from the job's own verification rounds (decode/online.py)
         from specdec.decode.online import OnlineDrafter
 
@@ -129,6 +129,8 @@ def _refuse_options_that_do_not_apply(kind: str, options: DecodeOptions) -> None
         raise UsageError(f"online updates apply to draft models, not to a {kind} drafter")
     if kind != "draft" and options.parallel:
         raise UsageError(f"--parallel (PEARL) applies to draft models, not to a {kind} drafter")
+    if options.pre_verify and not options.parallel:
+        raise UsageError("--pre-verify is PEARL's: it applies with --parallel")
     if options.parallel and (options.acceptance or options.online or options.verify != "standard"):
         raise UsageError("--parallel drafts a plain chain: it does not combine with --acceptance, online=1 or --verify rsd|spectr")
     if kind != "draft" and options.verify != "standard":

@@ -1,12 +1,16 @@
-"""PEARL's post-verify (decode/pearl.py): the draft drafts the next block in a thread of its own
-while the target verifies, and decoding stays lossless.
+"""PEARL (decode/pearl.py): the draft drafts the next block in a thread of its own while the target
+verifies, optionally the target tests the first draft while the draft draws the rest (pre-verify),
+and decoding stays lossless.
 
 Greedy output equals plain greedy (batch sizes 1 and 3, rows finishing at different times, rows
 joining a running batch) with blocks kept and rolled back; at T>0 the first three tokens follow the
 target's distribution (chi-square), and a variant whose kept blocks lose the q their drafts were
 drawn from fails the same test. The draft's cache is never touched by two threads at once, a failure
 in the background thread is an error (not a hang), and the block length follows the time the target
-leaves the draft.
+leaves the draft. Pre-verify: greedy output equals plain greedy (rounds cut at a rejected first draft,
+rows of one batch split between the two outcomes, rows joining), every block is a fresh draft's, and
+at T>0 the token a pre-verified round emits first follows the target (chi-square), which variants that
+skip the first draft's test or draw its correction token from p instead of the residual fail.
 """
 
 from __future__ import annotations
@@ -18,13 +22,14 @@ import time
 import pytest
 import torch
 from conftest import ByteTokenizer, invoke, make_prompts, tiny_llama
+from specdec.decode import engine as engine_module
 from specdec.decode import pearl
 from specdec.decode.drafters import ModelDrafter, NoDrafter, Proposal
 from specdec.decode.engine import SpecEngine
 from specdec.decode.options import DecodeOptions, parse_method
 from specdec.decode.pearl import ParallelDrafter
 from specdec.decode.types import GenRequest
-from specdec.decode.verify import Sampling, logits_to_probs
+from specdec.decode.verify import Sampling, Verdict, logits_to_probs
 from test_sampling import P_FLOOR, chi2_pvalue
 
 
@@ -344,3 +349,211 @@ def test_method_spec_and_flag_build_the_parallel_drafter(tiny_family, tmp_path):
     assert outs[0] == outs[3]
     res = invoke(["decode", "--in", src, "--out", tmp_path / "bad.jsonl", "--target", tiny_family / "target", "--drafter", "ngram", "--parallel"])
     assert res.exit_code == 2 and "--parallel" in res.stderr
+
+
+# -- pre-verify -------------------------------------------------------------------------------------
+
+
+def count_split_rounds(monkeypatch):
+    """Per pre-verified round of the engine, how many rows accepted the first draft, and of how many."""
+    rounds = []
+    split = SpecEngine._verify_split
+
+    def spy(self, state, batch, first):
+        seg, verdict, proposal = split(self, state, batch, first)
+        rounds.append((int((verdict.accepted > 0).sum()), len(batch.seqs)))
+        return seg, verdict, proposal
+
+    monkeypatch.setattr(SpecEngine, "_verify_split", spy)
+    return rounds
+
+
+@pytest.mark.parametrize("which", ["twin", "near", "poor"])
+@pytest.mark.parametrize("bsz", [1, 3])
+def test_pre_verify_greedy_is_plain_greedy(target, drafts, bsz, which, monkeypatch):
+    rounds = count_split_rounds(monkeypatch)
+    reqs = requests(make_prompts(bsz, seed=31 + bsz), [40, 23, 31][:bsz])
+    drafter = ParallelDrafter(drafts[which], pre_verify=True)
+    spec, ar = run(target, drafter, reqs), run(target, NoDrafter(), reqs)
+    assert [r.token_ids for r in spec.values()] == [r.token_ids for r in ar.values()]
+    assert [r.finish_reason for r in spec.values()] == [r.finish_reason for r in ar.values()]
+    assert rounds  # rounds that were pre-verified
+    cut = sum(ok == 0 for ok, _ in rounds)
+    assert drafter.cut_rounds == cut
+    if which == "twin":
+        assert cut == 0
+    if which == "poor":  # the first draft is often rejected by every row: the round ends there
+        assert cut > len(rounds) // 4
+    if bsz == 3 and which != "twin":  # rows of one round on both sides of the first draft's test
+        assert any(0 < ok < n for ok, n in rounds)
+
+
+@pytest.mark.parametrize("which", ["twin", "near", "poor"])
+def test_pre_verify_greedy_with_rows_joining_a_running_batch(target, drafts, which):
+    reqs = [GenRequest(p, 4 + 9 * (i % 3)) for i, p in enumerate(make_prompts(7, seed=3))]
+    for adaptive in (True, False):
+        drafter = ParallelDrafter(drafts[which], adaptive=adaptive, pre_verify=True)
+        spec, ar = run(target, drafter, reqs, batch_size=3), run(target, NoDrafter(), reqs, batch_size=3)
+        assert {i: r.token_ids for i, r in spec.items()} == {i: r.token_ids for i, r in ar.items()}
+        if which == "twin" and not adaptive:  # blocks drafted ahead after a pre-verified one are kept
+            assert drafter.ready_rounds > 0
+
+
+@pytest.mark.parametrize("adaptive", [True, False])
+def test_pre_verified_blocks_are_what_a_fresh_draft_of_the_text_proposes(target, near, adaptive):
+    """The first draft handed over, and the whole block ``rest`` returns, are what a drafter that
+    prefills the committed text drafts: the thread's drafts after a cut round are rolled back exactly."""
+    drafter = ParallelDrafter(near, adaptive=adaptive, pre_verify=True)
+    whole, propose = [], drafter.propose
+
+    def spy(batch):
+        proposal = propose(batch)
+        fresh = ModelDrafter(near)
+        fresh.begin(batch, None)
+        expected = fresh.propose(batch).tokens
+        if proposal.rest is None:
+            assert torch.equal(proposal.tokens, expected)
+            return proposal
+        assert torch.equal(proposal.tokens, expected[:, :1])
+        rest = proposal.rest
+
+        def checked():
+            block = rest()
+            assert torch.equal(block.tokens, expected)
+            whole.append(block.tokens.shape[1])
+            return block
+
+        proposal.rest = checked
+        return proposal
+
+    drafter.propose = spy
+    reqs = requests(make_prompts(3, seed=5), [48, 48, 48])
+    run(target, drafter, reqs, num_draft=3, batch_size=1)
+    assert whole and all(n == 3 for n in whole)
+    assert drafter.cut_rounds > 0
+    if not adaptive:  # kept blocks drafted ahead of pre-verified rounds
+        assert drafter.ready_rounds > 0
+
+
+def _without_first_draft_test(monkeypatch):
+    """Broken on purpose: the first draft of a pre-verified round is taken as accepted, untested."""
+    real = engine_module.verify_chain
+
+    def accept_first(logits, tokens, *args, **kwargs):
+        verdict = real(logits, tokens, *args, **kwargs)
+        if tokens.shape[1] != 1:
+            return verdict
+        ones = torch.ones_like(verdict.accepted)
+        return Verdict(accepted=ones, path=torch.zeros_like(verdict.path), next_token=verdict.next_token)
+
+    monkeypatch.setattr(engine_module, "verify_chain", accept_first)
+
+
+def _correction_from_p(monkeypatch):
+    """Broken on purpose: the token after a rejected first draft is drawn from the target's p at the
+    root, not from the residual max(p - q, 0)."""
+    real = engine_module.verify_chain
+
+    def from_p(logits, tokens, draft_probs, sampling, generator, *args, **kwargs):
+        verdict = real(logits, tokens, draft_probs, sampling, generator, *args, **kwargs)
+        if tokens.shape[1] != 1:
+            return verdict
+        drawn = torch.multinomial(logits_to_probs(logits[:, 0], sampling), 1, generator=generator).squeeze(1)
+        next_token = torch.where(verdict.accepted > 0, verdict.next_token, drawn)
+        return Verdict(accepted=verdict.accepted, path=verdict.path, next_token=next_token)
+
+    monkeypatch.setattr(engine_module, "verify_chain", from_p)
+
+
+@pytest.mark.parametrize("variant", ["pre-verify", "untested-first-draft", "correction-from-p"])
+def test_pre_verify_sampling_follows_the_target_distribution(variant, monkeypatch):
+    """As above, with pre-verify and three drafts a round: every token pair follows the target's
+    transitions, and so does the first token of each pre-verified round (the first draft accepted, or
+    the correction after its rejection), where the broken variants differ. (One-draft chains are
+    verified only after the split, so the broken variants touch the first draft's test alone.)"""
+    vocab, tokens = 6, 3000
+    target = bigram(vocab, 0.1)
+    draft = bigram(vocab, 10.0)
+    if variant == "untested-first-draft":
+        _without_first_draft_test(monkeypatch)
+    elif variant == "correction-from-p":
+        _correction_from_p(monkeypatch)
+    drafter = ParallelDrafter(draft, adaptive=False, pre_verify=True)  # whole blocks: a seed reproduces the run
+    starts, propose = [], drafter.propose
+
+    def spy(batch):
+        proposal = propose(batch)
+        if proposal is not None and proposal.rest is not None:
+            starts.append(len(batch.seqs[0]))  # the next token is the one the first draft's test decides
+        return proposal
+
+    drafter.propose = spy
+    sampling = Sampling(temperature=0.9)
+    engine = SpecEngine(target, ByteTokenizer(), drafter, sampling, num_draft=3, seed=7, eos_ids=[])
+    seq = [3] + engine.generate([GenRequest([3], tokens)])[0].token_ids
+    with torch.no_grad():
+        transitions = logits_to_probs(target(torch.arange(vocab)[:, None]).logits[:, -1], sampling).double()
+
+    def pvalue(pairs):
+        counts = torch.bincount(torch.tensor([a * vocab + b for a, b in pairs]), minlength=vocab * vocab).double()
+        first = counts.reshape(vocab, vocab).sum(1, keepdim=True)
+        return chi2_pvalue(counts, (first / first.sum() * transitions).reshape(-1))
+
+    at_first = pvalue([(seq[s - 1], seq[s]) for s in starts if s < len(seq)])
+    print(f"\n{variant}: chi-square p = {at_first:.3g} over {len(starts)} pre-verified rounds, {drafter.cut_rounds} cut")
+    assert len(starts) > 300
+    if variant != "untested-first-draft":  # the first draft is rejected by the test often
+        assert drafter.cut_rounds > 100
+    if variant != "pre-verify":
+        assert at_first < 1e-6
+    else:
+        assert at_first > P_FLOOR
+        assert pvalue(list(zip(seq[:-1], seq[1:]))) > P_FLOOR
+
+
+def test_pre_verify_failure_in_the_thread_before_the_block_is_drawn_is_an_error(target, twin, monkeypatch):
+    """The engine waits on the block the thread draws: a failure there raises instead of hanging."""
+    drafter = ParallelDrafter(twin, pre_verify=True)
+    loop = []
+    sample = ParallelDrafter._sample
+
+    def failing(self, logits, sampling):
+        if threading.get_ident() != loop[0]:
+            raise ValueError("draft step failed")
+        return sample(self, logits, sampling)
+
+    monkeypatch.setattr(ParallelDrafter, "_sample", failing)
+    outcome = []
+
+    def decode():
+        loop.append(threading.get_ident())
+        try:
+            run(target, drafter, requests(make_prompts(2, seed=4), [20, 20]))
+        except Exception as exc:  # noqa: BLE001 - the test inspects it
+            outcome.append(exc)
+
+    worker = threading.Thread(target=decode, daemon=True)
+    worker.start()
+    worker.join(timeout=60)
+    assert not worker.is_alive(), "decoding hung waiting for the block of a failed thread"
+    assert len(outcome) == 1 and isinstance(outcome[0], RuntimeError)
+    assert isinstance(outcome[0].__cause__, ValueError)
+
+
+def test_pre_verify_method_option(tiny_family):
+    from specdec.decode.registry import build_drafter, check_drafter_options, load_decode_target
+    from specdec.models.errors import UsageError
+
+    head, overrides = parse_method("draft+parallel=1+pre-verify=1+k=3")
+    opts = DecodeOptions(device="cpu").with_overrides(overrides)
+    assert (head, opts.parallel, opts.pre_verify) == ("draft", True, True)
+    target, tok, _ = load_decode_target(str(tiny_family / "target"), opts)
+    drafter = build_drafter(str(tiny_family / "draft"), target, tok, opts)
+    assert isinstance(drafter, ParallelDrafter) and drafter.pre_verify
+    prompts = [tok.encode("def add(a, b):\n"), tok.encode("for i in range(10):\n")]
+    ar = SpecEngine(target, tok).generate(requests(prompts, [24, 24]))
+    spec = SpecEngine(target, tok, drafter, num_draft=3).generate(requests(prompts, [24, 24]))
+    assert [r.token_ids for r in spec] == [r.token_ids for r in ar]
+    _, more = parse_method("draft+pre-verify=1")
+    with pytest.raises(UsageError, match="--parallel"):
+        check_drafter_options(str(tiny_family / "draft"), DecodeOptions(device="cpu").with_overrides(more))
