@@ -69,6 +69,15 @@ def make_prompts(n: int, vocab: int = 96, seed: int = 0, lo: int = 5, hi: int = 
     return out
 
 
+def staggered_requests(seed: int = 11):
+    """Six requests whose prompts (3..40 tokens) and budgets differ: rows of one batch are left-padded
+    and finish at different times."""
+    from specdec.decode.types import GenRequest
+
+    prompts = make_prompts(6, seed=seed, lo=3, hi=40)
+    return [GenRequest(p, n) for p, n in zip(prompts, [24, 7, 31, 12, 18, 3])]
+
+
 def tiny_tokenizer(path=None):
     """A real byte-level BPE (vocab ~300) trained in well under a second on a few lines of Python."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers

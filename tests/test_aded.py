@@ -3,7 +3,7 @@ identical to plain decoding at batch 1 and 3 and under continuous batching."""
 
 import pytest
 import torch
-from conftest import ByteTokenizer, make_prompts
+from conftest import ByteTokenizer, make_prompts, staggered_requests
 
 from specdec.decode.aded import AdedDrafter, NgramTable
 from specdec.decode.drafters import Segment
@@ -72,20 +72,14 @@ def test_registered():
     assert isinstance(MODEL_FREE_DRAFTERS["aded"]("aded", None, None), AdedDrafter)
 
 
-def _reqs(seed=11):
-    prompts = make_prompts(6, seed=seed, lo=3, hi=40)  # prompt lengths differ
-    budgets = [24, 7, 31, 12, 18, 3]  # rows finish at different times
-    return [GenRequest(p, n) for p, n in zip(prompts, budgets)]
-
-
 @pytest.fixture(scope="module")
 def plain(target):
-    return SpecEngine(target, ByteTokenizer()).generate(_reqs())
+    return SpecEngine(target, ByteTokenizer()).generate(staggered_requests())
 
 
 @pytest.mark.parametrize("bsz", [1, 3])
 def test_greedy_aded_is_lossless(target, plain, bsz):
-    reqs = _reqs()
+    reqs = staggered_requests()
     engine = SpecEngine(target, ByteTokenizer(), AdedDrafter())
     got = []
     for i in range(0, len(reqs), bsz):
@@ -96,7 +90,7 @@ def test_greedy_aded_is_lossless(target, plain, bsz):
 
 
 def test_greedy_aded_is_lossless_when_streamed(target, plain):
-    got = dict(SpecEngine(target, ByteTokenizer(), AdedDrafter()).stream(_reqs(), batch_size=2))
+    got = dict(SpecEngine(target, ByteTokenizer(), AdedDrafter()).stream(staggered_requests(), batch_size=2))
     assert [got[i].token_ids for i in range(len(plain))] == [r.token_ids for r in plain]
 
 
@@ -113,7 +107,7 @@ def test_repetitive_text_is_drafted_and_accepted(target):
 
 
 def test_sampling_smoke(target):
-    reqs = _reqs()[:4]
+    reqs = staggered_requests()[:4]
     engine = SpecEngine(target, ByteTokenizer(), AdedDrafter(), sampling=Sampling(temperature=0.8), seed=3, eos_ids=[])
     res = engine.generate(reqs)
     assert [len(r.token_ids) for r in res] == [r.max_new_tokens for r in reqs]

@@ -8,7 +8,7 @@ import random
 
 import pytest
 import torch
-from conftest import ByteTokenizer, invoke, make_prompts, tiny_llama, tiny_tokenizer
+from conftest import ByteTokenizer, invoke, make_prompts, staggered_requests, tiny_llama, tiny_tokenizer
 from test_sampling import P_FLOOR, two_token_pvalue
 
 from specdec.decode.drafters import Segment
@@ -164,22 +164,16 @@ def test_the_draft_keeps_its_cache_only_along_its_own_chain(draft_model, along_c
 # decoding
 
 
-def _reqs(seed=11):
-    prompts = make_prompts(6, seed=seed, lo=3, hi=40)  # prompt lengths differ
-    budgets = [24, 7, 31, 12, 18, 3]  # rows finish at different times
-    return [GenRequest(p, n) for p, n in zip(prompts, budgets)]
-
-
 @pytest.fixture(scope="module")
 def plain(target):
-    return SpecEngine(target, ByteTokenizer()).generate(_reqs())
+    return SpecEngine(target, ByteTokenizer()).generate(staggered_requests())
 
 
 @pytest.fixture(scope="module")
 def store(target):
     """Random documents plus the target's own greedy text after half of the test prompts (cut short, so
     some lookups hit, some miss and some go off the end of what the corpus knows)."""
-    reqs = _reqs()
+    reqs = staggered_requests()
     own = SpecEngine(target, ByteTokenizer()).generate([GenRequest(r.prompt_ids, 20) for r in reqs[::2]])
     docs = [r.prompt_ids + o.token_ids for r, o in zip(reqs[::2], own)] + make_prompts(20, seed=5)
     return Datastore.from_documents(docs)
@@ -197,7 +191,7 @@ def _decode(target, drafter, reqs, bsz):
 @pytest.mark.parametrize("fused", [False, True])
 def test_greedy_is_lossless(target, draft_model, plain, store, bsz, fused):
     drafter = RasdDrafter(draft_model, store) if fused else RetrievalDrafter(store)
-    got = _decode(target, drafter, _reqs(), bsz)
+    got = _decode(target, drafter, staggered_requests(), bsz)
     assert [r.token_ids for r in got] == [r.token_ids for r in plain]
     assert [r.finish_reason for r in got] == [r.finish_reason for r in plain]
     assert sum(r.stats["accepted_tokens"] for r in got) > 0  # drafts were proposed and some kept
@@ -206,7 +200,7 @@ def test_greedy_is_lossless(target, draft_model, plain, store, bsz, fused):
 @pytest.mark.parametrize("fused", [False, True])
 def test_greedy_is_lossless_when_streamed(target, draft_model, plain, store, fused):
     drafter = RasdDrafter(draft_model, store) if fused else RetrievalDrafter(store)
-    got = dict(SpecEngine(target, ByteTokenizer(), drafter).stream(_reqs(), batch_size=2))
+    got = dict(SpecEngine(target, ByteTokenizer(), drafter).stream(staggered_requests(), batch_size=2))
     assert [got[i].token_ids for i in range(len(plain))] == [r.token_ids for r in plain]
 
 
