@@ -95,13 +95,30 @@ class SlotLayer(StaticLayer):
     Eager forwards write at ``end`` (a Python int the state sets before each forward) and get back the
     filled slots only, so attention costs what the text holds, not the capacity. Compiled steps
     (``end`` None) take transformers' static path: the write offset is a tensor and the whole buffer is
-    returned, shapes fixed; the mask hides what is not a slot of the row."""
+    returned, shapes fixed; the mask hides what is not a slot of the row.
 
-    def __init__(self, capacity: int, device: torch.device):
+    zeroed: the buffers start as zeros, which a state whose steps run compiled needs (a masked slot
+    still enters the product, and uninitialised memory may hold NaN). An eager state's buffers start
+    uninitialised: it reads only slots it wrote (or zeroed, as alignment holes), so allocating costs
+    nothing."""
+
+    def __init__(self, capacity: int, device: torch.device, zeroed: bool = True):
         super().__init__(capacity)
         # on the buffers' device from the start, so the layer's initialisation keeps this tensor
         self.cumulative_length = torch.zeros((), dtype=torch.long, device=device)
         self.end: int | None = 0
+        self.zeroed = zeroed
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        if self.zeroed:
+            return super().lazy_initialization(key_states, value_states)
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.batch_size, self.num_heads = key_states.shape[:2]
+        self.k_head_dim, self.v_head_dim = key_states.shape[-1], value_states.shape[-1]
+        shape = (self.batch_size, self.num_heads, self.max_cache_len)
+        self.keys = torch.empty(*shape, self.k_head_dim, dtype=self.dtype, device=self.device)
+        self.values = torch.empty(*shape, self.v_head_dim, dtype=self.dtype, device=self.device)
+        self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if self.end is None:
@@ -128,18 +145,35 @@ class SlotBuffers(Cache):
     values that every mask hides, so dropping a tail is only bookkeeping: each forward starts by
     setting the write offsets to the committed length (``at``)."""
 
-    def __init__(self, num_layers: int, capacity: int, device: torch.device):
-        super().__init__(layers=[SlotLayer(capacity, device) for _ in range(num_layers)])
+    def __init__(self, num_layers: int, capacity: int, device: torch.device, zeroed: bool = True):
+        super().__init__(layers=[SlotLayer(capacity, device, zeroed) for _ in range(num_layers)])
         self.capacity = capacity
 
     @classmethod
-    def holding(cls, kv: list[tuple[torch.Tensor, torch.Tensor]], capacity: int) -> "SlotBuffers":
+    def holding(cls, kv: list[tuple[torch.Tensor, torch.Tensor]], capacity: int, zeroed: bool = True) -> "SlotBuffers":
         """Buffers of ``capacity`` slots whose first slots hold ``kv`` (per layer keys, values [B, H, S, D])."""
-        out = cls(len(kv), capacity, kv[0][0].device)
-        for layer, (k, v) in zip(out.layers, kv):
-            layer.lazy_initialization(k[:, :, :1], v[:, :, :1])
-            layer.keys[:, :, : k.shape[2]] = k
-            layer.values[:, :, : v.shape[2]] = v
+        return cls.stacking([(kv, kv[0][0].shape[2])], kv[0][0].shape[2], capacity, zeroed)
+
+    @classmethod
+    def stacking(cls, sides: list[tuple[list, int]], width: int, capacity: int, zeroed: bool = True) -> "SlotBuffers":
+        """Buffers whose rows are the sides' rows in order, each side's ``length`` slots (its per layer
+        keys, values [B_i, H, length, D], or [] for a side of empty rows, then given as its row count)
+        right-aligned to ``width``; the holes on their left are zeros. One copy of each side."""
+        ref = next(kv for kv, _ in sides if isinstance(kv, list) and kv)
+        counts = [kv[0][0].shape[0] if isinstance(kv, list) else kv for kv, _ in sides]
+        out = cls(len(ref), capacity, ref[0][0].device, zeroed)
+        for i, layer in enumerate(out.layers):
+            k_like, v_like = ref[i]
+            layer.lazy_initialization(k_like[:1, :, :1].expand(sum(counts), -1, -1, -1), v_like[:1, :, :1].expand(sum(counts), -1, -1, -1))
+            row = 0
+            for (kv, length), n in zip(sides, counts):
+                for j, buf in enumerate((layer.keys, layer.values)):
+                    part = buf[row : row + n]
+                    if not zeroed:
+                        part[:, :, : width - length].zero_()
+                    if length:
+                        part[:, :, width - length : width] = kv[i][j]
+                row += n
         return out
 
     def at(self, n: int, compiled_step: bool) -> None:
@@ -160,10 +194,21 @@ class KVState(SlotBook):
     def __init__(self, model, batch_size: int, device: torch.device, lean: bool = False, compile: bool = False):
         """lean: run the model through ``decode.lean``'s plain-function forward where it reproduces HF's
         (small Llama-architecture drafts; others keep HF's forward). compile: decode steps run compiled
-        against preallocated buffers (``decode.compiled``; it takes precedence over lean)."""
+        against preallocated buffers (``decode.compiled``); on a GPU it takes precedence over lean, on a
+        CPU lean does (a small draft's plain-function forward costs less per call than a compiled
+        graph's guards and dispatch)."""
         super().__init__(batch_size, device)
         self.model = model
+        types, window = arch.layer_types(model.config), arch.sliding_window(model.config)
+        # the window applies where some layer slides; the full mask too where others do not
+        self._window = window if window is not None and arch.SLIDING in types else None
+        self._mixed = self._window is not None and arch.FULL in types
+        # decode.lean reproduces a forward that takes one mask
+        lean = lean_step(model) if lean and not self._mixed else None
+        if lean is not None and torch.device(device).type == "cpu":
+            compile = False
         self._compiled = compiled.for_model(model) if compile else None
+        self._lean = lean if self._compiled is None else None
         # full cache layers only: every layer keeps every slot, sliding ones included; the buffers are
         # allocated at the first forward, when the shapes are known
         self.cache: SlotBuffers | None = None
@@ -171,12 +216,6 @@ class KVState(SlotBook):
         # a prefix every row shares, held once (decode.hydragen): per layer (keys, values) [1, Hkv, P, D]
         # in front of every row's slots, which then hold the rows' own suffixes only
         self.prefix: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-        types, window = arch.layer_types(model.config), arch.sliding_window(model.config)
-        # the window applies where some layer slides; the full mask too where others do not
-        self._window = window if window is not None and arch.SLIDING in types else None
-        self._mixed = self._window is not None and arch.FULL in types
-        # decode.lean reproduces a forward that takes one mask
-        self._lean = lean_step(model) if lean and not self._mixed and self._compiled is None else None
         # one row that has only ever been given whole causal segments has no holes: its mask is the plain
         # causal one, which the model builds itself (or leaves to flash attention); see forward
         self._solid = batch_size == 1
@@ -285,10 +324,10 @@ class KVState(SlotBook):
             old = self.cache.capacity if self.cache is not None else 0
             capacity = capacity_for(max(slots + CAPACITY_STEP // 2, old + old // 2))
             if self.length:
-                self.cache = SlotBuffers.holding(self._committed(), capacity)
+                self.cache = SlotBuffers.holding(self._committed(), capacity, zeroed=self._compiled is not None)
             else:
                 layers = self.model.config.get_text_config().num_hidden_layers
-                self.cache = SlotBuffers(layers, capacity, self.pos.device)
+                self.cache = SlotBuffers(layers, capacity, self.pos.device, zeroed=self._compiled is not None)
         self.cache.at(self.length, compiled_step)
         self._whole = compiled_step
 
@@ -301,7 +340,7 @@ class KVState(SlotBook):
     def _hold(self, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """The cache becomes one holding ``kv`` (per layer keys, values of the committed slots)."""
         width = kv[0][0].shape[2] if kv else 0
-        self.cache = SlotBuffers.holding(kv, capacity_for(width + CAPACITY_STEP // 2)) if width else None
+        self.cache = SlotBuffers.holding(kv, capacity_for(width + CAPACITY_STEP // 2), zeroed=self._compiled is not None) if width else None
 
     def _mask(self, visible: torch.Tensor) -> torch.Tensor:
         if self._whole:  # a compiled step's keys are the whole buffer
@@ -352,17 +391,12 @@ class KVState(SlotBook):
             self.materialize()
             other.materialize()
         width = max(self.length, other.length)
-        rows = (self.valid.shape[0], other.valid.shape[0])
-        sides = (self._committed(), other._committed())
-        ref = sides[1] or sides[0]
-        kv = []
-        for i, (k_like, v_like) in enumerate(ref):
-            pair = []
-            for j, like in enumerate((k_like, v_like)):
-                parts = [side[i][j] if side else like.new_zeros(n, like.shape[1], 0, like.shape[3]) for side, n in zip(sides, rows)]
-                pair.append(torch.cat([left_pad(x, width, 0.0, dim=2) for x in parts], 0))
-            kv.append(tuple(pair))
-        self._hold(kv)
+        sides = [(state._committed() or state.valid.shape[0], state.length) for state in (self, other)]
+        if width:
+            capacity = capacity_for(width + CAPACITY_STEP // 2)
+            self.cache = SlotBuffers.stacking(sides, width, capacity, zeroed=self._compiled is not None)
+        else:
+            self.cache = None
         self._admit(other)
         self._solid = False
 
