@@ -124,8 +124,9 @@ class CopyDrafter(Drafter):
 
 
 class InputCopyDrafter(Drafter):
-    """Input-guided aggressive decoding: the draft is the row's prompt from where the output stands in
-    it. The place is kept from round to round (the output is expected to follow the input in order);
+    """Input-guided aggressive decoding: the draft is the row's input from where the output stands in
+    it: the request's ``reference`` (a record's ``source`` field, the text an edit rewrites) when it has
+    one, else its prompt. The place is kept from round to round (the output is expected to follow the input in order);
     after a mismatch it is found again as the next occurrence in the input of the output's last
     ``align`` tokens (fewer when those do not occur), searched after the previous place first."""
 
@@ -134,30 +135,32 @@ class InputCopyDrafter(Drafter):
     def __init__(self, align: int = 4, start_copy: int = 8, max_copy: int = 64):
         self.align, self.start_copy, self.max_copy = align, start_copy, max_copy
         self.prompt_len: list[int] = []
-        self.place: list[int] = []  # per row: index in the prompt of the next output token, -1 unknown
+        self.inputs: list[list[int] | None] = []  # per row: the reference copied from (None: the prompt)
+        self.place: list[int] = []  # per row: index in the input of the next output token, -1 unknown
         # per row: the next copy's length, doubling while copies are kept and falling to what was kept
         # when one is cut (an output that stopped following its input costs a short draft, not a long one)
         self.length: list[int] = []
         self.last: list[int] = []
 
-    def _add_rows(self, seqs: list[list[int]]) -> None:
+    def _add_rows(self, seqs: list[list[int]], references: list) -> None:
         # at begin/admit every new row holds its prompt and the first token the target emitted
         self.prompt_len += [len(s) - 1 for s in seqs]
+        self.inputs += list(references) if references else [None] * len(seqs)
         self.place += [-1] * len(seqs)
         self.length += [self.start_copy] * len(seqs)
         self.last += [0] * len(seqs)
 
     def begin(self, batch, seg: Segment) -> None:
-        self.prompt_len, self.place, self.length, self.last = [], [], [], []
-        self._add_rows(batch.seqs)
+        self.prompt_len, self.inputs, self.place, self.length, self.last = [], [], [], [], []
+        self._add_rows(batch.seqs, batch.references)
 
     def admit(self, batch, seg: Segment) -> None:
         """``batch`` holds the admitted rows only; they join after the running ones."""
-        self._add_rows(batch.seqs)
+        self._add_rows(batch.seqs, batch.references)
 
     def select_rows(self, rows: torch.Tensor) -> None:
         keep = rows.tolist()
-        for name in ("prompt_len", "place", "length", "last"):
+        for name in ("prompt_len", "inputs", "place", "length", "last"):
             values = getattr(self, name)
             setattr(self, name, [values[i] for i in keep])
 
@@ -176,6 +179,8 @@ class InputCopyDrafter(Drafter):
         drafts = []
         for r, seq in enumerate(batch.seqs):
             prompt, out = seq[: self.prompt_len[r]], seq[self.prompt_len[r] :]
+            if self.inputs[r] is not None:
+                prompt = self.inputs[r]
             place = self.place[r]
             # still in step: the token before the place is the output's last one
             if not (0 < place <= len(prompt) and prompt[place - 1] == out[-1]):

@@ -41,6 +41,7 @@ class Batch:
     rows: list[int] = field(default_factory=list)  # original request index of each active row
     compile: bool = False  # decode steps run compiled (decode.compiled): drafters' own caches too
     groups: list[int | None] = field(default_factory=list)  # each active row's ``GenRequest.group``
+    references: list[list[int] | None] = field(default_factory=list)  # each active row's ``GenRequest.reference``
 
 
 @dataclass
@@ -179,6 +180,7 @@ class SpecEngine:
             batch.seqs += new.seqs
             batch.rows += new.rows
             batch.groups += new.groups
+            batch.references += new.references
             batch.root = torch.cat([batch.root, new.root])
         self._drop_finished(batch, rows, state)
         return batch, state
@@ -220,6 +222,7 @@ class SpecEngine:
             num_draft=self.num_draft,
             rows=list(index),
             groups=[r.group for r in requests],
+            references=[r.reference for r in requests],
             compile=self.compile,
         )
         first = verdict.next_token.tolist()
@@ -432,6 +435,7 @@ class SpecEngine:
         idx = torch.tensor(keep, dtype=torch.long, device=self.device)
         batch.rows = [batch.rows[i] for i in keep]
         batch.groups = [batch.groups[i] for i in keep]
+        batch.references = [batch.references[i] for i in keep]
         batch.seqs = [batch.seqs[i] for i in keep]
         batch.root = batch.root[idx]
         if keep:

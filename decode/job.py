@@ -146,7 +146,11 @@ class Decoder:
         room = self.max_context - len(ids)
         if room <= 0:
             return f"prompt has {len(ids)} tokens; the model's context is {self.max_context}"
-        return GenRequest(ids, min(rec.max_new_tokens or self.options.max_new_tokens, room))
+        source = rec.extra.get("source")
+        if source is not None and not isinstance(source, str):
+            return "source must be a string"
+        reference = self.tokenizer(source, add_special_tokens=False)["input_ids"] if source else None
+        return GenRequest(ids, min(rec.max_new_tokens or self.options.max_new_tokens, room), reference=reference)
 
     def output(self, rec: Record, req: GenRequest, result, wall: float) -> dict:
         text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)

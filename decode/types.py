@@ -13,6 +13,9 @@ class GenRequest:
     # requests of one group are samples of the same prompt (``--num-samples``): drafters may share
     # what they learn between them; None = a request on its own
     group: int | None = None
+    # token ids the output is expected to follow (a record's ``source``: the text an edit rewrites),
+    # which input-guided drafting copies from; None = the prompt
+    reference: list[int] | None = None
 
 
 @dataclass

@@ -16,6 +16,7 @@ class _Batch:
     def __init__(self, seqs, k=32):
         self.seqs, self.num_draft, self.device = seqs, k, torch.device("cpu")
         self.sampling = Sampling()
+        self.references = []
 
 
 def _seg(accepted):
@@ -94,3 +95,32 @@ def test_self_copying_target_is_drafted_in_long_runs(target):
     copied = SpecEngine(target, ByteTokenizer(), CopyDrafter()).generate(req)[0]
     assert copied.token_ids == plain.token_ids
     assert copied.stats["target_calls"] < plain.stats["target_calls"]
+
+
+def test_input_copy_follows_a_reference_when_the_request_has_one(target):
+    """A request's ``reference`` (a record's ``source``) is what input-copy copies from: a reference
+    holding the target's own continuation is drafted in long accepted runs, rows with and without one
+    share a batch, rows join a running batch, and output stays plain greedy."""
+    prompts = make_prompts(4, seed=13, lo=4, hi=20)
+    plain = SpecEngine(target, ByteTokenizer()).generate([GenRequest(p, 40) for p in prompts])
+    with_ref = [GenRequest(p, 40, reference=r.token_ids if i % 2 == 0 else None) for i, (p, r) in enumerate(zip(prompts, plain))]
+    got = dict(SpecEngine(target, ByteTokenizer(), InputCopyDrafter()).stream(iter(with_ref), 2))
+    assert [got[i].token_ids for i in range(4)] == [r.token_ids for r in plain]
+    without = SpecEngine(target, ByteTokenizer(), InputCopyDrafter()).generate([GenRequest(prompts[0], 40)])[0]
+    assert got[0].stats["target_calls"] <= 4 < without.stats["target_calls"]
+
+
+def test_decode_reads_a_records_source_field(tmp_path, tiny_family):
+    import json
+
+    from conftest import invoke
+
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"id": "a", "prompt": "Rewrite: x = 1", "source": "x = 1\ny = 2\n"}) + "\n"
+                   + json.dumps({"id": "b", "prompt": "Rewrite: y", "source": 7}) + "\n")
+    out = tmp_path / "out.jsonl"
+    res = invoke(["decode", "--in", str(src), "--out", str(out), "--target", str(tiny_family / "target"),
+                  "--drafter", "input-copy", "--max-new-tokens", "8"])
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert res.exit_code == 3  # one record is an error record; the job went on
+    assert "completion" in rows[0] and rows[1] == {"id": "b", "line": 2, "error": "source must be a string"}
