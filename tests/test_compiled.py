@@ -156,11 +156,12 @@ def test_decode_cli_compile(tmp_path, tiny_family):
     assert [json.loads(x)["completion"] for x in outs[0]] == [json.loads(x)["completion"] for x in outs[1]]
 
 
-def test_a_small_draft_keeps_its_lean_forward_on_a_cpu(draft_model, target):
+def test_a_small_draft_keeps_its_lean_forward_on_a_cpu(target):
     """On a CPU a draft's plain-function forward is cheaper per call than a compiled graph: lean wins
     there, and a model lean cannot run still compiles."""
     cpu = torch.device("cpu")
-    draft_state = KVState(draft_model, 2, cpu, lean=True, compile=True)
+    draft = tiny_llama(seed=1, layers=1, hidden=32)  # its own: other tests hook or re-point the shared ones
+    draft_state = KVState(draft, 2, cpu, lean=True, compile=True)
     assert draft_state._lean is not None and draft_state._compiled is None
     target_state = KVState(target, 2, cpu, compile=True)
     assert target_state._lean is None and target_state._compiled is not None
