@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdec.decode.drafters import Drafter, Proposal, Segment, tree_attention_from_parents
+from specdec.decode.drafters import Drafter, Proposal, Segment, tree_proposal
 
 Context = tuple[int, int]
 
@@ -149,20 +149,7 @@ class AdedDrafter(Drafter):
         n, depth = batch.num_draft, min(self.max_depth, batch.num_draft)
         for row, seq in zip(self.rows, batch.seqs):
             row.tree = self._grow(row, seq, n, depth) if n > 0 else []
-        width = max((len(r.tree) for r in self.rows), default=0)
-        if width == 0:
-            return None
-        bsz = len(self.rows)
-        tokens = torch.zeros(bsz, width, dtype=torch.long)
-        parents = torch.full((bsz, width), -2, dtype=torch.long)  # -2: padding
-        for r, row in enumerate(self.rows):
-            if row.tree:
-                tokens[r, : len(row.tree)] = torch.tensor([nd.token for nd in row.tree])
-                parents[r, : len(row.tree)] = torch.tensor([nd.parent for nd in row.tree])
-        tokens, parents = tokens.to(batch.device), parents.to(batch.device)
-        attn, dep = tree_attention_from_parents(parents)
-        max_depth = max(nd.depth for row in self.rows for nd in row.tree)
-        return Proposal(tokens=tokens, parents=parents, tree_attn=attn, depth=dep, max_depth=max_depth)
+        return tree_proposal([([nd.token for nd in row.tree], [nd.parent for nd in row.tree]) for row in self.rows], batch.device)
 
     def observe(self, batch, seg: Segment) -> None:
         if seg.accepted is not None and any(row.tree for row in self.rows):

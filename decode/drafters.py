@@ -97,6 +97,29 @@ def chain_proposal(drafts: list[list[int]], device) -> Proposal | None:
     return Proposal(tokens=tokens.to(device), lengths=lengths.to(device))
 
 
+def tree_proposal(trees: list[tuple[list[int], list[int]]], device, **fields) -> Proposal | None:
+    """A tree proposal of per-row (tokens, parents) lists (parent -1: a child of the root; nodes in
+    topological order), padded with parent -2; None when no row has a node. ``fields`` go to the
+    Proposal as they are (a sampled tree's ``draft_probs`` and ``scheme``)."""
+    width = max((len(t) for t, _ in trees), default=0)
+    if width == 0:
+        return None
+    tokens = torch.zeros(len(trees), width, dtype=torch.long)
+    parents = torch.full((len(trees), width), -2, dtype=torch.long)
+    max_depth = 0
+    for r, (tok, par) in enumerate(trees):
+        if tok:
+            tokens[r, : len(tok)] = torch.tensor(tok)
+            parents[r, : len(par)] = torch.tensor(par)
+            depth: list[int] = []
+            for p in par:
+                depth.append(1 if p < 0 else depth[p] + 1)
+            max_depth = max(max_depth, max(depth))
+    tokens, parents = tokens.to(device), parents.to(device)
+    attn, dep = tree_attention_from_parents(parents)
+    return Proposal(tokens=tokens, parents=parents, tree_attn=attn, depth=dep, max_depth=max_depth, **fields)
+
+
 def admits(drafter: Drafter) -> bool:
     """Whether the drafter can take new rows into a running batch (continuous batching)."""
     return type(drafter).admit is not Drafter.admit

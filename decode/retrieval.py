@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from specdec.decode.drafters import Drafter, ModelDrafter, Proposal, Segment, tree_attention_from_parents
+from specdec.decode.drafters import Drafter, ModelDrafter, Proposal, Segment, tree_proposal
 from specdec.models.artifacts import check_fingerprint, read_config, tokenizer_fingerprint, write_json
 from specdec.models.errors import SpecdecError, UsageError
 
@@ -235,27 +235,6 @@ class Trie:
 
     def expand(self, node: int) -> None:
         self._children(node, self._next[node], self.depth[node])
-
-
-def tree_proposal(trees: list[tuple[list[int], list[int]]], device) -> Proposal | None:
-    """A tree proposal of per-row (tokens, parents), padded with parent -2 (None when no row has a node)."""
-    width = max((len(t) for t, _ in trees), default=0)
-    if width == 0:
-        return None
-    tokens = torch.zeros(len(trees), width, dtype=torch.long)
-    parents = torch.full((len(trees), width), -2, dtype=torch.long)
-    max_depth = 0
-    for r, (tok, par) in enumerate(trees):
-        if tok:
-            tokens[r, : len(tok)] = torch.tensor(tok)
-            parents[r, : len(par)] = torch.tensor(par)
-            depth = []
-            for p in par:
-                depth.append(1 if p < 0 else depth[p] + 1)
-            max_depth = max(max_depth, max(depth))
-    tokens, parents = tokens.to(device), parents.to(device)
-    attn, dep = tree_attention_from_parents(parents)
-    return Proposal(tokens=tokens, parents=parents, tree_attn=attn, depth=dep, max_depth=max_depth)
 
 
 class RetrievalDrafter(Drafter):

@@ -41,7 +41,7 @@ import math
 
 import torch
 
-from specdec.decode.drafters import Drafter, Proposal, Segment, tree_attention_from_parents
+from specdec.decode.drafters import Drafter, Proposal, Segment, tree_proposal
 from specdec.decode.verify import logits_to_probs
 
 
@@ -233,21 +233,8 @@ class StandDrafter(Drafter):
             self._grow(self.tables[key], seq, depth, None if greedy else u[r]) for r, (key, seq) in enumerate(zip(self.row_keys, batch.seqs))
         ]
         width = max(map(len, self.trees))
-        if width == 0:
-            return None
-        tokens = torch.zeros(bsz, width, dtype=torch.long)
-        parents = torch.full((bsz, width), -2, dtype=torch.long)  # -2: padding
-        for r, tree in enumerate(self.trees):
-            if tree:
-                tokens[r, : len(tree)] = torch.tensor([nd.token for nd in tree])
-                parents[r, : len(tree)] = torch.tensor([nd.parent for nd in tree])
-        tokens, parents = tokens.to(batch.device), parents.to(batch.device)
-        attn, dep = tree_attention_from_parents(parents)
-        max_depth = max(nd.depth for tree in self.trees for nd in tree)
-        if greedy:
-            return Proposal(tokens=tokens, parents=parents, tree_attn=attn, depth=dep, max_depth=max_depth)
-        return Proposal(tokens=tokens, parents=parents, draft_probs=self._draft_probs(batch, width), scheme="rsd",
-                        tree_attn=attn, depth=dep, max_depth=max_depth)
+        sampled = {} if greedy or width == 0 else {"draft_probs": self._draft_probs(batch, width), "scheme": "rsd"}
+        return tree_proposal([([nd.token for nd in tree], [nd.parent for nd in tree]) for tree in self.trees], batch.device, **sampled)
 
     def _draft_probs(self, batch, width: int) -> torch.Tensor:
         """[B, N, V]: each node's q (its parent's context distribution), zero off its support."""
