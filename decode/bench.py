@@ -41,7 +41,7 @@ from specdec.decode.registry import build_drafter, kernel_backend, load_decode_t
 from specdec.decode.roofline import nominal_bandwidth, peak_bandwidth, roofline
 from specdec.decode.report import plot, provenance
 from specdec.decode.timing import Run, Runner, run_passes, speedup, tokens_per_s
-from specdec.decode.types import GenRequest
+from specdec.decode.types import GenRequest, add_counts
 from specdec.decode.validate import check_num_samples
 from specdec.models.artifacts import resolve_member
 from specdec.models.errors import SpecdecError
@@ -189,10 +189,7 @@ def _joined(results: list, wall: float) -> tuple[list[int], dict]:
     for res in results:
         for key, value in res.stats.items():
             if isinstance(value, list):
-                mine = stats.setdefault(key, [])
-                mine.extend([0] * (len(value) - len(mine)))
-                for i, v in enumerate(value):
-                    mine[i] += v
+                add_counts(stats.setdefault(key, []), value)
             elif isinstance(value, (int, float)) and not key.endswith("wall_s"):
                 stats[key] = stats.get(key, 0) + value
     return [t for res in results for t in res.token_ids], {**stats, "wall_s": wall}
@@ -358,10 +355,7 @@ def _positions(stats, idx):
     drafted, accepted = [], []
     for i in idx:
         for name, acc in (("position_drafted", drafted), ("position_accepted", accepted)):
-            vals = stats[i].get(name, [])
-            acc.extend([0] * (len(vals) - len(acc)))
-            for j, v in enumerate(vals):
-                acc[j] += v
+            add_counts(acc, stats[i].get(name, []))
     return drafted, accepted
 
 

@@ -35,7 +35,7 @@ from specdec.decode.io import (
 )
 from specdec.decode.options import SCHEDULES, DecodeOptions
 from specdec.decode.registry import build_drafter, check_drafter_options, kernel_backend, load_decode_target
-from specdec.decode.types import GenRequest
+from specdec.decode.types import GenRequest, add_counts
 from specdec.decode.verify import Sampling
 from specdec.models.artifacts import artifact_kind, read_config
 from specdec.models.errors import SpecdecError, UsageError
@@ -71,10 +71,7 @@ class JobSummary:
         self.drafted += stats.get("drafted_tokens", 0)
         self.accepted += stats.get("accepted_tokens", 0)
         for name in ("pos_drafted", "pos_accepted"):
-            mine, theirs = getattr(self, name), stats.get(name.replace("pos_", "position_"), [])
-            mine.extend([0] * (len(theirs) - len(mine)))
-            for i, v in enumerate(theirs):
-                mine[i] += v
+            add_counts(getattr(self, name), stats.get(name.replace("pos_", "position_"), []))
 
     @property
     def tau(self) -> float:

@@ -18,6 +18,14 @@ class GenRequest:
     reference: list[int] | None = None
 
 
+def add_counts(total: list, counts: list) -> None:
+    """Add per-position counters (``position_drafted``, ``position_accepted``) into ``total``, which
+    grows to the longer of the two."""
+    total.extend([0] * (len(counts) - len(total)))
+    for i, v in enumerate(counts):
+        total[i] += v
+
+
 @dataclass
 class GenResult:
     token_ids: list[int]  # new tokens only, stop string / EOS handling already applied
