@@ -120,6 +120,14 @@ def tree_proposal(trees: list[tuple[list[int], list[int]]], device, **fields) ->
     return Proposal(tokens=tokens, parents=parents, tree_attn=attn, depth=dep, max_depth=max_depth, **fields)
 
 
+def draw(logits: torch.Tensor, sampling, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A draft token per row and the tempered q it was drawn from (greedy: the argmax, no q)."""
+    if sampling.greedy:
+        return logits.argmax(-1), None
+    q = logits_to_probs(logits, sampling)
+    return torch.multinomial(q, 1, generator=generator).squeeze(-1), q
+
+
 def admits(drafter: Drafter) -> bool:
     """Whether the drafter can take new rows into a running batch (continuous batching)."""
     return type(drafter).admit is not Drafter.admit
@@ -341,10 +349,7 @@ class ModelDrafter(Drafter):
         return (out.logits[:, -1], out.hidden_states[-1][:, -1]) if hidden else out.logits[:, -1]
 
     def _pick(self, logits: torch.Tensor, batch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if batch.sampling.greedy:
-            return logits.argmax(-1), None
-        q = logits_to_probs(logits, batch.sampling)
-        return torch.multinomial(q, 1, generator=batch.generator).squeeze(-1), q
+        return draw(logits, batch.sampling, batch.generator)
 
     def propose(self, batch) -> Proposal | None:
         if self.scheme == "rsd":

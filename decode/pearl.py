@@ -50,8 +50,8 @@ import threading
 
 import torch
 
-from specdec.decode.drafters import ModelDrafter, Proposal, Segment
-from specdec.decode.verify import Sampling, logits_to_probs
+from specdec.decode.drafters import ModelDrafter, Proposal, Segment, draw
+from specdec.decode.verify import Sampling
 
 
 class ParallelDrafter(ModelDrafter):
@@ -168,10 +168,7 @@ class ParallelDrafter(ModelDrafter):
         return self._sample(logits, batch.sampling)
 
     def _sample(self, logits: torch.Tensor, sampling: Sampling) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if sampling.greedy:
-            return logits.argmax(-1), None
-        q = logits_to_probs(logits, sampling)
-        return torch.multinomial(q, 1, generator=self.generator).squeeze(-1), q
+        return draw(logits, sampling, self.generator)  # the drafter's own generator, in either thread
 
     def _discard_ready(self) -> None:
         """Roll back a kept block's drafts (the cache holds all but its last)."""
