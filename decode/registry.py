@@ -20,21 +20,21 @@ from specdec.models.artifacts import FAMILY_MEMBERS, artifact_kind, check_finger
 from specdec.models.errors import SpecdecError, UsageError
 from specdec.models.loading import input_device, load_draft, load_model_config, load_target, load_tokenizer, resolve_source
 
-def _layerskip(spec: str, target, options: DecodeOptions):
+def _layerskip(spec: str, target, tokenizer, options: DecodeOptions):
     return drafters.ModelDrafter(drafters.layer_skip_view(target, drafters.parse_layerskip(spec, target.config.num_hidden_layers)))
 
 
-# drafters that need no artifact: name -> factory(spec, target, options)
+# drafters that need no artifact: name -> factory(spec, target, tokenizer, options), as DRAFTER_KINDS' factories
 MODEL_FREE_DRAFTERS: dict[str, Callable] = {
-    "ar": lambda spec, target, options: drafters.NoDrafter(),
-    "ngram": lambda spec, target, options: drafters.NgramDrafter(max_ngram=options.max_ngram),
-    "recycle": lambda spec, target, options: drafters.RecycleDrafter(),
+    "ar": lambda spec, target, tokenizer, options: drafters.NoDrafter(),
+    "ngram": lambda spec, target, tokenizer, options: drafters.NgramDrafter(max_ngram=options.max_ngram),
+    "recycle": lambda spec, target, tokenizer, options: drafters.RecycleDrafter(),
     "layerskip": _layerskip,
-    "copy": lambda spec, target, options: copying.CopyDrafter(),
-    "input-copy": lambda spec, target, options: copying.InputCopyDrafter(),
+    "copy": lambda spec, target, tokenizer, options: copying.CopyDrafter(),
+    "input-copy": lambda spec, target, tokenizer, options: copying.InputCopyDrafter(),
     "swift": swift.build_swift,
-    "aded": lambda spec, target, options: aded.AdedDrafter(),
-    "stand": lambda spec, target, options: stand.StandDrafter(),
+    "aded": lambda spec, target, tokenizer, options: aded.AdedDrafter(),
+    "stand": lambda spec, target, tokenizer, options: stand.StandDrafter(),
     "retrieval": retrieval.build_retrieval,
 }
 MODEL_FREE = tuple(MODEL_FREE_DRAFTERS)
@@ -164,10 +164,7 @@ def build_drafter(spec: str, target, tokenizer, options: DecodeOptions):
     name, _, _ = spec.partition(":")
     if name in MODEL_FREE_DRAFTERS:
         _refuse_options_that_do_not_apply(name, options)
-        drafter = MODEL_FREE_DRAFTERS[name](spec, target, options)
-        if isinstance(drafter, retrieval.RetrievalDrafter):  # an index holds token ids of the tokenizer it was built with
-            drafter.store.check_tokenizer(tokenizer, f"retrieval index {spec.partition(':')[2]}")
-        return drafter
+        return MODEL_FREE_DRAFTERS[name](spec, target, tokenizer, options)
     hub = _hub_id(spec)
     if hub:  # a draft model on the hub (resolved offline from its cache with HF_HUB_OFFLINE=1)
         _refuse_options_that_do_not_apply("draft", options)

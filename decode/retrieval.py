@@ -272,12 +272,13 @@ class RetrievalDrafter(Drafter):
         return tree_proposal([self.tree(seq, batch.num_draft) for seq in batch.seqs], batch.device)
 
 
-def build_retrieval(spec: str, target, options) -> RetrievalDrafter:
-    """``retrieval:INDEX``: the registry's factory (the tokenizer check follows in the registry)."""
+def build_retrieval(spec: str, target, tokenizer, options) -> RetrievalDrafter:
+    """``retrieval:INDEX``: the registry's factory; an index holds token ids of the tokenizer it was
+    built with, so it must be the target's."""
     _, _, path = spec.partition(":")
     if not path:
         raise UsageError("retrieval:INDEX names an index folder (build one with specdec index build)")
-    store = open_datastore(path)
+    store = open_datastore(path, tokenizer)
     _check_vocab(store, target, path)
     return RetrievalDrafter(store)
 

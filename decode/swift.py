@@ -217,7 +217,7 @@ class SwiftDrafter(Drafter):
                 member.fed += [0] * len(batch.seqs)
 
 
-def build_swift(spec: str, target, options) -> SwiftDrafter:
+def build_swift(spec: str, target, tokenizer, options) -> SwiftDrafter:
     """Factory for ``--drafter swift[:CONFIDENCE]`` (the early-stop threshold, default 0.6)."""
     from specdec.models.errors import UsageError
 

@@ -69,7 +69,7 @@ def test_rows_keep_their_own_state_through_select_and_admit():
 
 
 def test_registered():
-    assert isinstance(MODEL_FREE_DRAFTERS["aded"]("aded", None, None), AdedDrafter)
+    assert isinstance(MODEL_FREE_DRAFTERS["aded"]("aded", None, None, None), AdedDrafter)
 
 
 @pytest.fixture(scope="module")
