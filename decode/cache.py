@@ -277,15 +277,8 @@ class KVState(SlotBook):
         if self._lean is not None and not model_kwargs:
             out = lean_output(*self._lean(input_ids, mask, positions, self.cache))
         else:
-            out = (self._compiled.forward if width is not None else self.model)(
-                input_ids=input_ids,
-                attention_mask=mask,
-                position_ids=positions,
-                past_key_values=self.cache,
-                use_cache=True,
-                output_hidden_states=hidden,
-                **model_kwargs,
-            )
+            forward = self._compiled.forward if width is not None else self.model
+            out = self._call(forward, input_ids, mask, positions, hidden, model_kwargs)
         if width is not None:
             out = self._unpad(out, own)
         self._pending, self._pending_pos = input_valid[:, :own], positions[:, :own]
@@ -297,16 +290,21 @@ class KVState(SlotBook):
         t = input_ids.shape[1]
         self._reserve(self.length + t)
         positions = self.pos[:, None] + torch.arange(t, device=input_ids.device)[None]
-        out = self.model(
+        out = self._call(self.model, input_ids, None, positions, hidden, model_kwargs)
+        self._pending, self._pending_pos = torch.ones_like(input_ids, dtype=torch.bool), positions
+        return out
+
+    def _call(self, forward, input_ids, mask, positions, hidden: bool, model_kwargs: dict):
+        """The model's forward (HF's, or its compiled one) on a segment after the cache."""
+        return forward(
             input_ids=input_ids,
+            attention_mask=mask,
             position_ids=positions,
             past_key_values=self.cache,
             use_cache=True,
             output_hidden_states=hidden,
             **model_kwargs,
         )
-        self._pending, self._pending_pos = torch.ones_like(input_ids, dtype=torch.bool), positions
-        return out
 
     def _unpad(self, out, t: int):
         """A compiled step's outputs for the segment's own tokens; copies where CUDA graphs would
@@ -430,7 +428,7 @@ class KVState(SlotBook):
         computed once)."""
         out = KVState.__new__(KVState)
         out.__dict__.update(self.__dict__)
-        out._hold([(k.expand(n, -1, -1, -1).contiguous(), v.expand(n, -1, -1, -1).contiguous()) for k, v in self._committed()])
+        out._hold([(k.expand(n, -1, -1, -1), v.expand(n, -1, -1, -1)) for k, v in self._committed()])  # _hold copies
         out.valid, out.positions, out.pos = self.valid.expand(n, -1).clone(), self.positions.expand(n, -1).clone(), self.pos.expand(n).clone()
         out._solid = self._solid and n == 1
         out._pending = out._pending_pos = None
