@@ -126,9 +126,10 @@ class CopyDrafter(Drafter):
 class InputCopyDrafter(Drafter):
     """Input-guided aggressive decoding: the draft is the row's input from where the output stands in
     it: the request's ``reference`` (a record's ``source`` field, the text an edit rewrites) when it has
-    one, else its prompt. The place is kept from round to round (the output is expected to follow the input in order);
-    after a mismatch it is found again as the next occurrence in the input of the output's last
-    ``align`` tokens (fewer when those do not occur), searched after the previous place first."""
+    one, else its prompt. The place is kept from round to round (the output is expected to follow the
+    input in order); after a mismatch it is found again as the next occurrence in the input of the
+    output's last ``align`` tokens (fewer when those do not occur), searched after the previous place
+    first."""
 
     default_k = 64  # the most a round may copy; the adaptive length decides within it
 

@@ -198,8 +198,9 @@ class SpecEngine:
         ids, valid = ids.to(self.device), valid.to(self.device)
         keep_all = getattr(self.drafter, "needs_prefill_logits", False)
         if prefix:
-            # the shared prefix's keys and values are computed once and copied to every row; each row's
-            # suffix follows it (left-padded among the suffixes: holes between prefix and suffix)
+            # the shared prefix's keys and values are computed once, and held once for every row
+            # (decode.hydragen) or copied to each; each row's suffix follows it (left-padded among the
+            # suffixes: holes between prefix and suffix)
             head, head_seg = self._prefix_state(prefix, keep_all)
             state = head.share(bsz) if self._hydragen() else head.repeat(bsz)
         else:

@@ -9,10 +9,13 @@ row's mask (holes, trees), as before. The two softmaxes are merged with their lo
 ``out = (e^lse_p out_p + e^lse_s out_s) / (e^lse_p + e^lse_s)``, which is softmax attention over the
 concatenated keys up to floating-point reassociation.
 
-It runs as a transformers attention function. ``enable`` registers, for the model's SDPA, a wrapper that takes the prefix from the forward's keyword ``shared_prefix`` (one
-(keys, values) pair per layer) and hands every forward without one to the original function, so the
-model is unchanged for everything else. Models it cannot serve exactly keep the copied prefix: sliding
-windows (the prefix would need a per-query window), attention logit soft-capping, other implementations.
+It runs as a transformers attention function. ``enable`` registers, for the model's SDPA, a wrapper
+that takes the prefix from the forward's keyword ``shared_prefix`` (one (keys, values) pair per layer)
+and hands every forward without one to the original function, so the model is unchanged for everything
+else. Models it cannot serve exactly keep the copied prefix: sliding windows (the prefix would need a
+per-query window), attention logit soft-capping, other implementations. An attention that asks for
+more than softmax(QK^T)V (soft-capping, attention sinks, a position bias) at run time is refused
+rather than computed without it.
 """
 
 from __future__ import annotations
@@ -22,8 +25,11 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
 from specdec.models import arch
+from specdec.models.errors import SpecdecError
 
 PREFIX = "specdec_hydragen_"
+# attention-function keywords that change the result beyond softmax(QK^T)V (None when unused)
+UNSUPPORTED = ("softcap", "sliding_window", "s_aux", "sinks", "position_bias")
 SUPPORTED = ("sdpa",)  # eager attention differs per architecture; such models keep the copied prefix
 
 
@@ -49,6 +55,12 @@ def _wrapper(original):
     def attention(module, query, key, value, attention_mask, shared_prefix=None, **kwargs):
         if shared_prefix is None:
             return original(module, query, key, value, attention_mask, **kwargs)
+        extra = [name for name in UNSUPPORTED if kwargs.get(name) is not None]
+        if extra:
+            raise SpecdecError(
+                f"this model's attention takes {', '.join(extra)}, which a prefix held once cannot honour: "
+                "decode with --shared-prefix off"
+            )
         prefix_key, prefix_value = shared_prefix[module.layer_idx]
         scaling = kwargs.get("scaling")
         if scaling is None:

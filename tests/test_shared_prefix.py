@@ -164,3 +164,22 @@ def test_models_hydragen_cannot_serve_keep_the_copied_prefix():
     assert [r.token_ids for r in shared.generate(reqs)] == [r.token_ids for r in whole]
     assert shared._prefix is not None and not shared._hydragen()
     assert not model.config._attn_implementation.startswith(hydragen.PREFIX)
+
+
+def test_an_attention_asking_for_more_than_softmax_is_refused_not_approximated():
+    """Attention sinks, soft-capping or a position bias handed to the attention function at run time
+    cannot be split into prefix and suffix parts as implemented: one clear error, not a wrong output."""
+    from conftest import tiny_llama
+    from transformers import AttentionInterface
+
+    from specdec.models.errors import SpecdecError
+
+    model = tiny_llama(seed=7)
+    assert hydragen.enable(model)
+    attention = AttentionInterface._global_mapping[model.config._attn_implementation]
+    q, kv = torch.zeros(2, 4, 3, 12, dtype=torch.float64), torch.zeros(2, 2, 3, 12, dtype=torch.float64)
+    prefix = [(torch.zeros(1, 2, 5, 12, dtype=torch.float64),) * 2 for _ in range(3)]
+    layer = model.model.layers[0].self_attn
+    assert attention(layer, q, kv, kv, None, shared_prefix=prefix, sliding_window=None, scaling=0.3)[0].shape == (2, 3, 4, 12)
+    with pytest.raises(SpecdecError, match="s_aux"):
+        attention(layer, q, kv, kv, None, shared_prefix=prefix, s_aux=torch.zeros(4))
