@@ -301,27 +301,24 @@ class RasdDrafter(ModelDrafter):
         self.retrieval = RetrievalDrafter(store)
         self.retrieval_tokens, self.retrieval_depth = retrieval_tokens, retrieval_depth
         self.prune_top_k, self.keep_share = prune_top_k, keep_share
+        self._tops: list[torch.Tensor] = []  # per chain step: the draft's top tokens, [B, prune_top_k]
+
+    def _pick(self, logits: torch.Tensor, batch) -> tuple[torch.Tensor, None]:
+        """The chain's next token, the draft's argmax at any temperature (the fused tree's tokens are
+        one-hot candidates); the draft's likeliest tokens there are kept to prune retrieval branches."""
+        self._tops.append(logits.topk(min(self.prune_top_k, logits.shape[-1]), dim=-1).indices)
+        return logits.argmax(-1), None
 
     def propose(self, batch) -> Proposal | None:
         k = batch.num_draft
-        if k <= 0:
+        self._tops = []
+        chain = self._propose_fixed(batch, k)  # ModelDrafter's chain, through _pick above
+        if chain is None:
             return None
-        logits = self._feed_pending(batch)
-        chain, top = [], []
-        top_k = min(self.prune_top_k, logits.shape[-1])
-        for i in range(k):
-            top.append(logits.topk(top_k, dim=-1).indices)
-            tok = logits.argmax(-1)
-            chain.append(tok)
-            if i < k - 1:
-                out = self.state.forward(tok[:, None])
-                self.state.commit_prefix(1, torch.ones_like(tok[:, None], dtype=torch.bool))
-                logits = out.logits[:, -1]
-        self._drafted = k - 1
         # the cache holds the chain: ModelDrafter.observe keeps the accepted path's run along nodes 0, 1, ...
         self._spine_width = 1
-        chains = torch.stack(chain, 1).tolist()
-        tops = torch.stack(top, 1).tolist()  # [B, K, top_k]: the draft's likeliest tokens after each chain prefix
+        chains = chain.tokens.tolist()
+        tops = torch.stack(self._tops, 1).tolist()  # [B, K, top_k]: the draft's likeliest tokens after each chain prefix
         depth = max(k, self.retrieval_depth)
         trees = [self._fuse(c, [set(t) for t in tp], self.retrieval.trie(seq, depth)) for c, tp, seq in zip(chains, tops, batch.seqs)]
         return tree_proposal(trees, batch.device)
