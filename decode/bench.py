@@ -289,28 +289,35 @@ class _ForwardCosts:
         model = model or self.model
         key = (id(model), t)
         if key not in self._memo:
-            self._memo[key] = _time_forward(model, self.prefix, t, self.repeats)
+            self._memo[key] = time_forward(model, self.prefix, t, self.repeats)
         return self._memo[key]
 
 
-def _time_forward(model, prefix: list[int], t: int, repeats: int) -> float:
+def time_forward(model, prefix: list[int], t: int, repeats: int, batch_size: int = 1, compile: bool = False,
+                 lean: bool = False) -> float:
+    """Median seconds of one forward of ``t`` tokens per row, ``batch_size`` rows each after a cache
+    holding ``prefix``, run as the engine runs it (``KVState``: compiled steps with ``compile``, a
+    draft's lean forward with ``lean``), after three warm-up forwards. The forward is not committed,
+    so every repeat writes the same slots."""
     from specdec.decode.cache import KVState
 
     device = next(model.parameters()).device
-    ids = torch.tensor([prefix], device=device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)  # time the kernels, not their launch
     times = []
+    # inputs made under inference mode, as the engine's are: a compiled step guards on it
     with torch.inference_mode():
-        for _ in range(repeats):
-            state = KVState(model, 1, ids.device)
-            state.forward(ids, logits_to_keep=1)
-            state.commit_prefix(ids.shape[1], torch.ones_like(ids, dtype=torch.bool))
-            step = ids[:, :t] if t <= ids.shape[1] else ids[:, :1].repeat(1, t)
+        ids = torch.tensor([prefix], device=device).expand(batch_size, -1)
+        step = ids[:, :t] if t <= ids.shape[1] else ids[:, :1].repeat(1, t)
+        state = KVState(model, batch_size, device, lean=lean, compile=compile)
+        state.forward(ids, logits_to_keep=1)
+        state.commit_prefix(ids.shape[1], torch.ones_like(ids, dtype=torch.bool))
+        for i in range(3 + repeats):
             sync()
             t0 = time.perf_counter()
             state.forward(step)
             sync()
-            times.append(time.perf_counter() - t0)
+            if i >= 3:
+                times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
 
