@@ -77,3 +77,48 @@ def test_cuda_device_map_spreads_a_target_and_decodes_the_same(tiny_family):
     prompts = [tok("class A:\n")["input_ids"]]
     outs = [SpecEngine(m, tok).generate([GenRequest(p, 12) for p in prompts]) for m in (plain, mapped)]
     assert outs[0][0].token_ids == outs[1][0].token_ids
+
+
+def _cuda_float32(tiny_family):
+    from specdec.decode.options import DecodeOptions
+    from specdec.decode.registry import load_decode_target
+
+    opts = DecodeOptions(device="cuda", dtype="float32")  # float32: eager and compiled kernels agree token for token
+    model, tok, _ = load_decode_target(str(tiny_family / "target"), opts)
+    return model, tok, opts
+
+
+@pytest.mark.parametrize("drafter", ["ar", "draft", "draft+parallel", "draft+parallel+pre-verify"])
+def test_cuda_compiled_steps_and_parallel_drafts_decode_as_eager_ones_do(tiny_family, drafter):
+    """CUDA graphs over the preallocated buffers (--compile), and PEARL's draft on a stream of its own,
+    give the tokens eager decoding gives, with rows joining a running batch."""
+    import dataclasses
+
+    from specdec.decode.engine import SpecEngine
+    from specdec.decode.registry import build_drafter
+    from specdec.decode.types import GenRequest
+
+    model, tok, opts = _cuda_float32(tiny_family)
+    name, *flags = drafter.split("+")
+    opts = dataclasses.replace(opts, parallel="parallel" in flags, pre_verify="pre-verify" in flags)
+    spec = str(tiny_family / "draft") if name == "draft" else name
+    reqs = [GenRequest(tok(f"def f{i}(x, y):\n    return")["input_ids"], 8 + 5 * i) for i in range(5)]
+    eager = SpecEngine(model, tok, build_drafter(spec, model, tok, opts), eos_ids=[])
+    want = [r.token_ids for r in eager.generate(reqs)]
+    for compile in (False, True):
+        engine = SpecEngine(model, tok, build_drafter(spec, model, tok, opts), eos_ids=[], compile=compile)
+        got = dict(engine.stream(iter(reqs), 2))
+        assert [got[i].token_ids for i in range(len(reqs))] == want, (drafter, compile)
+
+
+def test_cuda_a_prefix_held_once_decodes_as_whole_prompts_do(tiny_family):
+    from specdec.decode.engine import SpecEngine
+    from specdec.decode.types import GenRequest
+
+    model, tok, _ = _cuda_float32(tiny_family)
+    head = tok("# a shared system prompt, long enough to be shared by every record of the job\n" * 2)["input_ids"]
+    reqs = [GenRequest(head + tok(f"def g{i}(a):\n")["input_ids"], 12) for i in range(4)]
+    whole = [r.token_ids for r in SpecEngine(model, tok, eos_ids=[], shared_prefix=None).generate(reqs)]
+    engine = SpecEngine(model, tok, eos_ids=[], shared_prefix="auto", min_shared=8)
+    assert [r.token_ids for r in engine.generate(reqs)] == whole
+    assert engine._hydragen() and engine._prefix is not None
