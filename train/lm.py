@@ -1,6 +1,6 @@
-"""Tokenizer and target LM of the embedded default family.
+"""Tokenizer and target LM of a recipe's family.
 
-A byte-level BPE tokenizer and a small Llama-architecture target trained on the stdlib corpus
+A byte-level BPE tokenizer and a small Llama-architecture target trained on the recipe's corpus
 with accelerate (mixed precision ``auto``: bf16 autocast only where the hardware has it natively).
 Saved with save_pretrained so that AutoModelForCausalLM / AutoTokenizer load the folder like any Hugging Face checkpoint.
 """
@@ -8,6 +8,7 @@ Saved with save_pretrained so that AutoModelForCausalLM / AutoTokenizer load the
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -36,13 +37,14 @@ class TargetArch:
 
 
 def train_tokenizer(corpus: Corpus, out_dir: Path, vocab_size: int = 4096, max_bytes: int = 6_000_000):
-    """Byte-level BPE on (a deterministic slice of) the training files."""
+    """Byte-level BPE on a deterministic, spread-out sample of the training files (in content-hash
+    order, so no one package or folder fills the sample)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     def texts():
         total = 0
-        for path in corpus.train_files:
+        for path in sorted(corpus.train_files, key=lambda p: corpus.sha256.get(p, str(p))):
             text = corpus.read(path)
             total += len(text)
             yield text
@@ -66,27 +68,64 @@ def train_tokenizer(corpus: Corpus, out_dir: Path, vocab_size: int = 4096, max_b
     return fast
 
 
-def token_blocks(tokenizer, files: list[Path], corpus: Corpus, seq_len: int, num_proc: int = 1):
-    """A datasets.Dataset of fixed-length blocks: each file's tokens + EOS, concatenated and cut."""
-    import datasets
-    from datasets import Dataset
+class TokenBlocks:
+    """Fixed-length blocks of token ids as a map-style dataset: item i is {"input_ids": [seq_len]},
+    a slice is a batch {"input_ids": [n, seq_len]}."""
 
-    datasets.disable_progress_bars()  # the recipe shows its own rich progress
-    ds = Dataset.from_dict({"text": [corpus.read(p) for p in files]})
-    eos = tokenizer.eos_token_id
+    def __init__(self, ids: torch.Tensor):
+        self.ids = ids  # [n, seq_len], int32 (a vocabulary below 2**31; half the memory of int64)
 
-    def tokenize(batch):
-        ids = tokenizer(batch["text"], add_special_tokens=False)["input_ids"]
-        return {"ids": [x + [eos] for x in ids]}
+    def __len__(self) -> int:
+        return self.ids.shape[0]
 
-    def group(batch):
-        flat = [t for ids in batch["ids"] for t in ids]
-        n = len(flat) // seq_len
-        return {"input_ids": [flat[i * seq_len : (i + 1) * seq_len] for i in range(n)]}
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i].long()}
 
-    ds = ds.map(tokenize, batched=True, remove_columns=["text"], num_proc=num_proc)
-    ds = ds.map(group, batched=True, batch_size=256, remove_columns=["ids"])
-    return ds.with_format("torch")
+
+def encode_texts(tokenizer, texts, chunk: int = 512) -> torch.Tensor:
+    """Every text's tokens followed by EOS, concatenated (int32). The Rust tokenizer encodes each chunk
+    of texts on all cores; ``texts`` may be a generator, so only one chunk is held as strings."""
+    import itertools
+
+    import numpy as np
+
+    backend, eos = tokenizer.backend_tokenizer, tokenizer.eos_token_id
+    parts = []
+    texts = iter(texts)
+    while batch := list(itertools.islice(texts, chunk)):
+        for enc in backend.encode_batch_fast(batch, add_special_tokens=False):
+            parts.append(np.asarray(enc.ids + [eos], dtype=np.int32))
+    return torch.from_numpy(np.concatenate(parts)) if parts else torch.zeros(0, dtype=torch.int32)
+
+
+def token_blocks(tokenizer, files: list[Path], corpus: Corpus, seq_len: int) -> TokenBlocks:
+    """Each file's tokens + EOS, concatenated and cut into blocks of ``seq_len`` (the tail is dropped)."""
+    ids = encode_texts(tokenizer, (corpus.read(p) for p in files))
+    n = len(ids) // seq_len
+    return TokenBlocks(ids[: n * seq_len].view(n, seq_len))
+
+
+def token_byte_lengths(tokenizer) -> torch.Tensor:
+    """[vocab] UTF-8 bytes each token stands for (special tokens: 0). In a byte-level BPE vocabulary
+    every character of a token names one byte, so a text's tokens add up to its UTF-8 length."""
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    alphabet = set(ByteLevel.alphabet())
+    special = set(tokenizer.all_special_tokens) | set(tokenizer.get_added_vocab())
+    lengths = torch.zeros(len(tokenizer), dtype=torch.long)
+    for token, idx in tokenizer.get_vocab().items():
+        if token in special:
+            continue
+        if not set(token) <= alphabet:
+            raise ValueError(f"token {token!r} is not byte-level BPE: its bytes cannot be counted")
+        lengths[idx] = len(token)
+    return lengths
+
+
+def bits_per_byte(nats: float, n_bytes: int) -> float:
+    """Total held-out loss in nats over the UTF-8 bytes of the text it scored, in bits: comparable
+    across tokenizers, unlike nats per token."""
+    return nats / (n_bytes * math.log(2))
 
 
 def build_model(arch: TargetArch, tokenizer):
@@ -103,20 +142,32 @@ def build_model(arch: TargetArch, tokenizer):
 
 
 @torch.no_grad()
-def heldout_loss(model, blocks, batch_size: int = 8, max_blocks: int = 64) -> float:
+def heldout_metrics(model, blocks, byte_lengths: torch.Tensor | None = None, batch_size: int = 8,
+                    max_blocks: int = 64, mixed_precision: str = "auto") -> dict:
+    """Held-out loss over the first ``max_blocks`` blocks: nats per predicted token and, given the
+    tokens' byte lengths, bits per byte of the same predicted tokens' text."""
+    import torch.nn.functional as F
+
     from specdec.train.loop import resolve_precision
 
     model.eval()
-    losses = []
     n = min(len(blocks), max_blocks)
-    bf16 = model.device.type == "cpu" and resolve_precision("auto") == "bf16"
+    bf16 = resolve_precision(mixed_precision) == "bf16"
+    nats, tokens, n_bytes = 0.0, 0, 0
     for i in range(0, n, batch_size):
         ids = blocks[i : min(i + batch_size, n)]["input_ids"].to(model.device)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            out = model(input_ids=ids, labels=ids)
-        losses.append(out.loss.float().item())
+        with torch.autocast(model.device.type, dtype=torch.bfloat16, enabled=bf16):
+            logits = model(input_ids=ids).logits
+        labels = ids[:, 1:]
+        nats += float(F.cross_entropy(logits[:, :-1].float().flatten(0, 1), labels.flatten(), reduction="sum"))
+        tokens += labels.numel()
+        if byte_lengths is not None:
+            n_bytes += int(byte_lengths.to(labels.device)[labels].sum())
     model.train()
-    return sum(losses) / max(len(losses), 1)
+    out = {"heldout_loss": round(nats / max(tokens, 1), 4), "heldout_tokens": tokens}
+    if byte_lengths is not None:
+        out |= {"heldout_bits_per_byte": round(bits_per_byte(nats, n_bytes), 4), "heldout_bytes": n_bytes}
+    return out
 
 
 def pretrain(
@@ -129,9 +180,14 @@ def pretrain(
     seed: int = 0,
     max_steps: int | None = None,
     progress: bool = True,
+    mixed_precision: str = "auto",
+    byte_lengths: torch.Tensor | None = None,
+    eval_blocks: int = 64,
 ) -> dict:
     """Next-token pretraining on ``run_training``: for ``max_steps`` steps, else for ``budget_s`` seconds
-    with a cosine schedule that follows the clock. ``progress`` shows run_training's progress bar."""
+    with a cosine schedule that follows the clock (``max_steps`` and a budget: the steps, unless the
+    budget runs out first). ``progress`` shows run_training's progress bar. Held-out metrics come from
+    ``heldout_metrics`` over ``eval_blocks`` blocks."""
     import tempfile
 
     from specdec.train.loop import TrainConfig, run_training
@@ -149,9 +205,9 @@ def pretrain(
         seed=seed,
         checkpoint_every=0,
         save_final_checkpoint=False,  # the recipe saves the model itself; optimizer state is not needed
-        budget_minutes=0.0 if max_steps else budget_s / 60,
-        clock_schedule=True,
-        mixed_precision="auto",
+        budget_minutes=budget_s / 60,
+        clock_schedule=not max_steps,  # fixed steps: the cosine follows the steps, the same on any hardware
+        mixed_precision=mixed_precision,
         log_every=25,
         progress=progress,
     )
@@ -170,7 +226,8 @@ def pretrain(
         "tokens_per_s": round(tokens / max(res.wall_s, 1e-6)),
         "final_train_loss": round(res.losses[-1], 4) if res.losses else None,
         "loss_curve": curve,
-        "heldout_loss": round(heldout_loss(res.model, heldout_blocks), 4),
+        "stopped": res.stopped,
+        **heldout_metrics(res.model, heldout_blocks, byte_lengths, max_blocks=eval_blocks, mixed_precision=mixed_precision),
     }
 
 

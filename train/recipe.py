@@ -1,12 +1,15 @@
-"""The ``tiny-stdlib`` recipe: build the embedded default family under $SPECDEC_HOME.
+"""The family recipes (``tiny-stdlib``, ``pycode``, ...): build a model family under $SPECDEC_HOME.
 
-Stages are cached: a member whose folder holds metrics.json is not rebuilt (``force`` rebuilds).
-Each stage gets a share of the wall-clock budget from the recipe YAML.
+One runner for every recipe: what a recipe builds is in its YAML (the corpus, the sizes, the device
+and precision, the budget's shares), never in its name. Stages are cached: a member whose folder
+holds metrics.json is not rebuilt (``force`` rebuilds). Each stage gets a share of the wall-clock
+budget.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import random
 import sys
 import tempfile
@@ -17,7 +20,7 @@ from pathlib import Path
 import yaml
 
 from specdec.models.artifacts import family_dir, write_json
-from specdec.models.errors import SpecdecError
+from specdec.models.errors import SpecdecError, UsageError
 from specdec.recipes import RECIPES_DIR as RECIPES
 from specdec.recipes import recipe_path
 from specdec.train.acceptance import train_acceptance
@@ -30,6 +33,9 @@ from specdec.train.heads import train_heads
 from specdec.train.loop import load_config
 from specdec.train.prompts import cut_code_prompts, dev_prompts, held_out_prompts
 
+CORPUS_KEYS = {"source", "roots", "max_file_bytes", "max_bytes"}
+TRAINING_KEYS = {"seq_len", "batch_size", "lr", "max_steps", "eval_blocks"}
+
 
 @dataclass
 class RecipeConfig:
@@ -37,9 +43,15 @@ class RecipeConfig:
     seed: int = 0
     budget_minutes: float = 20.0
     shares: dict = field(default_factory=lambda: {"target": 0.48, "drafters": 0.3, "dllm": 0.2})
+    # source: stdlib | python (see train.corpus); roots: folders that replace the source's own
+    corpus: dict = field(default_factory=lambda: {"source": "stdlib"})
+    device: str = "auto"  # auto | cpu | cuda[:N]: where every stage trains (accelerate's device)
+    mixed_precision: str = "auto"  # the target's pretraining: auto | no | bf16 | fp16
     tokenizer: dict = field(default_factory=dict)
     target: dict = field(default_factory=dict)
     training: dict = field(default_factory=dict)
+    drafters: dict = field(default_factory=dict)  # arch: the draft LM's --arch (default: recipes/draft.yaml's)
+    export: dict = field(default_factory=dict)  # see train.export.ExportPlan
     heldout_fraction: float = 0.03
     eval_prompts: int = 16
     eval_new_tokens: int = 128
@@ -51,6 +63,10 @@ class RecipeConfig:
         unknown = set(raw) - known
         if unknown:
             raise SpecdecError(f"{path}: unknown recipe keys {sorted(unknown)}")
+        for key, allowed in (("corpus", CORPUS_KEYS), ("training", TRAINING_KEYS)):
+            bad = set(raw.get(key) or {}) - allowed
+            if bad:
+                raise SpecdecError(f"{path}: unknown {key} keys {sorted(bad)} (known: {sorted(allowed)})")
         raw.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**raw)
 
@@ -63,40 +79,93 @@ def log(console, msg: str) -> None:
 STAGES = ("target", "prompts", "drafters", "dllm")
 
 
+def load_recipe(name: str | os.PathLike, **overrides) -> RecipeConfig:
+    """A packaged recipe by name, or a recipe YAML file by path."""
+    path = Path(name)
+    return RecipeConfig.load(path if path.suffix in (".yaml", ".yml") and path.is_file() else recipe_path(str(name)), **overrides)
+
+
 def recipe_minutes(name: str) -> float:
     """The recipe's default wall-clock budget."""
-    return RecipeConfig.load(recipe_path(name)).budget_minutes
+    return load_recipe(name).budget_minutes
 
 
-def run_recipe(name: str, budget_minutes: float | None = None, force: bool = False, only: list[str] | None = None, console=None) -> dict:
-    cfg = RecipeConfig.load(recipe_path(name), budget_minutes=budget_minutes)
-    if cfg.name != "tiny-stdlib":
-        raise SpecdecError(f"recipe {cfg.name!r} has no builder")
+def recipe_corpus(cfg: RecipeConfig):
+    from specdec.train.corpus import load_corpus
+
+    c = cfg.corpus
+    return load_corpus(c.get("source", "stdlib"), cfg.heldout_fraction, roots=c.get("roots"),
+                       max_file_bytes=c.get("max_file_bytes"), max_bytes=c.get("max_bytes"))
+
+
+def training_device(name: str):
+    """The recipe's device, which must be the one accelerate trains on (a GPU where one is visible):
+    every trainer of the family goes through accelerate, so a CPU run on a GPU machine needs the GPU hidden."""
+    import torch
+
+    from specdec.models.loading import resolve_device
+
+    device = resolve_device(name)
+    trains_on = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.type != trains_on:
+        raise UsageError(f"--device {name}: the trainers run on {trains_on} here; to train on the CPU of a GPU machine "
+                         "hide the GPU (CUDA_VISIBLE_DEVICES=)")
+    return device
+
+
+def hardware(device) -> str:
+    """The processor a run trained on, in words, for the model card."""
+    import platform
+
+    import torch
+
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)} (1 of {torch.cuda.device_count()} GPU)"
+    name = platform.processor() or platform.machine()
+    try:
+        name = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{name}, {os.cpu_count()} cores"
+
+
+def run_recipe(name: str | os.PathLike, budget_minutes: float | None = None, force: bool = False, only: list[str] | None = None,
+               console=None, device: str | None = None) -> dict:
+    """Build the family of recipe ``name`` (a packaged name or a YAML path) into $SPECDEC_HOME/<its name>/."""
+    from specdec.models.loading import apply_threads
+
+    cfg = load_recipe(name, budget_minutes=budget_minutes, device=device)
+    dev = training_device(cfg.device)
+    # the trainers' frozen targets load through models.loading, which keeps small models on one thread
+    # (right for decoding one row); training batches use every core
+    cores = apply_threads(os.cpu_count() or 1)
     fam = family_dir(cfg.name)
     fam.mkdir(parents=True, exist_ok=True)
     budget_s = cfg.budget_minutes * 60
     start = time.perf_counter()
-    report: dict = {"recipe": cfg.name, "budget_minutes": cfg.budget_minutes}
+    report: dict = {"recipe": cfg.name, "budget_minutes": cfg.budget_minutes, "device": str(dev), "hardware": hardware(dev),
+                    "threads": cores}
     want = set(only or STAGES)
 
-    from specdec.train.corpus import stdlib_corpus
-
-    corpus = stdlib_corpus(cfg.heldout_fraction)
+    corpus = recipe_corpus(cfg)
     if "target" in want:
         report["target"] = build_target(cfg, corpus, fam / "target", cfg.shares["target"] * budget_s, force, console)
     if "prompts" in want or ("drafters" in want and not (fam / "dev_prompts.jsonl").exists()):
         write_prompts(corpus, fam / "target", fam / "prompts.jsonl")
         write_list_task_probes(fam / "list_tasks.jsonl")
     data = write_training_text(corpus, fam / "data" / "train.jsonl")
+    placement = _placement(cfg.device, cores)
     if "drafters" in want:
         report["drafters"] = _stage(
             "drafters", fam, force, console,
             lambda: build_drafters(
-                fam, [data], cfg.shares["drafters"] * cfg.budget_minutes, cfg.seed
+                fam, [data], cfg.shares["drafters"] * cfg.budget_minutes, cfg.seed, arch=cfg.drafters.get("arch"),
+                placement=placement,
             ),
             members=("draft", "draft-ce", "acceptance", "medusa", "clover", "eagle"),
         )
     if "dllm" in want:
+        apply_threads(cores)
         # split on "\n" only: splitlines() also breaks at U+2028, U+0085, ... inside JSON strings
         texts = [json.loads(line)["prompt"] for line in data.read_bytes().split(b"\n") if line.strip()]
         report["dllm"] = _stage(
@@ -107,8 +176,24 @@ def run_recipe(name: str, budget_minutes: float | None = None, force: bool = Fal
             members=("dllm",),
         )
     report["wall_s"] = round(time.perf_counter() - start, 1)
-    write_json(fam / "recipe_report.json", report)
-    return report
+    return _merge_report(fam / "recipe_report.json", report, [s for s in STAGES if s in want])
+
+
+def _merge_report(path: Path, report: dict, stages: list[str]) -> dict:
+    """The family's report with this run's stages written over earlier runs' (a family built in two
+    runs, the target in one and the rest in the next, keeps both); each run is listed under ``runs``."""
+    old = json.loads(path.read_text()) if path.exists() else {}
+    merged = {**old, **{k: v for k, v in report.items() if not (isinstance(v, dict) and v.get("cached") and k in old)}}
+    merged["runs"] = old.get("runs", []) + [{"stages": stages, "wall_s": report["wall_s"], "hardware": report["hardware"]}]
+    merged["wall_s"] = round(sum(r["wall_s"] for r in merged["runs"]), 1)
+    write_json(path, merged)
+    return merged
+
+
+def _placement(device: str, threads: int):
+    from specdec.models.loading import Placement
+
+    return Placement(device=device, threads=threads)
 
 
 def _stage(name, fam: Path, force: bool, console, build, members) -> dict:
@@ -125,20 +210,22 @@ def build_target(cfg: RecipeConfig, corpus, out: Path, budget_s: float, force: b
         return json.loads((out / "metrics.json").read_text())
     import torch
 
-    from specdec.train.lm import TargetArch, build_model, pretrain, save_target, token_blocks, train_tokenizer
+    from specdec.train.lm import TargetArch, build_model, pretrain, save_target, token_blocks, token_byte_lengths, train_tokenizer
 
     torch.manual_seed(cfg.seed)
     t0 = time.perf_counter()
-    log(console, f"[bold]target[/bold]: tokenizer on {len(corpus.train_files)} stdlib files")
+    log(console, f"[bold]target[/bold]: tokenizer on {len(corpus.train_files)} {corpus.source} files")
     tok = train_tokenizer(corpus, out, **cfg.tokenizer)
     seq_len = cfg.training.get("seq_len", 512)
     train_blocks = token_blocks(tok, corpus.train_files, corpus, seq_len)
     heldout_blocks = token_blocks(tok, corpus.heldout_files, corpus, seq_len)
+    tokenize_s = time.perf_counter() - t0
     arch = TargetArch(**cfg.target)
     model = build_model(arch, tok)
     n_params = sum(p.numel() for p in model.parameters())
     remaining = max(budget_s - (time.perf_counter() - t0), 30.0)
-    log(console, f"target: {n_params / 1e6:.2f}M parameters, {len(train_blocks)} blocks of {seq_len}, {remaining:.0f}s")
+    log(console, f"target: {n_params / 1e6:.2f}M parameters, {len(train_blocks)} blocks of {seq_len} "
+                 f"(tokenizer and tokens in {tokenize_s:.0f}s), {remaining:.0f}s")
     stats = pretrain(  # shows run_training's progress bar on stderr
         model,
         train_blocks,
@@ -147,19 +234,31 @@ def build_target(cfg: RecipeConfig, corpus, out: Path, budget_s: float, force: b
         lr=cfg.training.get("lr", 3e-3),
         batch_size=cfg.training.get("batch_size", 16),
         seed=cfg.seed,
+        max_steps=cfg.training.get("max_steps"),
         progress=console is not None,
+        mixed_precision=cfg.mixed_precision,
+        byte_lengths=token_byte_lengths(tok),
+        eval_blocks=cfg.training.get("eval_blocks", 64),
     )
     model = model.float().eval()
     metrics = {
         "parameters": n_params,
         **stats,
+        "corpus": corpus.source,
+        "corpus_tokens": len(train_blocks) * seq_len,
+        "train_files": len(corpus.train_files),
         "heldout_files": len(corpus.heldout_files),
+        "heldout_blocks": len(heldout_blocks),
+        "tokenize_s": round(tokenize_s, 1),
+        "mixed_precision": cfg.mixed_precision,
+        "hardware": hardware(next(model.parameters()).device),
         "wall_s": round(time.perf_counter() - t0, 1),
     }
     metrics.update(evaluate_continuations(model, tok, corpus, cfg.eval_prompts, cfg.eval_new_tokens))
     save_target(model, tok, out, metrics, arch)
     write_json(out / "corpus_split.json", corpus.manifest())
-    log(console, f"target: held-out loss {metrics['heldout_loss']:.3f}, distinct-4 {metrics['distinct4']:.3f}")
+    bpb = metrics.get("heldout_bits_per_byte")
+    log(console, f"target: held-out loss {metrics['heldout_loss']:.3f} nats/token, {bpb} bits/byte, distinct-4 {metrics['distinct4']:.3f}")
     return metrics
 
 
@@ -195,29 +294,37 @@ def write_list_task_probes(out: Path, n: int = 48, seed: int = 0) -> Path:
 
 
 def write_training_text(corpus, out: Path, chunk_chars: int = 2000, max_chunks: int = 4000) -> Path:
-    """Training files cut into chunks, as JSONL records with a prompt (what train-* commands read)."""
+    """Training files cut into chunks, as JSONL records with a prompt (what train-* commands read): every
+    n-th chunk, n chosen from the files' sizes so that the chunks spread over the whole corpus."""
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    records = []
+    total = sum(-(-corpus.sizes.get(p, chunk_chars) // chunk_chars) for p in corpus.train_files)
+    step = max(1, total // max_chunks)
+    records, i = [], 0
     for path in corpus.train_files:
+        if len(records) >= max_chunks:
+            break
         text = corpus.read(path)
-        for i in range(0, len(text), chunk_chars):
-            records.append({"prompt": text[i : i + chunk_chars]})
-    step = max(1, len(records) // max_chunks)
-    out.write_text("".join(json.dumps(r) + "\n" for r in records[::step][:max_chunks]))
+        for start in range(0, len(text), chunk_chars):
+            if i % step == 0 and len(records) < max_chunks:
+                records.append({"prompt": text[start : start + chunk_chars]})
+            i += 1
+    out.write_text("".join(json.dumps(r) + "\n" for r in records))
     return out
 
 
-
-def build_drafters(family_dir: Path, train_files: list[Path], budget_minutes: float, seed: int) -> dict:
+def build_drafters(family_dir: Path, train_files: list[Path], budget_minutes: float, seed: int, arch: str | None = None,
+                   placement=None) -> dict:
     """Train every learned drafter of a family from ``family_dir/target`` within ``budget_minutes``.
 
     First the target's own greedy continuations of code prompts cut from ``train_files`` are written to
     family_dir/data/regen.jsonl (self-distillation, as `specdec decode` writes them), and every drafter
     trains on those: a drafter's job is to predict the target, not the corpus. Writes
     family_dir/{draft, draft-ce, acceptance, medusa, clover, eagle}; draft (KD) and draft-ce (CE only) get
-    the same budget and recipe so their tau is comparable. Returns {member: metrics}.
+    the same budget and recipe so their tau is comparable. ``arch`` sizes the draft LM (default:
+    recipes/draft.yaml's); ``placement`` is how the trainers load the frozen target (device, threads).
+    Returns {member: metrics}.
     """
     family_dir = Path(family_dir)
     target = family_dir / "target"
@@ -249,18 +356,19 @@ def build_drafters(family_dir: Path, train_files: list[Path], budget_minutes: fl
                                               "heldout": 0.02, "progress": sys.stderr.isatty()}, section=section)
 
     c = cfg("draft.yaml", "draft", "draft")
-    arch = c.extra.get("arch", "layers=2,hidden=128,heads=4")
+    arch = arch or c.extra.get("arch", "layers=2,hidden=128,heads=4")
     # KD and CE-only get the same training minutes so their tau compares at equal training time
     c_ce = load_config(RECIPES / "draft.yaml", {"steps": big, "seed": seed, "budget_minutes": c.budget_minutes,
                                                 "clock_schedule": True, "heldout": 0.02, "progress": c.progress}, section="draft")
-    results["draft"] = train_draft(target, train_files, family_dir / "draft", c, arch=arch, **draft_knobs(c.extra))
-    results["draft-ce"] = train_draft(target, train_files, family_dir / "draft-ce", c_ce, arch=arch, kd_weight=0.0)
+    results["draft"] = train_draft(target, train_files, family_dir / "draft", c, arch=arch, placement=placement, **draft_knobs(c.extra))
+    results["draft-ce"] = train_draft(target, train_files, family_dir / "draft-ce", c_ce, arch=arch, kd_weight=0.0, placement=placement)
     a = cfg("draft.yaml", "acceptance", "acceptance")
     dev = family_dir / "dev_prompts.jsonl"  # held-out prompts kept apart from the benchmark's (recipe.write_prompts)
     results["acceptance"] = train_acceptance(target, family_dir / "draft", train_files, family_dir / "acceptance", a,
-                                             policy_prompts=dev if dev.exists() else None, **acceptance_knobs(a.extra))
+                                             policy_prompts=dev if dev.exists() else None, placement=placement,
+                                             **acceptance_knobs(a.extra))
     for kind in ("medusa", "clover", "eagle"):
-        results[kind] = train_heads(kind, target, train_files, family_dir / kind, cfg("heads.yaml", kind, kind))
+        results[kind] = train_heads(kind, target, train_files, family_dir / kind, cfg("heads.yaml", kind, kind), placement=placement)
     return results
 
 
