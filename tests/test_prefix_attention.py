@@ -1,0 +1,73 @@
+"""Hydragen's prefix attention kernel (kernels.prefix_attention) against its bmm reference.
+
+Without a GPU the kernel runs in Triton's interpreter (TRITON_INTERPRET=1, conftest). bf16 is checked
+on a GPU only: the interpreter keeps bf16 as raw uint16 and multiplies those integers in ``tl.dot``.
+"""
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from specdec.kernels import prefix_attention as kernel  # noqa: E402
+
+TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+@pytest.fixture(autouse=True)
+def _no_backend_override(monkeypatch):
+    monkeypatch.delenv("SPECDEC_KERNELS", raising=False)
+
+
+def _inputs(kv_heads, rows, length, dim, dtype, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(kv_heads, n, dim, generator=g) for n in (rows, length, length))
+    return q.to(device, dtype), k.to(device, dtype), v.to(device, dtype)
+
+
+def _assert_matches_reference(q, k, v, scale, num_splits=None):
+    out, lse = kernel.prefix_attention(q, k, v, scale, backend="triton", num_splits=num_splits)
+    want_out, want_lse = kernel.prefix_attention_reference(q, k, v, scale)
+    assert out.dtype == want_out.dtype == torch.promote_types(q.dtype, torch.float32) and lse.dtype == out.dtype
+    tol = TOLERANCE[q.dtype]
+    torch.testing.assert_close(out, want_out, atol=tol, rtol=tol)
+    torch.testing.assert_close(lse, want_lse, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64], ids=str)
+@pytest.mark.parametrize(
+    "kv_heads,rows,length,dim,num_splits",
+    [
+        (2, 1, 1, 16, None),  # one query, one key
+        (2, 7, 70, 32, None),  # P not a multiple of the 64-key tile
+        (1, 200, 150, 64, None),  # two blocks of queries
+        (2, 33, 300, 128, 3),  # P split across programs, merged by log-sum-exp
+        (3, 5, 129, 16, 2),  # splits of whole tiles: the last one holds one key
+        pytest.param(2, 3, 0, 16, None, marks=pytest.mark.filterwarnings("ignore:divide by zero")),  # no prefix: out 0, lse -inf
+    ],
+)
+def test_kernel_matches_the_reference(dtype, kv_heads, rows, length, dim, num_splits):
+    _assert_matches_reference(*_inputs(kv_heads, rows, length, dim, dtype), scale=dim**-0.5, num_splits=num_splits)
+
+
+def test_strided_inputs_are_read_as_they_are():
+    q, k, v = _inputs(4, 9, 80, 32, torch.float32)
+    # every other head: non-contiguous views the kernel reads through their strides
+    _assert_matches_reference(q[::2], k[::2], v[::2], scale=0.3)
+    _assert_matches_reference(q.transpose(0, 1).contiguous().transpose(0, 1), k, v, scale=0.3)
+
+
+def test_auto_runs_the_reference_off_cuda(monkeypatch):
+    def refuse(*args):
+        raise AssertionError("the kernel ran on a CPU under 'auto'")
+
+    monkeypatch.setattr(kernel, "_prefix_attention_triton", refuse)
+    q, k, v = _inputs(2, 4, 20, 16, torch.float32)
+    kernel.prefix_attention(q, k, v, 0.25, backend="auto")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("rows,length", [(32, 1000), (256, 4000)])
+def test_cuda_bf16_kernel_matches_the_reference(rows, length):
+    """Decode-sized (P split across programs) and prefill-sized query blocks at Llama-3 8B's heads."""
+    _assert_matches_reference(*_inputs(8, rows, length, 128, torch.bfloat16, device="cuda"), scale=128**-0.5)
