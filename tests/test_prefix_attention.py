@@ -1,4 +1,5 @@
-"""Hydragen's prefix attention kernel (kernels.prefix_attention) against its bmm reference.
+"""Hydragen's prefix attention kernel (kernels.prefix_attention) against its bmm reference, inside
+``prefix_suffix_attention``, and decoding a prefix held once with it.
 
 Without a GPU the kernel runs in Triton's interpreter (TRITON_INTERPRET=1, conftest). bf16 is checked
 on a GPU only: the interpreter keeps bf16 as raw uint16 and multiplies those integers in ``tl.dot``.
@@ -6,6 +7,12 @@ on a GPU only: the interpreter keeps bf16 as raw uint16 and multiplies those int
 
 import pytest
 import torch
+from conftest import ByteTokenizer, tiny_llama
+from test_shared_prefix import _prompts
+
+from specdec.decode import hydragen
+from specdec.decode.engine import SpecEngine
+from specdec.decode.types import GenRequest
 
 pytest.importorskip("triton")
 
@@ -64,6 +71,55 @@ def test_auto_runs_the_reference_off_cuda(monkeypatch):
     monkeypatch.setattr(kernel, "_prefix_attention_triton", refuse)
     q, k, v = _inputs(2, 4, 20, 16, torch.float32)
     kernel.prefix_attention(q, k, v, 0.25, backend="auto")
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("boolean", [False, True])
+def test_prefix_suffix_attention_with_the_kernel_matches_torch(dtype, boolean):
+    g = torch.Generator().manual_seed(3)
+    bsz, heads, kv_heads, t, p, s, d = 3, 6, 2, 4, 75, 9, 16  # 3 query heads per kv head
+    q = torch.randn(bsz, heads, t, d, generator=g).to(dtype)
+    pk, pv = (torch.randn(1, kv_heads, p, d, generator=g).to(dtype) for _ in range(2))
+    k, v = (torch.randn(bsz, kv_heads, s, d, generator=g).to(dtype) for _ in range(2))
+    seen = torch.rand(bsz, 1, t, s, generator=g) < 0.6
+    seen[..., -1] = True
+    mask = seen if boolean else torch.zeros(seen.shape, dtype=dtype).masked_fill(~seen, torch.finfo(dtype).min)
+    args = (q, k, v, mask, pk, pv, 0.3)
+    got = hydragen.prefix_suffix_attention(*args, kernels="triton")
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(got, hydragen.prefix_suffix_attention(*args, kernels="torch"), atol=tol, rtol=tol)
+
+
+def test_enable_takes_the_backend_and_keeps_it_when_asked_again():
+    model = tiny_llama(seed=8)
+    assert hydragen.enable(model, kernels="triton")
+    assert model.config._attn_implementation == hydragen.PREFIX + "triton_sdpa"
+    assert hydragen.enable(model)  # None: the choice already made
+    assert model.config._attn_implementation == hydragen.PREFIX + "triton_sdpa"
+    assert hydragen.enable(model, kernels="torch")
+    assert model.config._attn_implementation == hydragen.PREFIX + "torch_sdpa"
+    with pytest.raises(ValueError, match="fast"):
+        hydragen.enable(model, kernels="fast")
+
+
+def test_a_prefix_held_once_decodes_with_the_kernel_as_whole_prompts_do(monkeypatch):
+    """Greedy decoding with the prefix held once and its attention in the kernel is plain decoding's."""
+    model = tiny_llama(seed=4)  # its own: enabling the kernel must not reach the shared fixtures
+    _, prompts = _prompts(3, prefix_len=70)  # more than one 64-key tile
+    reqs = [GenRequest(p, n) for p, n in zip(prompts, [6, 3, 8])]
+    plain = SpecEngine(model, ByteTokenizer()).generate(reqs)
+    calls = []
+    run = kernel._prefix_attention_triton
+
+    def counted(*args):
+        calls.append(args[0].shape)
+        return run(*args)
+
+    monkeypatch.setattr(kernel, "_prefix_attention_triton", counted)
+    hydragen.enable(model, kernels="triton")  # redundant once the engine passes its kernels to enable
+    engine = SpecEngine(model, ByteTokenizer(), kernels="triton", shared_prefix="auto", min_shared=8)
+    assert [r.token_ids for r in engine.generate(reqs)] == [r.token_ids for r in plain]
+    assert engine._hydragen() and len(calls) >= model.config.num_hidden_layers
 
 
 @pytest.mark.cuda
