@@ -1,6 +1,7 @@
 """Micro-benchmark of every kernel against its PyTorch reference.
 
     python -m specdec.decode.kernel_bench --bs 32 --vocab 32000 --k 8 --json out.json
+    python -m specdec.decode.kernel_bench --prefix 1000 --prefix 4000 --prefix-tokens 8 --prefix-tokens 256
 
 Times are medians of CUDA-event timings after a warm-up, with L2 flushed before every repeat (the
 inputs, ~20 MB of logits, would otherwise sit in an H100's 50 MB L2 and flatter both sides).
@@ -23,6 +24,7 @@ import typer
 
 from specdec.decode.verify import Sampling, verify_chain_accelerated, verify_chain_core
 from specdec.kernels.diffusion_select import CreditState, select_reference, select_step
+from specdec.kernels.prefix_attention import prefix_attention, prefix_attention_reference
 from specdec.kernels.tree_attention import tree_attention, tree_attention_reference
 
 # peak HBM bandwidth, TB/s, matched as substrings of torch.cuda.get_device_name() in this order
@@ -108,6 +110,32 @@ def tree_case(bs: int, heads: int, kv_heads: int, head_dim: int, tree: int, seq:
         reference=lambda: tree_attention_reference(q, k, v, mask),
         kernel=lambda: tree_attention(q, k, v, mask, backend="triton"),
     )
+
+
+def prefix_cases(
+    lengths: list[int], tokens: list[int], kv_heads: int, groups: int, head_dim: int, dtype, device
+) -> list[Case]:
+    """Hydragen's prefix attention: every row's queries of a kv head's group (g x B*T of them, B*T the
+    rows times their verify width) over a shared prefix of P keys, per prefix length and B*T."""
+    scale = head_dim**-0.5
+    cases = []
+    for length in lengths:
+        k = torch.randn(kv_heads, length, head_dim, device=device, dtype=dtype)
+        v = torch.randn_like(k)
+        for n in tokens:
+            q = torch.randn(kv_heads, groups * n, head_dim, device=device, dtype=dtype)
+            # the prefix and the queries read once; out and lse written once in float32
+            moved = (2 * k.numel() + q.numel()) * q.element_size() + (q.numel() + q.shape[0] * q.shape[1]) * 4
+            cases.append(
+                Case(
+                    name="prefix attention",
+                    shape=f"P={length} Hkv={kv_heads} g={groups} B*T={n} D={head_dim}",
+                    bytes_moved=moved,
+                    reference=lambda q=q, k=k, v=v: prefix_attention_reference(q, k, v, scale),
+                    kernel=lambda q=q, k=k, v=v: prefix_attention(q, k, v, scale, backend="triton"),
+                )
+            )
+    return cases
 
 
 def diffusion_cases(bs: int, block: int, vocab: int, dtype, device) -> list[Case]:
@@ -216,6 +244,10 @@ def main(
     tree: Annotated[int, typer.Option(help="tree tokens (<= 64)")] = 64,
     seq: Annotated[int, typer.Option(help="keys: cache plus tree")] = 2048,
     block: Annotated[int, typer.Option(help="diffusion block length")] = 32,
+    prefix: Annotated[list[int], typer.Option(help="shared prefix lengths P (repeat the option)")] = [1000, 4000],
+    prefix_tokens: Annotated[
+        list[int], typer.Option(help="query tokens over the prefix per kv-group head, B*T (repeat the option)")
+    ] = [8, 32, 64, 256],
     dtype: Annotated[str, typer.Option(help="bf16 | fp16 | fp32")] = "bf16",
     warmup: Annotated[int, typer.Option(help="warm-up calls")] = 10,
     repeats: Annotated[int, typer.Option(help="timed calls (median reported)")] = 50,
@@ -234,6 +266,7 @@ def main(
         *verify_cases(bs, vocab, k, temperature, dt, device),
         tree_case(bs, heads, kv_heads, head_dim, tree, seq, dt, device),
         *diffusion_cases(bs, block, vocab, dt, device),
+        *prefix_cases(prefix, prefix_tokens, kv_heads, heads // kv_heads, head_dim, dt, device),
     ]
     rows = [measure(case, on_cuda, warmup, repeats, peak) for case in cases]
     print_table(rows, device_name)

@@ -1,8 +1,9 @@
 """Hydragen's prefix attention kernel (kernels.prefix_attention) against its bmm reference, inside
 ``prefix_suffix_attention``, and decoding a prefix held once with it.
 
-Without a GPU the kernel runs in Triton's interpreter (TRITON_INTERPRET=1, conftest). bf16 is checked
-on a GPU only: the interpreter keeps bf16 as raw uint16 and multiplies those integers in ``tl.dot``.
+Without a GPU the kernel runs in Triton's interpreter on CPU tensors (TRITON_INTERPRET=1, conftest);
+on a GPU machine the same tests run the compiled kernel on CUDA tensors. bf16 is checked on a GPU only:
+the interpreter keeps bf16 as raw uint16 and multiplies those integers in ``tl.dot``.
 """
 
 import pytest
@@ -18,6 +19,7 @@ pytest.importorskip("triton")
 
 from specdec.kernels import prefix_attention as kernel  # noqa: E402
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 
@@ -26,7 +28,7 @@ def _no_backend_override(monkeypatch):
     monkeypatch.delenv("SPECDEC_KERNELS", raising=False)
 
 
-def _inputs(kv_heads, rows, length, dim, dtype, device="cpu", seed=0):
+def _inputs(kv_heads, rows, length, dim, dtype, device=DEVICE, seed=0):
     g = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(kv_heads, n, dim, generator=g) for n in (rows, length, length))
     return q.to(device, dtype), k.to(device, dtype), v.to(device, dtype)
@@ -69,7 +71,7 @@ def test_auto_runs_the_reference_off_cuda(monkeypatch):
         raise AssertionError("the kernel ran on a CPU under 'auto'")
 
     monkeypatch.setattr(kernel, "_prefix_attention_triton", refuse)
-    q, k, v = _inputs(2, 4, 20, 16, torch.float32)
+    q, k, v = _inputs(2, 4, 20, 16, torch.float32, device="cpu")
     kernel.prefix_attention(q, k, v, 0.25, backend="auto")
 
 
@@ -84,7 +86,7 @@ def test_prefix_suffix_attention_with_the_kernel_matches_torch(dtype, boolean):
     seen = torch.rand(bsz, 1, t, s, generator=g) < 0.6
     seen[..., -1] = True
     mask = seen if boolean else torch.zeros(seen.shape, dtype=dtype).masked_fill(~seen, torch.finfo(dtype).min)
-    args = (q, k, v, mask, pk, pv, 0.3)
+    args = tuple(x.to(DEVICE) for x in (q, k, v, mask, pk, pv)) + (0.3,)
     got = hydragen.prefix_suffix_attention(*args, kernels="triton")
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(got, hydragen.prefix_suffix_attention(*args, kernels="torch"), atol=tol, rtol=tol)
@@ -104,7 +106,7 @@ def test_enable_takes_the_backend_and_keeps_it_when_asked_again():
 
 def test_a_prefix_held_once_decodes_with_the_kernel_as_whole_prompts_do(monkeypatch):
     """Greedy decoding with the prefix held once and its attention in the kernel is plain decoding's."""
-    model = tiny_llama(seed=4)  # its own: enabling the kernel must not reach the shared fixtures
+    model = tiny_llama(seed=4).to(DEVICE)  # its own: enabling the kernel must not reach the shared fixtures
     _, prompts = _prompts(3, prefix_len=70)  # more than one 64-key tile
     reqs = [GenRequest(p, n) for p, n in zip(prompts, [6, 3, 8])]
     plain = SpecEngine(model, ByteTokenizer()).generate(reqs)
@@ -122,8 +124,16 @@ def test_a_prefix_held_once_decodes_with_the_kernel_as_whole_prompts_do(monkeypa
     assert engine._hydragen() and len(calls) >= model.config.num_hidden_layers
 
 
+def test_the_kernel_bench_runs_kernel_and_reference_on_the_same_inputs():
+    from specdec.decode.kernel_bench import prefix_cases, same_result
+
+    cases = prefix_cases([70], [1, 5], kv_heads=2, groups=3, head_dim=16, dtype=torch.float32, device=DEVICE)
+    assert [c.shape for c in cases] == ["P=70 Hkv=2 g=3 B*T=1 D=16", "P=70 Hkv=2 g=3 B*T=5 D=16"]
+    assert all(same_result(c.kernel(), c.reference()) for c in cases)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("rows,length", [(32, 1000), (256, 4000)])
 def test_cuda_bf16_kernel_matches_the_reference(rows, length):
     """Decode-sized (P split across programs) and prefill-sized query blocks at Llama-3 8B's heads."""
-    _assert_matches_reference(*_inputs(8, rows, length, 128, torch.bfloat16, device="cuda"), scale=128**-0.5)
+    _assert_matches_reference(*_inputs(8, rows, length, 128, torch.bfloat16), scale=128**-0.5)
