@@ -104,9 +104,11 @@ def test_enable_takes_the_backend_and_keeps_it_when_asked_again():
         hydragen.enable(model, kernels="fast")
 
 
-def test_a_prefix_held_once_decodes_with_the_kernel_as_whole_prompts_do(monkeypatch):
+# float32 on a GPU for scripts/gpu-check, which runs only the tests marked cuda
+@pytest.mark.parametrize("dtype", [torch.float64, pytest.param(torch.float32, marks=pytest.mark.cuda)], ids=str)
+def test_a_prefix_held_once_decodes_with_the_kernel_as_whole_prompts_do(monkeypatch, dtype):
     """Greedy decoding with the prefix held once and its attention in the kernel is plain decoding's."""
-    model = tiny_llama(seed=4).to(DEVICE)  # its own: enabling the kernel must not reach the shared fixtures
+    model = tiny_llama(seed=4).to(DEVICE, dtype)  # its own: enabling the kernel must not reach the shared fixtures
     _, prompts = _prompts(3, prefix_len=70)  # more than one 64-key tile
     reqs = [GenRequest(p, n) for p, n in zip(prompts, [6, 3, 8])]
     plain = SpecEngine(model, ByteTokenizer()).generate(reqs)
