@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from specdec.models.artifacts import read_config
+from specdec.models.artifacts import load_weights, read_config
 from specdec.models.errors import SpecdecError
 from specdec.models.heads import ResBlock
 
@@ -73,15 +73,13 @@ class AcceptanceHead(nn.Module):
 
 def load_acceptance_heads(acceptance_dir: str | Path) -> tuple[dict, dict]:
     """({mode: head}, config) from an acceptance artifact; weights through safetensors only."""
-    from safetensors.torch import load_file
-
     cfg = read_config(acceptance_dir)
     if cfg.get("kind") != "acceptance":
         raise SpecdecError(f"{acceptance_dir} is not an acceptance artifact (kind {cfg.get('kind')!r})")
     if cfg.get("features") != FEATURES or sorted(cfg.get("heads") or []) != sorted(HEAD_MODES):
         raise SpecdecError(f"{acceptance_dir} is not an acceptance artifact of this version of specdec "
                            f"(features {cfg.get('features')!r}, heads {cfg.get('heads')!r}); retrain it with `specdec train-acceptance`")
-    state = load_file(str(Path(acceptance_dir) / "model.safetensors"))
+    state = load_weights(acceptance_dir)
     heads = {}
     for mode in HEAD_MODES:
         head = AcceptanceHead(int(cfg["input_size"]), int(cfg.get("num_layers", 3)))

@@ -1,8 +1,10 @@
 """Where models and drafters live, and the one artifact format every drafter kind shares.
 
 An artifact is a directory: config.json (``kind``, ``target`` fingerprint, hyper-parameters),
-model.safetensors, metrics.json and the resolved training config. A bare member name such as
-``draft`` resolves inside the default family under ``$SPECDEC_HOME``.
+model.safetensors (or shards of it listed by model.safetensors.index.json, as transformers writes
+them), metrics.json and the resolved training config. A bare member name such as ``draft``
+resolves inside the default family: the family shipped with specdec (``families/pycode``) when it
+is there, else ``tiny-stdlib`` under ``$SPECDEC_HOME``, which its recipe builds on demand.
 """
 
 from __future__ import annotations
@@ -14,26 +16,85 @@ from pathlib import Path
 
 from specdec.models.errors import SpecdecError, UsageError  # noqa: F401  (re-exported)
 
-DEFAULT_FAMILY = "tiny-stdlib"
 FAMILY_MEMBERS = ("target", "draft", "draft-ce", "acceptance", "medusa", "clover", "eagle", "dllm", "filter")
+SHIPPED_DIR = Path(__file__).resolve().parent.parent / "families"  # families committed with specdec
+SHIPPED_FAMILY = "pycode"
+BUILT_FAMILY = "tiny-stdlib"  # the default where none is shipped: built on a CPU by its recipe, once
 
 
 def specdec_home() -> Path:
     return Path(os.environ.get("SPECDEC_HOME", Path.home() / ".cache" / "specdec"))
 
 
-def family_dir(family: str = DEFAULT_FAMILY) -> Path:
+def shipped_family() -> Path | None:
+    """The shipped family's folder when it holds a target, else None."""
+    fam = SHIPPED_DIR / SHIPPED_FAMILY
+    return fam if (fam / "target" / "config.json").is_file() else None
+
+
+def family_dir(family: str | None = None) -> Path:
+    """Where family ``family`` is built (under $SPECDEC_HOME); no name: the default family's folder."""
+    if family is None:
+        return shipped_family() or specdec_home() / BUILT_FAMILY
     return specdec_home() / family
 
 
-def resolve_member(name_or_dir: str | os.PathLike, family: str = DEFAULT_FAMILY) -> Path:
+def family_member(name: str, family: str | None = None) -> Path:
+    """A member of a family (the default one when ``family`` is None). A shipped family holds the members
+    that fit its size cap: asking for another is an error rather than a silent switch of families."""
+    fam = family_dir(family)
+    if family is None and fam == shipped_family() and not (fam / name).is_dir():
+        shipped = ", ".join(m for m in FAMILY_MEMBERS if (fam / m).is_dir())
+        raise SpecdecError(f"the default family {fam.name} ({fam}) does not ship {name!r} (it has {shipped}); "
+                           f"pass an artifact folder, or build the whole family with `specdec recipe run {fam.name}`")
+    return fam / name
+
+
+def resolve_member(name_or_dir: str | os.PathLike, family: str | None = None) -> Path:
     """A path that exists wins; otherwise a bare member name resolves inside the default family."""
     path = Path(name_or_dir)
     if path.exists():
         return path
     if str(name_or_dir) in FAMILY_MEMBERS:
-        return family_dir(family) / str(name_or_dir)
+        return family_member(str(name_or_dir), family)
     raise SpecdecError(f"no such model or artifact directory: {name_or_dir}")
+
+
+def load_weights(artifact_dir: str | os.PathLike) -> dict:
+    """An artifact's tensors: model.safetensors, or every shard its model.safetensors.index.json lists."""
+    from safetensors.torch import load_file
+
+    folder = Path(artifact_dir)
+    index = folder / "model.safetensors.index.json"
+    if not index.is_file():
+        return load_file(str(folder / "model.safetensors"))
+    weights: dict = {}
+    for shard in sorted(set(json.loads(index.read_text())["weight_map"].values())):
+        weights.update(load_file(str(folder / shard)))
+    return weights
+
+
+def save_weights(state: dict, artifact_dir: str | os.PathLike, max_shard_bytes: int | None = None) -> list[Path]:
+    """Write ``state`` as model.safetensors, or as shards of at most ``max_shard_bytes`` (one tensor
+    larger than that gets a shard of its own) with the index transformers writes. Returns the files."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+    from safetensors.torch import save_file
+
+    folder = Path(artifact_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    state = {k: v.contiguous() for k, v in state.items()}
+    if max_shard_bytes is None:
+        save_file(state, str(folder / "model.safetensors"))
+        return [folder / "model.safetensors"]
+    split = split_torch_state_dict_into_shards(state, max_shard_size=max_shard_bytes)
+    files = []
+    for name, keys in split.filename_to_tensors.items():
+        save_file({k: state[k] for k in keys}, str(folder / name), metadata={"format": "pt"})
+        files.append(folder / name)
+    if split.is_sharded:
+        write_json(folder / "model.safetensors.index.json", {"metadata": split.metadata, "weight_map": split.tensor_to_filename})
+        files.append(folder / "model.safetensors.index.json")
+    return files
 
 
 def read_config(path: str | os.PathLike) -> dict:

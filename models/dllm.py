@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from specdec.models.artifacts import read_config, write_json
+from specdec.models.artifacts import load_weights, read_config, write_json
 from specdec.models.errors import SpecdecError
 
 
@@ -145,11 +145,9 @@ def save_filter(filt: ConfidenceFilter, out_dir: str | Path, config: dict) -> No
 
 
 def load_filter(path: str | Path) -> ConfidenceFilter:
-    from safetensors.torch import load_file
-
     cfg = read_config(path)
     if cfg.get("kind") != "filter":
         raise SpecdecError(f"{path} is not a Learn2PD filter (config.json kind={cfg.get('kind')!r})")
     filt = ConfidenceFilter(cfg["width"], cfg.get("hidden", 0))
-    filt.load_state_dict(load_file(str(Path(path) / "model.safetensors")))
+    filt.load_state_dict(load_weights(path))
     return filt.eval()

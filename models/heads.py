@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdec.models.artifacts import read_config, write_json
+from specdec.models.artifacts import load_weights, read_config, write_json
 from specdec.models.errors import SpecdecError, UsageError
 
 class ResBlock(nn.Module):
@@ -449,8 +449,6 @@ def save_heads(heads, out_dir: Path, fingerprint: dict, target_config) -> None:
 
 def load_heads(artifact_dir: str | Path, target):
     """A head module from its artifact, attached to ``target`` (weights through safetensors only)."""
-    from safetensors.torch import load_file
-
     cfg = read_config(artifact_dir)
     kind = cfg.get("kind")
     if kind not in KINDS:
@@ -459,7 +457,6 @@ def load_heads(artifact_dir: str | Path, target):
         raise SpecdecError(f"{artifact_dir} was trained for a target with hidden size {cfg.get('hidden_size')} and "
                            f"vocabulary {cfg.get('vocab_size')}; this target has {target.config.hidden_size} and {target.config.vocab_size}")
     heads = build_heads(kind, target, cfg)
-    weights = load_file(str(Path(artifact_dir) / "model.safetensors"))
-    heads.load_state_dict(weights)
+    heads.load_state_dict(load_weights(artifact_dir))
     p = next(target.parameters())
     return heads.to(device=p.device, dtype=p.dtype).eval().requires_grad_(False).attach(target), cfg

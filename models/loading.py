@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from specdec.models.artifacts import FAMILY_MEMBERS, family_dir, read_config
+from specdec.models.artifacts import FAMILY_MEMBERS, family_member, read_config
 from specdec.models.errors import SpecdecError, UsageError
 
 DEVICES_HELP = "auto (CUDA when present), cpu, cuda or cuda:N"
@@ -109,7 +109,7 @@ def resolve_source(name: str | os.PathLike) -> str:
             raise UsageError(f"{name} is a file; a model is a folder (config.json, *.safetensors) or a hub id")
         return str(path)
     if str(name) in FAMILY_MEMBERS:
-        return str(family_dir() / str(name))
+        return str(family_member(str(name)))
     text = str(name)
     if text.startswith((".", "/", "~")) or text.count("/") > 1 or not text:
         raise SpecdecError(f"no such model folder: {name}")

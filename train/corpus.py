@@ -47,6 +47,7 @@ class Corpus:
             "heldout_files": len(self.heldout_files),
             "heldout_bytes": sum(self.sizes.get(p, 0) for p in self.heldout_files),
             "skipped": dict(self.skipped),
+            "distributions": distributions(self),
             "heldout": [{"path": self.name(p), "sha256": self.sha256.get(p), "bytes": self.sizes.get(p)}
                         for p in self.heldout_files],
         }
@@ -101,6 +102,41 @@ def load_corpus(source: str = "stdlib", heldout_fraction: float = 0.03, roots: l
     if max_bytes is not None:
         corpus.train_files = _cap(corpus, max_bytes)
     return corpus
+
+
+def distributions(corpus: Corpus) -> dict:
+    """{distribution: {files, bytes, licence}} over the corpus's files: the standard library (PSF-2.0)
+    and each installed distribution that owns some of them (its licence from importlib.metadata)."""
+    from importlib import metadata
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"]).resolve()
+    owner: dict[Path, tuple[str, str]] = {}
+    for dist in metadata.distributions():
+        base = Path(dist.locate_file("")).resolve()
+        if not any(base.is_relative_to(r) or r.is_relative_to(base) for r in corpus.roots):
+            continue  # installed elsewhere: none of the corpus's files
+        name, licence = dist.metadata.get("Name") or "unknown", _licence(dist.metadata)
+        for f in dist.files or ():
+            if f.suffix == ".py":
+                owner[Path(os.path.normpath(base / f))] = (name, licence)
+    out: dict[str, dict] = {}
+    for path in corpus.train_files + corpus.heldout_files:
+        name, licence = owner.get(path) or (("python-stdlib", "PSF-2.0") if path.is_relative_to(stdlib) else ("unknown", "not stated"))
+        entry = out.setdefault(name, {"files": 0, "bytes": 0, "licence": licence})
+        entry["files"] += 1
+        entry["bytes"] += corpus.sizes.get(path, 0)
+    return dict(sorted(out.items()))
+
+
+def _licence(meta) -> str:
+    expression = meta.get("License-Expression")
+    if expression:
+        return expression
+    classifiers = [c.split(" :: ")[-1] for c in meta.get_all("Classifier") or [] if c.startswith("License ::")]
+    text = (meta.get("License") or "").strip().splitlines()
+    if classifiers:
+        return "; ".join(classifiers)
+    return text[0][:100] if text else "not stated"
 
 
 def stdlib_corpus(heldout_fraction: float = 0.03, max_bytes: int | None = None) -> Corpus:

@@ -130,8 +130,9 @@ def hardware(device) -> str:
 
 
 def run_recipe(name: str | os.PathLike, budget_minutes: float | None = None, force: bool = False, only: list[str] | None = None,
-               console=None, device: str | None = None) -> dict:
-    """Build the family of recipe ``name`` (a packaged name or a YAML path) into $SPECDEC_HOME/<its name>/."""
+               console=None, device: str | None = None, command: str | None = None) -> dict:
+    """Build the family of recipe ``name`` (a packaged name or a YAML path) into $SPECDEC_HOME/<its name>/.
+    ``command`` is the command line that ran it, recorded in the family's report for its model card."""
     from specdec.models.loading import apply_threads
 
     cfg = load_recipe(name, budget_minutes=budget_minutes, device=device)
@@ -176,18 +177,27 @@ def run_recipe(name: str | os.PathLike, budget_minutes: float | None = None, for
             members=("dllm",),
         )
     report["wall_s"] = round(time.perf_counter() - start, 1)
-    return _merge_report(fam / "recipe_report.json", report, [s for s in STAGES if s in want])
+    return _merge_report(fam / "recipe_report.json", report, [s for s in STAGES if s in want], command)
 
 
-def _merge_report(path: Path, report: dict, stages: list[str]) -> dict:
+def _merge_report(path: Path, report: dict, stages: list[str], command: str | None) -> dict:
     """The family's report with this run's stages written over earlier runs' (a family built in two
     runs, the target in one and the rest in the next, keeps both); each run is listed under ``runs``."""
     old = json.loads(path.read_text()) if path.exists() else {}
     merged = {**old, **{k: v for k, v in report.items() if not (isinstance(v, dict) and v.get("cached") and k in old)}}
-    merged["runs"] = old.get("runs", []) + [{"stages": stages, "wall_s": report["wall_s"], "hardware": report["hardware"]}]
+    run = {"stages": stages, "wall_s": report["wall_s"], "hardware": report["hardware"], "command": command}
+    merged["runs"] = old.get("runs", []) + [run]
     merged["wall_s"] = round(sum(r["wall_s"] for r in merged["runs"]), 1)
     write_json(path, merged)
     return merged
+
+
+def export_recipe(name: str | os.PathLike, out: Path, members: list[str] | None = None, command: str | None = None) -> dict:
+    """Ship the family recipe ``name`` built: ``train.ship.ship_family`` with the recipe's export section."""
+    from specdec.train.ship import ExportPlan, ship_family
+
+    cfg = load_recipe(name)
+    return ship_family(family_dir(cfg.name), Path(out), ExportPlan.from_recipe(cfg.export, members), command or "")
 
 
 def _placement(device: str, threads: int):
@@ -270,7 +280,8 @@ def evaluate_continuations(model, tok, corpus, n: int, new_tokens: int) -> dict:
     prompts = held_out_prompts(corpus, tok, per_category=max(1, n // 3))[:n]
     engine = SpecEngine(model, tok)
     results = engine.generate([GenRequest(tok(p["prompt"])["input_ids"], new_tokens) for p in prompts])
-    return {"distinct4": round(distinct_ngram_ratio([r.token_ids for r in results]), 4), "eval_prompts": len(prompts)}
+    return {"distinct4": round(distinct_ngram_ratio([r.token_ids for r in results]), 4), "eval_prompts": len(prompts),
+            "eval_new_tokens": new_tokens}
 
 
 def write_prompts(corpus, target_dir: Path, out: Path, per_category: int = 16) -> Path:
