@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import sys
 from enum import Enum
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -204,22 +205,40 @@ def recipe_list() -> None:
 
 @recipe_app.command("run")
 def recipe_run(
-    name: Annotated[str, typer.Argument(help="Recipe name (see `specdec recipe list`).")],
+    name: Annotated[str, typer.Argument(help="Recipe name (see `specdec recipe list`) or a recipe YAML file.")],
     budget_minutes: Annotated[Optional[float], typer.Option("--budget-minutes", min=0.0, help="Wall-clock budget for the whole recipe.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Rebuild members that are already cached.")] = False,
     only: Annotated[Optional[list[str]], typer.Option("--only", help="Stages to run: target, prompts, drafters, dllm.")] = None,
+    device: Annotated[Optional[str], typer.Option("--device", help="Where every stage trains: auto, cpu, cuda or cuda:N (default: the recipe's).")] = None,
 ) -> None:
     """Build a model family into $SPECDEC_HOME/<name>/ (cached members are kept)."""
     import json
 
+    from specdec.decode.report import cli_command
     from specdec.train.recipe import STAGES, run_recipe
 
     bad = sorted(set(only or []) - set(STAGES))
     if bad:
         raise UsageError(f"--only must name stages among {', '.join(STAGES)}, not {', '.join(bad)}")
     console = _console()
-    report = run_recipe(name, budget_minutes=budget_minutes, force=force, only=only, console=console)
+    report = run_recipe(name, budget_minutes=budget_minutes, force=force, only=only, console=console, device=device,
+                        command=cli_command())
     console.print_json(json.dumps(report, default=str))
+
+
+@recipe_app.command("export")
+def recipe_export(
+    name: Annotated[str, typer.Argument(help="Recipe name or YAML file whose built family to ship.")],
+    out: Annotated[Path, typer.Option("--out", help="Folder to write (replaced whole), e.g. families/pycode.")],
+    members: Annotated[Optional[str], typer.Option("--members", help="Comma-separated members to ship (default: the recipe's export.members).")] = None,
+) -> None:
+    """Ship a built family: bf16 safetensors in files under the recipe's size cap, and a model card (README.md)."""
+    from specdec.decode.report import cli_command
+    from specdec.train.recipe import export_recipe
+
+    shipped = export_recipe(name, out, [m for m in members.split(",") if m] if members else None, command=cli_command())
+    typer.echo(f"wrote {out}: {len(shipped['files'])} files, {shipped['total_bytes'] / 1e6:.1f} MB"
+               + (f"; not shipped: {', '.join(shipped['left_out'])}" if shipped["left_out"] else ""))
 
 
 # after decode and bench, so --help lists the commands in the order a user meets them
