@@ -112,6 +112,7 @@ def decode(
     trust_remote_code: o.TrustRemoteCode = False,
     threads: o.Threads = 0,
     compile: o.Compile = False,
+    prefill_chunk: Annotated[int, typer.Option("--prefill-chunk", min=0, help="Continuous batching: an admitted record's prompt is prefilled N tokens a round inside the running batch's verify forwards (SARATHI; more when the verify forward is wider) instead of in a forward of its own (0).")] = 0,
 ) -> None:
     """Decode a JSONL file of prompts: one output line per input line, in order, resumable."""
     from specdec.decode.job import print_summary, run_decode_job, validate_paths
@@ -126,7 +127,7 @@ def decode(
         strategy=strategy, gen_length=gen_length, block_size=block_size, steps=steps, cache=cache.value, filter=filter_dir,
         adablock=adablock, kernels=kernels.value, device=device, dtype=dtype.value,
         device_map=device_map.value if device_map else None, attn_implementation=attn_implementation,
-        trust_remote_code=trust_remote_code, threads=threads, compile=compile,
+        trust_remote_code=trust_remote_code, threads=threads, compile=compile, prefill_chunk=prefill_chunk,
     )
     validate_options(opts)
     if max_memory is not None:

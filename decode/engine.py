@@ -8,6 +8,11 @@ One host sync per round (the verdict), none inside drafting.
 ``generate`` decodes one static batch. ``stream`` batches continuously: it keeps ``batch_size`` rows
 in flight, and the requests that take the places of finished rows are prefilled in a forward of
 their own and merged into the running state (``KVState.admit``, ``Drafter.admit``) between rounds.
+With ``prefill_chunk`` they join instead as rows of the target's state whose prompts ride along in
+the verify forwards, a chunk a round (SARATHI): a decode forward that reads every weight for a few
+tokens per row computes a prompt's chunk for little more, and no forward is spent on the prompt
+alone. A joining row is not yet a row of the batch the drafter sees: its chunks' outputs are kept
+and handed over as one prefill segment when its prompt is complete.
 """
 
 from __future__ import annotations
@@ -19,9 +24,10 @@ from dataclasses import dataclass, field
 from typing import Iterable, Iterator
 
 import torch
+import torch.nn.functional as F
 
 from specdec.decode import hydragen
-from specdec.decode.cache import KVState
+from specdec.decode.cache import KVState, left_pad
 from specdec.decode.drafters import Drafter, NoDrafter, Proposal, Segment, admits, tree_attention_from_parents
 from specdec.decode.types import GenRequest, GenResult
 from specdec.decode.verify import Sampling, Verdict, verify_chain, verify_tree, verify_tree_drafted
@@ -42,6 +48,21 @@ class Batch:
     compile: bool = False  # decode steps run compiled (decode.compiled): drafters' own caches too
     groups: list[int | None] = field(default_factory=list)  # each active row's ``GenRequest.group``
     references: list[list[int] | None] = field(default_factory=list)  # each active row's ``GenRequest.reference``
+
+
+@dataclass
+class _Joining:
+    """A request whose prompt is being prefilled a chunk a round in the verify forwards; its row of the
+    target's state follows the batch's rows, in the order of the joining list."""
+
+    request: GenRequest
+    index: int  # the request's index in the job
+    done: int = 0  # prompt tokens in the cache
+    pieces: list = field(default_factory=list)  # per chunk: (logits, hidden, hidden layers) of its tokens
+
+    @property
+    def complete(self) -> bool:
+        return self.done == len(self.request.prompt_ids)
 
 
 @dataclass
@@ -76,6 +97,7 @@ class SpecEngine:
         admit_fraction: float = 0.25,
         compile: bool = False,
         hold_prefix_once: bool = True,
+        prefill_chunk: int = 0,
     ):
         self.target = target
         self.tokenizer = tokenizer
@@ -93,6 +115,9 @@ class SpecEngine:
         self.min_shared = min_shared
         self.admit_fraction = admit_fraction
         self.compile = compile
+        # prompt tokens a joining row prefills per round riding the verify forward (0: admitted rows are
+        # prefilled in a forward of their own); a round whose verify forward is wider gives them its width
+        self.prefill_chunk = prefill_chunk
         self._prefix: tuple | None = None  # (tokens, keep_all, one-row KVState, its Segment)
         # decided at the first shared prefix (see _hydragen); False: every row gets a copy
         self._prefix_held_once: bool | None = None if hold_prefix_once else False
@@ -123,13 +148,24 @@ class SpecEngine:
             )
         return self._run(iter(requests), batch_size)
 
-    def _should_admit(self, batch: Batch | None, batch_size: int) -> bool:
+    def _should_admit(self, batch: Batch | None, batch_size: int, joining: int = 0) -> bool:
         """Admit into an empty batch at once, into a running one when ``admit_fraction`` of its places
         are free: each admission prefills on its own and copies the running cache, which costs more than
-        a place gains when rows finish every few rounds (fast drafters) and are replaced one at a time."""
-        if batch is None or not batch.rows:
+        a place gains when rows finish every few rounds (fast drafters) and are replaced one at a time.
+        Rows that join riding the verify forwards spend no forward of their own: one free place will do."""
+        active = len(batch.rows) if batch is not None else 0
+        free = batch_size - active - joining
+        if not active and not joining:
             return True
-        return batch_size - len(batch.rows) >= max(1, math.ceil(self.admit_fraction * batch_size))
+        if free < 1:
+            return False
+        return self._may_ride(batch, joining) or free >= max(1, math.ceil(self.admit_fraction * batch_size))
+
+    def _may_ride(self, batch: Batch | None, joining: int) -> bool:
+        """Whether new rows can join the running state with their prompts riding its verify forwards:
+        a split verification (PEARL's pre-verify) has no one forward to ride."""
+        running = joining > 0 or (batch is not None and bool(batch.rows))
+        return bool(self.prefill_chunk) and running and not getattr(self.drafter, "pre_verify", False)
 
     @torch.inference_mode()
     def _run(self, requests: Iterator[GenRequest], batch_size: int) -> Iterator[tuple[int, GenResult]]:
@@ -137,34 +173,52 @@ class SpecEngine:
         rows: dict[int, _Row] = {}  # in flight, by request index
         batch: Batch | None = None
         state: KVState | None = None
+        joining: list[_Joining] = []
         taken = 0
         exhausted = False
         while True:
             # rows that finish at their first token free their place at once
-            while not exhausted and self._should_admit(batch, batch_size):
-                room = batch_size - (len(batch.rows) if batch is not None else 0)
+            while not exhausted and self._should_admit(batch, batch_size, len(joining)):
+                room = batch_size - (len(batch.rows) if batch is not None else 0) - len(joining)
                 new = list(itertools.islice(requests, room))
                 exhausted = len(new) < room
                 if not new:
                     break
-                for i, r in enumerate(new):
-                    rows[taken + i] = _Row(max_new=r.max_new_tokens, start=time.perf_counter())
-                batch, state = self._admit(batch, state, new, list(range(taken, taken + len(new))), rows, generator)
+                index = list(range(taken, taken + len(new)))
+                for i, r in zip(index, new):
+                    rows[i] = _Row(max_new=r.max_new_tokens, start=time.perf_counter())
+                if self._may_ride(batch, len(joining)) and state.prefix is None and not self._shared_prefix(new):
+                    state.admit(KVState(self.target, len(new), self.device, compile=self.compile))
+                    joining += [_Joining(r, i) for i, r in zip(index, new)]
+                elif joining:
+                    # a prompt with the shared prefix is prefilled on its own once the joining rows are rows
+                    # of the batch (their state's row order is the batch's, then theirs)
+                    requests, exhausted = itertools.chain(new, requests), False
+                    for i in index:
+                        del rows[i]
+                    break
+                else:
+                    batch, state = self._admit(batch, state, new, index, rows, generator)
                 taken += len(new)
                 yield from self._finished(rows)
-            if batch is None or not batch.rows:
+            if not joining and (batch is None or not batch.rows):
                 return
-            room = self.max_context - max(map(len, batch.seqs))
-            batch.num_draft = self.num_draft if room > self.num_draft + 1 else 0
-            proposal = self.drafter.propose(batch) if batch.num_draft > 0 else None
+            proposal = None
+            if batch.rows:
+                room = self.max_context - max(map(len, batch.seqs))
+                batch.num_draft = self.num_draft if room > self.num_draft + 1 else 0
+                proposal = self.drafter.propose(batch) if batch.num_draft > 0 else None
             if proposal is not None and proposal.rest is not None:
                 seg, verdict, proposal = self._verify_split(state, batch, proposal)
             else:
-                seg, verdict = self._verify(state, batch, proposal)
-            emitted = self._accept(batch, rows, proposal, verdict)
-            seg.accepted = emitted
-            self.drafter.observe(batch, seg)
-            self._drop_finished(batch, rows, state)
+                seg, verdict = self._verify(state, batch, proposal, joining)
+            if batch.rows:
+                emitted = self._accept(batch, rows, proposal, verdict)
+                seg.accepted = emitted
+                self.drafter.observe(batch, seg)
+            self._drop_finished(batch, rows, state, len(joining))
+            if any(j.complete for j in joining):
+                batch = self._joined(batch, state, joining, rows, generator)
             yield from self._finished(rows)
 
     def _admit(self, batch: Batch | None, state: KVState | None, requests, index, rows, generator) -> tuple[Batch, KVState]:
@@ -177,13 +231,18 @@ class SpecEngine:
         else:
             self.drafter.admit(new, seg)
             state.admit(new_state)
-            batch.seqs += new.seqs
-            batch.rows += new.rows
-            batch.groups += new.groups
-            batch.references += new.references
-            batch.root = torch.cat([batch.root, new.root])
+            self._merge(batch, new)
         self._drop_finished(batch, rows, state)
         return batch, state
+
+    @staticmethod
+    def _merge(batch: Batch, new: Batch) -> None:
+        """``new``'s rows after ``batch``'s."""
+        batch.seqs += new.seqs
+        batch.rows += new.rows
+        batch.groups += new.groups
+        batch.references += new.references
+        batch.root = torch.cat([batch.root, new.root])
 
     def _prefill(self, requests, index, rows, generator) -> tuple[Batch, KVState, Segment]:
         bsz = len(requests)
@@ -212,8 +271,13 @@ class SpecEngine:
         if prefix:
             seg = _join(head_seg, seg, bsz, keep_all)
             ids, valid = seg.input_ids, seg.input_valid
-        empty = torch.zeros(bsz, 0, dtype=torch.long, device=self.device)
-        verdict = verify_chain(out.logits[:, -1:], empty, None, self.sampling, generator)
+        return self._new_batch(requests, index, out.logits[:, -1:], rows, generator), state, seg
+
+    def _new_batch(self, requests, index, last_logits: torch.Tensor, rows: dict[int, _Row], generator) -> Batch:
+        """The batch of prefilled ``requests``, each row's first token drawn from its last prompt token's
+        logits [B, 1, V]."""
+        empty = torch.zeros(len(requests), 0, dtype=torch.long, device=self.device)
+        verdict = verify_chain(last_logits, empty, None, self.sampling, generator)
         batch = Batch(
             seqs=[list(r.prompt_ids) for r in requests],
             root=verdict.next_token,
@@ -231,7 +295,7 @@ class SpecEngine:
             row = rows[index[i]]
             row.target_calls += 1
             self._append(row, batch.seqs[i], [tok])
-        return batch, state, seg
+        return batch
 
     # -- shared prefixes ----------------------------------------------------------------------
 
@@ -266,7 +330,7 @@ class SpecEngine:
         """Whether rows hold a shared prefix once (decode.hydragen) rather than a copy each: where the
         target's attention allows it, and not for compiled steps (their buffers are whole rows)."""
         if self._prefix_held_once is None:
-            self._prefix_held_once = not self.compile and hydragen.enable(self.target)
+            self._prefix_held_once = not self.compile and hydragen.enable(self.target, self.kernels)
         return self._prefix_held_once
 
     def _prefix_state(self, prefix: list[int], keep_all: bool) -> tuple[KVState, Segment]:
@@ -281,8 +345,9 @@ class SpecEngine:
             self._prefix = (key[0], keep_all, state, Segment(ids, valid, out.logits, *self._hidden(out)))
         return self._prefix[2], self._prefix[3]
 
-    def _verify(self, state: KVState, batch: Batch, proposal: Proposal | None) -> tuple[Segment, Verdict]:
-        """One target forward over [root, drafts...] and the shared verification routine."""
+    def _verify(self, state: KVState, batch: Batch, proposal: Proposal | None, joining: list[_Joining] = ()) -> tuple[Segment, Verdict]:
+        """One target forward over [root, drafts...] and the shared verification routine. The prompts of
+        ``joining`` rows ride along, a chunk each, in rows of their own after the batch's."""
         bsz = len(batch.seqs)
         root = batch.root[:, None]
         hidden = self._wants_hidden
@@ -291,39 +356,55 @@ class SpecEngine:
         n = proposal.tokens.shape[1]
         input_ids = torch.cat([root, proposal.tokens], dim=1)
         ones = torch.ones(bsz, 1, dtype=torch.bool, device=self.device)
+        attn = depth = None
         if proposal.is_tree:
             valid = torch.cat([ones, proposal.parents >= -1], dim=1)
             attn, depth = proposal.tree_attn, proposal.depth
             if attn is None:
                 attn, depth = tree_attention_from_parents(proposal.parents)
-            out = state.forward(input_ids, valid, tree_attn=attn.expand(bsz, -1, -1), depth=depth.expand(bsz, -1), hidden=hidden)
+        else:
+            lengths = proposal.lengths
+            steps = torch.arange(n, device=self.device)[None]
+            valid = torch.cat([ones, steps < lengths[:, None]] if lengths is not None else [ones, ones.expand(bsz, n)], dim=1)
+        tree = (attn.expand(bsz, -1, -1), depth.expand(bsz, -1)) if proposal.is_tree else (None, None)
+        ride = _Ride(self, joining, 1 + n) if joining else None
+        if ride is None:
+            out = state.forward(input_ids, valid if proposal.is_tree or proposal.lengths is not None else None, *tree, hidden=hidden)
+            logits, (last_hidden, layers) = out.logits, self._hidden(out)
+        else:
+            out = state.forward(*ride.inputs(input_ids, valid, *tree), hidden=hidden, **ride.model_kwargs)
+            logits, last_hidden, layers = ride.split(out, bsz)
+        verdict = None
+        if not bsz:  # only joining rows: nothing to verify
+            index = torch.zeros(0, 0, dtype=torch.long, device=self.device)
+            keep_valid = torch.zeros(0, 0, dtype=torch.bool, device=self.device)
+        elif proposal.is_tree:
             max_depth = proposal.max_depth or int(depth.max().item())
             if proposal.scheme == "standard":
                 verdict = verify_tree(
-                    out.logits, proposal.tokens, proposal.parents, batch.sampling, batch.generator, max_depth, attn, depth
+                    logits, proposal.tokens, proposal.parents, batch.sampling, batch.generator, max_depth, attn, depth
                 )
             else:  # siblings sampled from the draft's q: the proposal names the scheme that keeps p exact
                 verdict = verify_tree_drafted(
-                    out.logits, proposal.tokens, proposal.parents, proposal.draft_probs, proposal.scheme,
+                    logits, proposal.tokens, proposal.parents, proposal.draft_probs, proposal.scheme,
                     batch.sampling, batch.generator, max_depth, attn, depth,
                 )
             keep = 1 + int(verdict.accepted.max().item())
             index = torch.cat([torch.zeros_like(root), verdict.path[:, : keep - 1] + 1], dim=1).clamp_(min=0)
             keep_valid = torch.arange(keep, device=self.device)[None] <= verdict.accepted[:, None]
-            state.commit_gather(index, keep_valid)
         else:
-            lengths = proposal.lengths
-            steps = torch.arange(n, device=self.device)[None]
-            valid = torch.cat([ones, steps < lengths[:, None]] if lengths is not None else [ones, ones.expand(bsz, n)], dim=1)
-            out = state.forward(input_ids, valid if lengths is not None else None, hidden=hidden)
             verdict = verify_chain(
-                out.logits, proposal.tokens, proposal.draft_probs, batch.sampling, batch.generator, lengths, self.kernels
+                logits, proposal.tokens, proposal.draft_probs, batch.sampling, batch.generator, proposal.lengths, self.kernels
             )
             keep = 1 + int(verdict.accepted.max().item())
             index = torch.arange(keep, device=self.device)[None].expand(bsz, keep)
             keep_valid = index <= verdict.accepted[:, None]
-            state.commit_prefix(keep, keep_valid)
-        seg = Segment(input_ids, valid, out.logits, *self._hidden(out), keep_index=index, keep_valid=keep_valid)
+        commit_index, commit_valid = (index, keep_valid) if ride is None else ride.keep(index, keep_valid)
+        if proposal.is_tree:
+            state.commit_gather(commit_index, commit_valid)
+        else:  # every row keeps the first slots of its segment
+            state.commit_prefix(commit_index.shape[1], commit_valid)
+        seg = Segment(input_ids, valid, logits, last_hidden, layers, keep_index=index, keep_valid=keep_valid)
         return seg, verdict
 
     def _verify_split(self, state: KVState, batch: Batch, first: Proposal) -> tuple[Segment, Verdict, Proposal]:
@@ -429,19 +510,47 @@ class SpecEngine:
             if any(s in tail for s in self.stop):
                 row.finish = "stop"
 
-    def _drop_finished(self, batch: Batch, rows: dict[int, _Row], state: KVState) -> None:
+    def _drop_finished(self, batch: Batch, rows: dict[int, _Row], state: KVState, joining: int = 0) -> None:
+        """Finished rows leave the batch, its state and the drafter; the ``joining`` rows that follow the
+        batch's in the state stay."""
         keep = [i for i, r in enumerate(batch.rows) if not rows[r].finish]
         if len(keep) == len(batch.rows):
             return
         idx = torch.tensor(keep, dtype=torch.long, device=self.device)
+        active = len(batch.rows)
         batch.rows = [batch.rows[i] for i in keep]
         batch.groups = [batch.groups[i] for i in keep]
         batch.references = [batch.references[i] for i in keep]
         batch.seqs = [batch.seqs[i] for i in keep]
         batch.root = batch.root[idx]
+        if keep or joining:
+            state.select_rows(torch.cat([idx, torch.arange(active, active + joining, device=self.device)]))
         if keep:
-            state.select_rows(idx)
             self.drafter.select_rows(idx)
+
+    def _joined(self, batch: Batch, state: KVState, joining: list[_Joining], rows: dict[int, _Row], generator) -> Batch:
+        """Joining rows whose prompts are complete become rows of the batch: their first token is drawn
+        from their last prompt token's logits, and the drafter takes them as it takes a prefill
+        (``admit``, or ``begin`` when the batch has no rows left). Returns the batch."""
+        done = [k for k, j in enumerate(joining) if j.complete]
+        active = len(batch.rows)
+        if done != list(range(len(done))):  # the state's rows in the batch's order, then the joining
+            later = [k for k in range(len(joining)) if k not in done]
+            state.select_rows(torch.tensor(list(range(active)) + [active + k for k in done + later], device=self.device))
+        joined = [joining[k] for k in done]
+        joining[:] = [j for j in joining if not j.complete]
+        keep_all = getattr(self.drafter, "needs_prefill_logits", False)
+        seg = _stack([j.pieces for j in joined], [j.request.prompt_ids for j in joined], self.device, keep_all)
+        requests = [j.request for j in joined]
+        new = self._new_batch(requests, [j.index for j in joined], seg.logits[:, -1:], rows, generator)
+        if not batch.rows:
+            self.drafter.begin(new, seg)
+            batch = new
+        else:
+            self.drafter.admit(new, seg)
+            self._merge(batch, new)
+        self._drop_finished(batch, rows, state, len(joining))
+        return batch
 
     def _finished(self, rows: dict[int, _Row]) -> Iterator[tuple[int, GenResult]]:
         done = [i for i, r in rows.items() if r.finish]
@@ -460,6 +569,75 @@ class SpecEngine:
             "row_wall_s": round(now - row.start, 6),  # from its admission to its last token
         }
         return GenResult(token_ids=row.tokens, finish_reason=row.finish or "length", stats=stats)
+
+
+class _Ride:
+    """One verify forward's rows for the joining requests: each takes the next chunk of its prompt
+    (``prefill_chunk`` tokens, or the verify width when that is wider), causal within the chunk, left
+    aligned like the batch's rows, the rest of the row holes."""
+
+    def __init__(self, engine: SpecEngine, joining: list[_Joining], width: int):
+        self.engine, self.joining = engine, joining
+        chunk = max(engine.prefill_chunk, width)
+        self.lengths = [min(chunk, len(j.request.prompt_ids) - j.done) for j in joining]
+        self.width = max(width, *self.lengths)
+        self.verify_width = width
+        self.keep_all = getattr(engine.drafter, "needs_prefill_logits", False)
+        # logits are kept at the batch's verify positions and at the last token of each chunk that ends
+        # a prompt (its first new token), not for every prompt token of every chunk
+        ends = sorted({n - 1 for j, n in zip(joining, self.lengths) if j.done + n == len(j.request.prompt_ids)} - set(range(width)))
+        self.kept = list(range(width)) + ends
+        self.model_kwargs = {} if self.keep_all else {"logits_to_keep": torch.tensor(self.kept, device=engine.device)}
+
+    def inputs(self, input_ids, valid, tree_attn, depth) -> tuple:
+        """The forward's (input_ids, input_valid, tree_attn, depth): the batch's rows padded with holes to
+        the ride's width, then one row per joining request."""
+        device, w = self.engine.device, self.width
+        bsz, t = input_ids.shape
+        pad = w - t
+        ids = torch.zeros(len(self.joining), w, dtype=torch.long)
+        for i, (j, n) in enumerate(zip(self.joining, self.lengths)):
+            ids[i, :n] = torch.tensor(j.request.prompt_ids[j.done : j.done + n], dtype=torch.long)
+        own = torch.arange(w)[None] < torch.tensor(self.lengths)[:, None]
+        input_ids = torch.cat([F.pad(input_ids, (0, pad)), ids.to(device)])
+        valid = torch.cat([F.pad(valid, (0, pad), value=False), own.to(device)])
+        if tree_attn is None:  # causal rows: depths follow from the holes
+            return input_ids, valid, None, None
+        causal = torch.ones(w, w, dtype=torch.bool, device=device).tril_()
+        tree_attn = torch.cat([F.pad(tree_attn, (0, pad, 0, pad), value=False), causal.expand(len(self.joining), w, w)])
+        steps = torch.arange(w, device=device)
+        depth = torch.cat([F.pad(depth, (0, pad)), steps.expand(len(self.joining), w)])
+        return input_ids, valid, tree_attn, depth
+
+    def split(self, out, bsz: int) -> tuple:
+        """The batch's rows' (logits, last hidden, hidden layers) at the verify positions; each joining
+        request's chunk outputs go to its pieces."""
+        hidden, layers = self.engine._hidden(out)
+        t = self.verify_width
+        logits = out.logits
+        for i, (j, n) in enumerate(zip(self.joining, self.lengths)):
+            row = bsz + i
+            ends = j.done + n == len(j.request.prompt_ids)
+            if self.keep_all:
+                piece = logits[row, :n]
+            else:
+                piece = logits[row, self.kept.index(n - 1)][None] if ends else None
+            j.pieces.append((piece, None if hidden is None else hidden[row, :n],
+                             None if layers is None else tuple(h[row, :n] for h in layers)))
+            j.done += n
+        cut = (lambda x: None if x is None else x[:bsz, :t])
+        return logits[:bsz, :t], cut(hidden), None if layers is None else tuple(cut(h) for h in layers)
+
+    def keep(self, index: torch.Tensor, keep_valid: torch.Tensor) -> tuple:
+        """The slots every row keeps: the batch's rows' (index [B, M] into the segment, validity), padded,
+        then each joining row's whole chunk."""
+        m = max(index.shape[1], *self.lengths)
+        device = self.engine.device
+        steps = torch.arange(m, device=device)
+        pad = m - index.shape[1]
+        index = torch.cat([F.pad(index, (0, pad)), steps.expand(len(self.joining), m)])
+        own = steps[None] < torch.tensor(self.lengths, device=device)[:, None]
+        return index, torch.cat([F.pad(keep_valid, (0, pad), value=False), own])
 
 
 def _count_positions(row: _Row, accepted: int, drafted: int) -> None:
@@ -481,6 +659,28 @@ def _eos_ids(model, tokenizer) -> list[int]:
     if ids is None:
         return []
     return list(ids) if isinstance(ids, (list, tuple)) else [int(ids)]
+
+
+def _stack(pieces: list[list[tuple]], prompts: list[list[int]], device, keep_all: bool) -> Segment:
+    """The prefill segment of requests whose prompts were prefilled in chunks (each request's chunks'
+    (logits, hidden, hidden layers)), left-padded among themselves as one prefill pads them. Logits are
+    every prompt token's with ``keep_all``, else the last token's (the one piece its chunks kept)."""
+    width = max(map(len, prompts))
+
+    def rows(parts: list) -> torch.Tensor:  # one [T_i, ...] tensor per request -> [B, width, ...]
+        return torch.stack([left_pad(p, width, 0, dim=0) for p in parts])
+
+    ids = rows([torch.tensor(p, dtype=torch.long, device=device) for p in prompts])
+    valid = rows([torch.ones(len(p), dtype=torch.bool, device=device) for p in prompts])
+    logits = [torch.cat([c[0] for c in chunks if c[0] is not None]) for chunks in pieces]
+    logits = rows(logits) if keep_all else torch.stack(logits)
+    hidden = layers = None
+    if pieces[0][0][1] is not None:
+        hidden = rows([torch.cat([c[1] for c in chunks]) for chunks in pieces])
+    if pieces[0][0][2] is not None:
+        count = len(pieces[0][0][2])
+        layers = tuple(rows([torch.cat([c[2][i] for c in chunks]) for chunks in pieces]) for i in range(count))
+    return Segment(ids, valid, logits, hidden, layers)
 
 
 def _join(head: Segment, tail: Segment, bsz: int, keep_all: bool) -> Segment:

@@ -101,6 +101,8 @@ class Decoder:
                 raise UsageError(f"{target} is a diffusion LM: --max-memory applies to causal LMs only")
             if options.drafter != "ar" or options.acceptance:
                 raise UsageError(f"{target} is a diffusion LM: --drafter and --acceptance apply to causal LMs only")
+            if options.prefill_chunk:
+                raise UsageError(f"{target} is a diffusion LM: --prefill-chunk applies to continuous batching of causal LMs only")
             self.generator, self.tokenizer, self.max_context = generator_from_options(path, options)
             return
         if options.strategy != "static" or options.cache != "none" or options.filter or options.adablock:
@@ -122,6 +124,7 @@ class Decoder:
             kernels=kernel_backend(options, input_device(model)),
             shared_prefix=shared_prefix_tokens(options.shared_prefix, self.tokenizer),
             compile=options.compile,
+            prefill_chunk=options.prefill_chunk,
         )
 
     def encode(self, rec: Record) -> list[int]:

@@ -32,6 +32,9 @@ class DecodeOptions:
     # a memory budget as written ("4GiB"): decode fits batch size and draft width into it (decode/memory.py)
     max_memory: str | None = None
     schedule: str = "auto"  # one of SCHEDULES
+    # continuous batching: prompt tokens an admitted record prefills per round inside the verify forwards
+    # (SARATHI); 0 prefills it in a forward of its own
+    prefill_chunk: int = 0
     # decode steps compiled against preallocated key/value buffers (decode/compiled.py)
     compile: bool = False
     # a prompt prefix every record shares, prefilled once for the job: "auto" (detected), "off", or a file of its text

@@ -56,6 +56,12 @@ def validate_options(opts: DecodeOptions) -> None:
     max_draft = getattr(opts, "max_draft", None)
     if min_draft is not None and max_draft is not None and min_draft > max_draft:
         raise UsageError(f"--min-draft ({min_draft}) must not exceed --max-draft ({max_draft})")
+    chunk = getattr(opts, "prefill_chunk", 0)
+    _int(chunk, "--prefill-chunk")
+    if chunk < 0:
+        raise UsageError(f"--prefill-chunk must be >= 0 (0: admitted prompts are prefilled on their own), got {chunk}")
+    if chunk and getattr(opts, "schedule", "auto") == "static":
+        raise UsageError("--prefill-chunk applies to continuous batching: static batches admit no records mid-way")
     kernels = getattr(opts, "kernels", "auto")
     from specdec.kernels import BACKENDS
 

@@ -174,8 +174,8 @@ def test_sliding_state_keeps_every_slot_and_its_position(zoo):
     captured = {}
     original = engine._verify
 
-    def spy(state, batch, proposal):
-        out = original(state, batch, proposal)
+    def spy(state, batch, proposal, *joining):
+        out = original(state, batch, proposal, *joining)
         captured["state"] = state
         return out
 

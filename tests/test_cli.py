@@ -34,6 +34,8 @@ def _assert_usage_error(res, needle: str):
     (["--max-new-tokens", "-5"], "--max-new-tokens"),
     (["--top-p", "2"], "--top-p"),
     (["--temperature", "-1"], "--temperature"),
+    (["--prefill-chunk", "-1"], "--prefill-chunk"),
+    (["--prefill-chunk", "8", "--schedule", "static"], "--prefill-chunk"),
 ])
 def test_bad_decode_values_are_usage_errors(tiny_family, prompts, tmp_path, args, needle):
     res = invoke(["decode", "--in", prompts, "--out", tmp_path / "o.jsonl", "--target", tiny_family / "target", *args])

@@ -90,8 +90,45 @@ def test_greedy_continuous_equals_each_request_alone(target, draft_model, reqs, 
         assert sum(r.stats["drafted_tokens"] for r in got.values()) > 0
 
 
+def _count_prefills(engine) -> list[int]:
+    """How many prefill forwards of their own ``engine`` runs (a list, so the count can be read after)."""
+    count, prefill = [0], engine._prefill
+
+    def counted(*args):
+        count[0] += 1
+        return prefill(*args)
+
+    engine._prefill = counted
+    return count
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_greedy_rows_joining_by_chunks_equal_each_request_alone(target, draft_model, reqs, alone, name):
+    """Admitted prompts prefilled a chunk a round inside the verify forwards (SARATHI): every drafter,
+    trees and hidden-state readers included, still decodes each request as it decodes alone."""
+    engine = SpecEngine(target, ByteTokenizer(), make_drafter(name, target, draft_model), prefill_chunk=5)
+    prefills = _count_prefills(engine)
+    got, order = {}, []
+    for i, res in engine.stream(iter(reqs), BATCH):
+        order.append(i)
+        got[i] = res
+    assert prefills[0] == 1  # the first batch only: every later prompt rode the verify forwards
+    assert order != sorted(order)
+    for i, ref in enumerate(alone):
+        assert (got[i].token_ids, got[i].finish_reason) == (ref.token_ids, ref.finish_reason), (name, i)
+
+
+@pytest.mark.parametrize("chunk", [1, 64])
+def test_chunks_narrower_and_wider_than_a_prompt(target, reqs, alone, chunk):
+    """A chunk of one token (the verify width decides) and one wider than every prompt (one round)."""
+    engine = SpecEngine(target, ByteTokenizer(), make_drafter("ngram", target, None), prefill_chunk=chunk)
+    got = dict(engine.stream(iter(reqs), BATCH))
+    assert [got[i].token_ids for i in range(len(reqs))] == [r.token_ids for r in alone]
+
+
+@pytest.mark.parametrize("chunk", [0, 4])
 @pytest.mark.parametrize("name", ["draft", "clover", "eagle-dynamic"])
-def test_rows_ending_at_their_first_token_or_at_eos(target, draft_model, name):
+def test_rows_ending_at_their_first_token_or_at_eos(target, draft_model, name, chunk):
     """Budgets of one token (rows that end in their own prefill, sometimes the whole admission, so the
     batch empties and starts over) and an end-of-sequence token that stops rows mid-round."""
     prompts = make_prompts(8, seed=17, lo=3, hi=20)
@@ -101,19 +138,20 @@ def test_rows_ending_at_their_first_token_or_at_eos(target, draft_model, name):
     reqs = [GenRequest(p, n) for p, n in zip(prompts, budgets)]
     alone = [SpecEngine(target, ByteTokenizer(), eos_ids=[eos]).generate([r])[0] for r in reqs]
     assert any(r.finish_reason == "stop" and len(r.token_ids) > 1 for r in alone)
-    engine = SpecEngine(target, ByteTokenizer(), make_drafter(name, target, draft_model), eos_ids=[eos])
+    engine = SpecEngine(target, ByteTokenizer(), make_drafter(name, target, draft_model), eos_ids=[eos], prefill_chunk=chunk)
     got = dict(engine.stream(reqs, 2))
     assert [(got[i].token_ids, got[i].finish_reason) for i in range(len(reqs))] == [(r.token_ids, r.finish_reason) for r in alone]
 
 
-def test_admission_leaves_every_rows_cache_equal_to_a_fresh_prefill(target, draft_model, reqs):
+@pytest.mark.parametrize("chunk", [0, 6])
+def test_admission_leaves_every_rows_cache_equal_to_a_fresh_prefill(target, draft_model, reqs, chunk):
     """After admissions into a running batch, each row's valid target-cache slots are exactly those
-    of a fresh prefill of its text, at the positions of its text."""
-    engine = SpecEngine(target, ByteTokenizer(), ModelDrafter(draft_model))
+    of a fresh prefill of its text, at the positions of its text (rows joining by chunks too)."""
+    engine = SpecEngine(target, ByteTokenizer(), ModelDrafter(draft_model), prefill_chunk=chunk)
     rounds, checked = [0], [0]
     verify = engine._verify
 
-    def spy(state, batch, proposal):
+    def spy(state, batch, proposal, *joining):
         rounds[0] += 1
         if rounds[0] % 5 == 0:
             for row, seq in enumerate(batch.seqs):
@@ -127,7 +165,7 @@ def test_admission_leaves_every_rows_cache_equal_to_a_fresh_prefill(target, draf
                     torch.testing.assert_close(got_k[row][:, keep], ref_k[0], rtol=1e-9, atol=1e-9)
                     torch.testing.assert_close(got_v[row][:, keep], ref_v[0], rtol=1e-9, atol=1e-9)
                 checked[0] += 1
-        return verify(state, batch, proposal)
+        return verify(state, batch, proposal, *joining)
 
     engine._verify = spy
     finished = [i for i, _ in engine.stream(reqs, BATCH)]
@@ -191,9 +229,10 @@ def _no_residual_verify_chain(logits, tokens, draft_probs, sampling, generator, 
     return Verdict(verdict.accepted, verdict.path, next_token)
 
 
-def _sampled_pairs(broken: bool, monkeypatch) -> tuple[torch.Tensor, torch.Tensor, int]:
+def _sampled_pairs(broken: bool, monkeypatch, chunk: int = 0) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Two sampled tokens after one prompt, each of those rows joining a running batch of rows that
-    decode other prompts for other lengths (fillers), with a draft model (its own cache admitted too)."""
+    decode other prompts for other lengths (fillers), with a draft model (its own cache admitted too);
+    with ``chunk``, the prompts join by chunks riding the verify forwards."""
     vocab = 12
     target = tiny_llama(vocab=vocab, hidden=32, layers=2, seed=3)
     with torch.no_grad():
@@ -202,7 +241,7 @@ def _sampled_pairs(broken: bool, monkeypatch) -> tuple[torch.Tensor, torch.Tenso
         monkeypatch.setattr(engine_module, "verify_chain", _no_residual_verify_chain)
     drafter = ModelDrafter(tiny_llama(vocab=vocab, hidden=32, layers=1, seed=4))
     sampling = Sampling(temperature=0.8)
-    engine = SpecEngine(target, ByteTokenizer(), drafter, sampling, num_draft=3, seed=123, eos_ids=[])
+    engine = SpecEngine(target, ByteTokenizer(), drafter, sampling, num_draft=3, seed=123, eos_ids=[], prefill_chunk=chunk)
     prompt = [5, 7, 5, 7, 5]
     g = torch.Generator().manual_seed(0)
     reqs, probes = [], []
@@ -224,6 +263,24 @@ def test_sampling_with_admission_draws_the_target_joint_distribution(monkeypatch
     counts, exact, accepted = _sampled_pairs(False, monkeypatch)
     assert chi2_pvalue(counts, exact) > P_FLOOR
     assert accepted > 0  # drafts were actually tested
+
+
+def test_sampling_with_rows_joining_by_chunks_draws_the_target_joint_distribution(monkeypatch):
+    counts, exact, accepted = _sampled_pairs(False, monkeypatch, chunk=5)
+    assert chi2_pvalue(counts, exact) > P_FLOOR
+    assert accepted > 0
+
+
+def test_a_joining_row_drawing_its_first_token_at_the_wrong_position_fails_the_same_test(monkeypatch):
+    split = engine_module._Ride.split
+
+    def first_tokens_logits(self, out, bsz):  # the bug: the chunk's first token's logits stand for its last
+        out.logits[bsz:] = out.logits[bsz:, :1]
+        return split(self, out, bsz)
+
+    monkeypatch.setattr(engine_module._Ride, "split", first_tokens_logits)
+    counts, exact, _ = _sampled_pairs(False, monkeypatch, chunk=5)
+    assert chi2_pvalue(counts, exact) < P_FLOOR
 
 
 def test_a_verifier_that_skips_the_residual_fails_the_same_test(monkeypatch):
@@ -250,16 +307,17 @@ def test_continuous_job_writes_in_input_order_like_static(tiny_family, tmp_path)
     rows.insert(7, {"id": "empty", "prompt": ""})
     src = _jsonl(tmp_path / "in.jsonl", rows)
     outs = {}
-    for schedule in ("static", "continuous"):
+    for schedule, extra in (("static", []), ("continuous", []), ("chunked", ["--prefill-chunk", "4"])):
         out = tmp_path / f"{schedule}.jsonl"
         res = invoke(["decode", "--target", tiny_family / "target", "--in", src, "--out", out, "--batch-size", "3",
-                      "--drafter", tiny_family / "draft", "--schedule", schedule])
+                      "--drafter", tiny_family / "draft", "--schedule", "static" if schedule == "static" else "continuous", *extra])
         assert res.exit_code == 3, res.output  # two bad records
         outs[schedule] = _read(out)
         assert [o["line"] for o in outs[schedule]] == list(range(1, len(rows) + 1))
-    assert [o.get("completion") for o in outs["continuous"]] == [o.get("completion") for o in outs["static"]]
-    assert [o.get("error") for o in outs["continuous"]] == [o.get("error") for o in outs["static"]]
-    assert all(o["stats"]["wall_s"] > 0 for o in outs["continuous"] if "stats" in o)
+    for schedule in ("continuous", "chunked"):
+        assert [o.get("completion") for o in outs[schedule]] == [o.get("completion") for o in outs["static"]]
+        assert [o.get("error") for o in outs[schedule]] == [o.get("error") for o in outs["static"]]
+        assert all(o["stats"]["wall_s"] > 0 for o in outs[schedule] if "stats" in o)
 
 
 def test_continuous_job_resumes_and_flushes_every_batch(tiny_family, tmp_path, monkeypatch):

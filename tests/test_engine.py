@@ -89,8 +89,8 @@ def test_kv_rollback_equals_fresh_prefill(target, draft_model):
     captured = {}
     original = engine._verify
 
-    def spy(state, batch, proposal):
-        seg, verdict = original(state, batch, proposal)
+    def spy(state, batch, proposal, *joining):
+        seg, verdict = original(state, batch, proposal, *joining)
         captured["state"], captured["seqs"] = state, [list(s) for s in batch.seqs]
         return seg, verdict
 

@@ -120,7 +120,6 @@ def test_a_prefix_held_once_decodes_with_the_kernel_as_whole_prompts_do(monkeypa
         return run(*args)
 
     monkeypatch.setattr(kernel, "_prefix_attention_triton", counted)
-    hydragen.enable(model, kernels="triton")  # redundant once the engine passes its kernels to enable
     engine = SpecEngine(model, ByteTokenizer(), kernels="triton", shared_prefix="auto", min_shared=8)
     assert [r.token_ids for r in engine.generate(reqs)] == [r.token_ids for r in plain]
     assert engine._hydragen() and len(calls) >= model.config.num_hidden_layers
