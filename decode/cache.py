@@ -401,7 +401,7 @@ class KVState(SlotBook):
     def share(self, n: int) -> "KVState":
         """A state of ``n`` rows that attend to this one-row state's slots as a prefix held once
         (``decode.hydragen``), each with an empty suffix of its own."""
-        out = KVState(self.model, n, self.pos.device)
+        out = KVState(self.model, n, self.pos.device, compile=self._compiled is not None)
         out.prefix = self._committed()
         out.pos = self.pos.expand(n).clone()
         out._solid = False  # the prefix needs the suffix mask passed through the attention function

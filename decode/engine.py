@@ -328,9 +328,9 @@ class SpecEngine:
 
     def _hydragen(self) -> bool:
         """Whether rows hold a shared prefix once (decode.hydragen) rather than a copy each: where the
-        target's attention allows it, and not for compiled steps (their buffers are whole rows)."""
+        target's attention allows it."""
         if self._prefix_held_once is None:
-            self._prefix_held_once = not self.compile and hydragen.enable(self.target, self.kernels)
+            self._prefix_held_once = hydragen.enable(self.target, self.kernels)
         return self._prefix_held_once
 
     def _prefix_state(self, prefix: list[int], keep_all: bool) -> tuple[KVState, Segment]:

@@ -39,7 +39,7 @@ def quick_backend(monkeypatch):
 @pytest.fixture()
 def calls(monkeypatch):
     """How many forwards ran through the compiled module (so a test fails if nothing was compiled)."""
-    counts = {"compiled": 0}
+    counts = {"compiled": 0, "with_prefix": 0}
     make = compiled.Compiled.__init__
 
     def counting(self, model, mode):
@@ -48,6 +48,7 @@ def calls(monkeypatch):
 
         def forward(*args, **kwargs):
             counts["compiled"] += 1
+            counts["with_prefix"] += "shared_prefix" in kwargs
             return inner(*args, **kwargs)
 
         self.forward = forward
@@ -111,6 +112,44 @@ def test_continuous_batching_compiled(target, draft_model, calls):
     got = dict(engine.stream(iter(reqs), BATCH))
     assert [got[i].token_ids for i in range(len(reqs))] == [r.token_ids for r in alone]
     assert calls["compiled"] > 0
+
+
+@pytest.mark.parametrize("chunk", [0, 4])
+def test_continuous_batching_compiled_with_rows_joining_by_chunks(target, draft_model, calls, chunk):
+    """Compiled verify steps while admitted prompts ride eager forwards a chunk a round (or are prefilled
+    on their own): the outputs are those of each request decoded alone."""
+    prompts = make_prompts(len(BUDGETS), seed=5, lo=3, hi=40)
+    reqs = [GenRequest(p, n) for p, n in zip(prompts, BUDGETS)]
+    alone = [SpecEngine(target, ByteTokenizer()).generate([r])[0] for r in reqs]
+    engine = SpecEngine(target, ByteTokenizer(), make_drafter("ngram", target, draft_model), compile=True, prefill_chunk=chunk)
+    got = dict(engine.stream(iter(reqs), BATCH))
+    assert [got[i].token_ids for i in range(len(reqs))] == [r.token_ids for r in alone]
+    assert calls["compiled"] > 0
+
+
+def test_a_prefix_held_once_runs_compiled(target, draft_model, calls, monkeypatch):
+    """Compiled steps whose rows hold only their suffixes: the prefix held once enters every compiled
+    forward's attention, and greedy output is that of whole prompts, in static and continuous batches."""
+    from test_shared_prefix import _prompts
+
+    from specdec.decode import hydragen
+
+    _, prompts = _prompts(5)
+    reqs = [GenRequest(p, n) for p, n in zip(prompts, [9, 3, 14, 6, 11])]
+    whole = [r.token_ids for r in SpecEngine(target, ByteTokenizer()).generate(reqs)]
+    held = {"calls": 0}
+    original = hydragen.prefix_suffix_attention
+
+    def counting(*args, **kwargs):
+        held["calls"] += 1
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(hydragen, "prefix_suffix_attention", counting)
+    engine = SpecEngine(target, ByteTokenizer(), ModelDrafter(draft_model), shared_prefix="auto", min_shared=8, compile=True)
+    assert [r.token_ids for r in engine.generate(reqs[:3]) + engine.generate(reqs[3:])] == whole
+    got = dict(engine.stream(iter(reqs), 2))
+    assert [got[i].token_ids for i in range(len(reqs))] == whole
+    assert engine._hydragen() and held["calls"] > 0 and calls["with_prefix"] > 0
 
 
 @pytest.mark.parametrize("arch", ["mistral", "gemma2", "gpt2"])
