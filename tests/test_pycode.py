@@ -8,6 +8,7 @@ import hashlib
 import json
 import math
 import os
+import shutil
 import sysconfig
 from pathlib import Path
 
@@ -41,7 +42,7 @@ def tiny_recipe(tmp: Path, corpus_root: Path, **over) -> Path:
         corpus={"source": "python", "roots": [str(corpus_root)], "max_file_bytes": 30_000},
         tokenizer={"vocab_size": 384, "max_bytes": 300_000},
         target={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-                "num_key_value_heads": 4, "max_position_embeddings": 128, "tie_word_embeddings": True},
+                "num_key_value_heads": 4, "max_position_embeddings": 512, "tie_word_embeddings": True},
         training={"seq_len": 64, "batch_size": 4, "lr": 3e-3, "max_steps": 3, "eval_blocks": 8},
         heldout_fraction=0.2, eval_prompts=3, eval_new_tokens=16,
     )
@@ -325,6 +326,7 @@ def test_the_shipped_family_is_the_default_when_present(tmp_path, monkeypatch):
 def test_drafters_train_with_every_core(tmp_path, monkeypatch):
     """The recipe hands its trainers a placement with every core: models.loading would otherwise keep the
     small target on one thread for the whole drafter stage."""
+    from specdec.models.loading import Placement
     from specdec.train import recipe
 
     seen = []
@@ -343,5 +345,49 @@ def test_drafters_train_with_every_core(tmp_path, monkeypatch):
     for name in ("train_draft", "train_acceptance", "train_heads"):
         monkeypatch.setattr(recipe, name, fake(name))
     recipe.build_drafters(tmp_path, [tmp_path / "data.jsonl"], 1.0, 0, arch="layers=1,hidden=32,heads=2",
-                          placement=recipe._placement("cpu", os.cpu_count()))
+                          placement=Placement(device="cpu", threads=os.cpu_count()))
     assert len(seen) == 6 and all(p is not None and p.threads == os.cpu_count() for _, p in seen)
+
+
+@pytest.mark.slow
+def test_gpu_recipe_script_in_two_runs_on_a_cpu(tmp_path):
+    """scripts/gpu-recipe as the GPU session runs it, on a toy recipe and a CPU: the target stage ships
+    the target and packs it, the pieces unpack into a fresh families folder, the rest stage starts from
+    that target on a bare SPECDEC_HOME, and the shipped family decodes with its draft as without it."""
+    import subprocess
+    import sys
+
+    from conftest import invoke
+
+    recipe = tiny_recipe(tmp_path, small_tree(tmp_path / "src"),
+                         drafters={"arch": "layers=1,hidden=32,heads=2,ffn=64"},
+                         export={"members": ["target", "draft", "eagle"], "max_file_mb": 15, "max_total_mb": 60})
+    script = Path(__file__).resolve().parent.parent / "scripts" / "gpu-recipe"
+    families = tmp_path / "families"
+    for stage in ("target", "rest"):
+        out = tmp_path / f"out-{stage}"
+        env = {**os.environ, "SPECDEC_HOME": str(tmp_path / f"home-{stage}")}  # each device machine starts bare
+        run = subprocess.run([sys.executable, str(script), "--stage", stage, "--recipe", str(recipe), "--device", "cpu",
+                              "--families", str(families), "--out", str(out)], capture_output=True, text=True, env=env, timeout=900)
+        assert run.returncode == 0, run.stderr[-3000:]
+        pieces = sorted(out.glob("pycode-test.tar.*"))
+        assert pieces and all(p.stat().st_size <= 15 * 2**20 for p in pieces)
+        summary = json.loads((out / "summary.json").read_text())
+        assert summary["pieces"] == [p.name for p in pieces]
+        shutil.rmtree(families, ignore_errors=True)
+        families.mkdir()
+        subprocess.run(f"cat {' '.join(str(p) for p in pieces)} | tar -xf - -C {families}", shell=True, check=True)
+    fam = families / "pycode-test"
+    assert {p.name for p in fam.iterdir() if p.is_dir()} == {"target", "draft", "eagle"}
+    card = (fam / "README.md").read_text()
+    assert "--stage target" in card and "--stage rest" in card and "medusa" in card.split("Not shipped")[1].split("\n")[0]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join((fam / "prompts.jsonl").read_text().splitlines(keepends=True)[:2]))
+    outs = {}
+    for drafter in ("ar", str(fam / "draft"), str(fam / "eagle")):
+        dst = tmp_path / f"{Path(drafter).name}.jsonl"
+        res = invoke(["decode", "--in", prompts, "--out", dst, "--target", fam / "target", "--drafter", drafter,
+                      "--max-new-tokens", "16", "--device", "cpu"])
+        assert res.exit_code == 0, res.output
+        outs[drafter] = [json.loads(line)["completion"] for line in dst.read_text().splitlines()]
+    assert len({tuple(v) for v in outs.values()}) == 1

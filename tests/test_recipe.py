@@ -20,7 +20,7 @@ def test_every_recipe_yaml_loads():
     for name in list_recipes():
         path = recipe_path(name)
         assert path.read_text().lstrip().startswith("#"), f"{name}: the header must show the command"
-        if name == "tiny-stdlib":
+        if name in ("tiny-stdlib", "pycode"):
             cfg = RecipeConfig.load(path)
             assert cfg.budget_minutes <= 20 and abs(sum(cfg.shares.values()) - 1.0) < 0.1
 

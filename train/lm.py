@@ -1,7 +1,8 @@
 """Tokenizer and target LM of a recipe's family.
 
 A byte-level BPE tokenizer and a small Llama-architecture target trained on the recipe's corpus
-with accelerate (mixed precision ``auto``: bf16 autocast only where the hardware has it natively).
+with accelerate, in the recipe's mixed precision (``auto``: bf16 autocast only where the hardware has it
+natively).
 Saved with save_pretrained so that AutoModelForCausalLM / AutoTokenizer load the folder like any Hugging Face checkpoint.
 """
 

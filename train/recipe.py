@@ -35,6 +35,7 @@ from specdec.train.prompts import cut_code_prompts, dev_prompts, held_out_prompt
 
 CORPUS_KEYS = {"source", "roots", "max_file_bytes", "max_bytes"}
 TRAINING_KEYS = {"seq_len", "batch_size", "lr", "max_steps", "eval_blocks"}
+PRECISIONS = ("auto", "no", "bf16", "fp16")
 
 
 @dataclass
@@ -68,6 +69,8 @@ class RecipeConfig:
             if bad:
                 raise SpecdecError(f"{path}: unknown {key} keys {sorted(bad)} (known: {sorted(allowed)})")
         raw.update({k: v for k, v in overrides.items() if v is not None})
+        if raw.get("mixed_precision", "auto") not in PRECISIONS:
+            raise SpecdecError(f"{path}: mixed_precision must be one of {', '.join(PRECISIONS)}, not {raw['mixed_precision']!r}")
         return cls(**raw)
 
 
@@ -133,7 +136,7 @@ def run_recipe(name: str | os.PathLike, budget_minutes: float | None = None, for
                console=None, device: str | None = None, command: str | None = None) -> dict:
     """Build the family of recipe ``name`` (a packaged name or a YAML path) into $SPECDEC_HOME/<its name>/.
     ``command`` is the command line that ran it, recorded in the family's report for its model card."""
-    from specdec.models.loading import apply_threads
+    from specdec.models.loading import Placement, apply_threads
 
     cfg = load_recipe(name, budget_minutes=budget_minutes, device=device)
     dev = training_device(cfg.device)
@@ -155,7 +158,7 @@ def run_recipe(name: str | os.PathLike, budget_minutes: float | None = None, for
         write_prompts(corpus, fam / "target", fam / "prompts.jsonl")
         write_list_task_probes(fam / "list_tasks.jsonl")
     data = write_training_text(corpus, fam / "data" / "train.jsonl")
-    placement = _placement(cfg.device, cores)
+    placement = Placement(device=cfg.device, threads=cores)
     if "drafters" in want:
         report["drafters"] = _stage(
             "drafters", fam, force, console,
@@ -166,7 +169,7 @@ def run_recipe(name: str | os.PathLike, budget_minutes: float | None = None, for
             members=("draft", "draft-ce", "acceptance", "medusa", "clover", "eagle"),
         )
     if "dllm" in want:
-        apply_threads(cores)
+        apply_threads(cores)  # decodes in the drafter stage may have left the process on one thread
         # split on "\n" only: splitlines() also breaks at U+2028, U+0085, ... inside JSON strings
         texts = [json.loads(line)["prompt"] for line in data.read_bytes().split(b"\n") if line.strip()]
         report["dllm"] = _stage(
@@ -198,12 +201,6 @@ def export_recipe(name: str | os.PathLike, out: Path, members: list[str] | None 
 
     cfg = load_recipe(name)
     return ship_family(family_dir(cfg.name), Path(out), ExportPlan.from_recipe(cfg.export, members), command or "")
-
-
-def _placement(device: str, threads: int):
-    from specdec.models.loading import Placement
-
-    return Placement(device=device, threads=threads)
 
 
 def _stage(name, fam: Path, force: bool, console, build, members) -> dict:
