@@ -176,7 +176,7 @@ def model_card(name: str, folder: Path, report: dict, sizes: dict, left_out: lis
         "```",
         "",
         f"Hardware: {hw}. Wall time: {report.get('wall_s', '?')} s ({stages}); "
-        f"budget {report.get('budget_minutes', '?')} minutes.",
+        f"budget {report.get('budget_minutes', '?')} minutes. {_repeat(target)}",
         "",
         "## Members",
         "",
@@ -218,6 +218,16 @@ def model_card(name: str, folder: Path, report: dict, sizes: dict, left_out: lis
         "",
     ]
     return "\n".join(lines)
+
+
+def _repeat(target: dict) -> str:
+    """What a rerun with the same seed repeats: the split, the initialisation and the data order always;
+    the steps and learning rates only when they did not follow the clock."""
+    if target.get("stopped") == "budget":
+        return (f"The same seed repeats the split, the initialisation and the data order; the target's "
+                f"{target.get('steps')} steps and its learning-rate schedule followed the clock "
+                "(`training: {max_steps: N}` in the recipe fixes both).")
+    return f"The target trained a fixed {target.get('steps', '?')} steps: the same seed repeats the run."
 
 
 def _headline(member: str, metrics: dict) -> str:
