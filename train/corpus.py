@@ -121,7 +121,8 @@ def distributions(corpus: Corpus) -> dict:
                 owner[Path(os.path.normpath(base / f))] = (name, licence)
     out: dict[str, dict] = {}
     for path in corpus.train_files + corpus.heldout_files:
-        name, licence = owner.get(path) or (("python-stdlib", "PSF-2.0") if path.is_relative_to(stdlib) else ("unknown", "not stated"))
+        stated = ("python-stdlib", "PSF-2.0") if path.is_relative_to(stdlib) else ("unknown", "not stated")
+        name, licence = owner.get(path) or stated
         entry = out.setdefault(name, {"files": 0, "bytes": 0, "licence": licence})
         entry["files"] += 1
         entry["bytes"] += corpus.sizes.get(path, 0)

@@ -265,7 +265,8 @@ def build_target(cfg: RecipeConfig, corpus, out: Path, budget_s: float, force: b
     save_target(model, tok, out, metrics, arch)
     write_json(out / "corpus_split.json", corpus.manifest())
     bpb = metrics.get("heldout_bits_per_byte")
-    log(console, f"target: held-out loss {metrics['heldout_loss']:.3f} nats/token, {bpb} bits/byte, distinct-4 {metrics['distinct4']:.3f}")
+    log(console, f"target: held-out loss {metrics['heldout_loss']:.3f} nats/token, {bpb} bits/byte, "
+                 f"distinct-4 {metrics['distinct4']:.3f}")
     return metrics
 
 
@@ -368,15 +369,18 @@ def build_drafters(family_dir: Path, train_files: list[Path], budget_minutes: fl
     # KD and CE-only get the same training minutes so their tau compares at equal training time
     c_ce = load_config(RECIPES / "draft.yaml", {"steps": big, "seed": seed, "budget_minutes": c.budget_minutes,
                                                 "clock_schedule": True, "heldout": 0.02, "progress": c.progress}, section="draft")
-    results["draft"] = train_draft(target, train_files, family_dir / "draft", c, arch=arch, placement=placement, **draft_knobs(c.extra))
-    results["draft-ce"] = train_draft(target, train_files, family_dir / "draft-ce", c_ce, arch=arch, kd_weight=0.0, placement=placement)
+    results["draft"] = train_draft(target, train_files, family_dir / "draft", c, arch=arch, placement=placement,
+                                   **draft_knobs(c.extra))
+    results["draft-ce"] = train_draft(target, train_files, family_dir / "draft-ce", c_ce, arch=arch, kd_weight=0.0,
+                                      placement=placement)
     a = cfg("draft.yaml", "acceptance", "acceptance")
     dev = family_dir / "dev_prompts.jsonl"  # held-out prompts kept apart from the benchmark's (recipe.write_prompts)
     results["acceptance"] = train_acceptance(target, family_dir / "draft", train_files, family_dir / "acceptance", a,
                                              policy_prompts=dev if dev.exists() else None, placement=placement,
                                              **acceptance_knobs(a.extra))
     for kind in ("medusa", "clover", "eagle"):
-        results[kind] = train_heads(kind, target, train_files, family_dir / kind, cfg("heads.yaml", kind, kind), placement=placement)
+        results[kind] = train_heads(kind, target, train_files, family_dir / kind, cfg("heads.yaml", kind, kind),
+                                    placement=placement)
     return results
 
 

@@ -16,7 +16,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specdec.models.artifacts import FAMILY_MEMBERS, artifact_kind, load_weights, read_config, save_weights
+from specdec.models.artifacts import FAMILY_MEMBERS, artifact_kind, load_weights, save_weights
 from specdec.models.errors import SpecdecError, UsageError
 
 HF_KINDS = ("draft", "dllm")  # causal LMs (a plain one, the target too, reads as kind draft): transformers shards them
@@ -92,7 +92,8 @@ def ship_family(family: Path, out: Path, plan: ExportPlan, command: str) -> dict
         report = json.loads((family / "recipe_report.json").read_text()) if (family / "recipe_report.json").exists() else {}
         left_out = [m for m in FAMILY_MEMBERS if m not in plan.members and (family / m / "metrics.json").exists()]
         built_by = [r["command"] for r in report.get("runs", []) if r.get("command")]
-        (tmp / "README.md").write_text(model_card(family.name, tmp, report, sizes, left_out, plan, "\n".join(built_by + [command])))
+        card = model_card(family.name, tmp, report, sizes, left_out, plan, "\n".join(built_by + [command]))
+        (tmp / "README.md").write_text(card)
         files = {p.relative_to(tmp).as_posix(): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
         too_big = {k: v for k, v in files.items() if v > plan.max_file_mb * MB}
         total = sum(files.values())
@@ -119,6 +120,7 @@ def _side_files(folder: Path) -> list[Path]:
 
 
 def _ship_member(src: Path, dst: Path, max_file_bytes: int) -> None:
+    """One member in bf16, its weights in files of at most ``max_file_bytes`` of tensors, its other files copied."""
     import torch
 
     if artifact_kind(src) in HF_KINDS:
@@ -126,11 +128,10 @@ def _ship_member(src: Path, dst: Path, max_file_bytes: int) -> None:
 
         model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16, use_safetensors=True)
         model.save_pretrained(dst, max_shard_size=max_file_bytes)
-        written = {p.name for p in dst.iterdir()}
     else:
         weights = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in load_weights(src).items()}
         save_weights(weights, dst, max_file_bytes)
-        written = {p.name for p in dst.iterdir()}
+    written = {p.name for p in dst.iterdir()}
     for f in _side_files(src):
         if f.name not in written:  # config.json of a causal LM is save_pretrained's (it records the bf16 dtype)
             shutil.copyfile(f, dst / f.name)
