@@ -188,7 +188,8 @@ def _merge_report(path: Path, report: dict, stages: list[str], command: str | No
     runs, the target in one and the rest in the next, keeps both); each run is listed under ``runs``."""
     old = json.loads(path.read_text()) if path.exists() else {}
     merged = {**old, **{k: v for k, v in report.items() if not (isinstance(v, dict) and v.get("cached") and k in old)}}
-    run = {"stages": stages, "wall_s": report["wall_s"], "hardware": report["hardware"], "command": command}
+    run = {"stages": stages, "wall_s": report["wall_s"], "budget_minutes": report["budget_minutes"], "hardware": report["hardware"],
+           "command": command}
     merged["runs"] = old.get("runs", []) + [run]
     merged["wall_s"] = round(sum(r["wall_s"] for r in merged["runs"]), 1)
     write_json(path, merged)

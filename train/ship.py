@@ -162,7 +162,8 @@ def model_card(name: str, folder: Path, report: dict, sizes: dict, left_out: lis
     lic_rows = [f"| {d} | {v['files']} | {v['bytes'] / MB:.2f} | {v['licence']} |" for d, v in licences.items()]
     skipped = split.get("skipped", {})
     hw = report.get("hardware") or target.get("hardware", "?")
-    stages = "; ".join(f"{'+'.join(r['stages'])} in {r['wall_s']} s" for r in runs) or "one run"
+    stages = "; ".join(f"{'+'.join(r['stages'])} in {r['wall_s']} s (the recipe's budget {r.get('budget_minutes', '?')} minutes)"
+                       for r in runs) or "one run"
     lines = [
         f"# {name}: specdec's default model family",
         "",
@@ -176,8 +177,7 @@ def model_card(name: str, folder: Path, report: dict, sizes: dict, left_out: lis
         command,
         "```",
         "",
-        f"Hardware: {hw}. Wall time: {report.get('wall_s', '?')} s ({stages}); "
-        f"budget {report.get('budget_minutes', '?')} minutes. {_repeat(target)}",
+        f"Hardware: {hw}. Wall time: {report.get('wall_s', '?')} s ({stages}). {_repeat(target)}",
         "",
         "## Members",
         "",
