@@ -380,7 +380,7 @@ def test_gpu_recipe_script_in_two_runs_on_a_cpu(tmp_path):
     fam = families / "pycode-test"
     assert {p.name for p in fam.iterdir() if p.is_dir()} == {"target", "draft", "eagle"}
     card = (fam / "README.md").read_text()
-    assert "--stage target" in card and "--stage rest" in card and "medusa" in card.split("Not shipped")[1].split("\n")[0]
+    assert "--stage target" in card and "--stage rest" in card and "medusa" in card.split("not shipped")[1].split("\n")[0]
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join((fam / "prompts.jsonl").read_text().splitlines(keepends=True)[:2]))
     outs = {}

@@ -185,8 +185,8 @@ def model_card(name: str, folder: Path, report: dict, sizes: dict, left_out: lis
         "| --- | --- | --- | --- | --- |",
         *rows,
         "",
-        f"Not shipped (over the {plan.max_total_mb:g} MB cap of the family): {', '.join(left_out) or 'none'}; "
-        f"`specdec recipe run {name}` builds them. Every file is at most {plan.max_file_mb:g} MB.",
+        f"Built but not shipped (left out of the recipe's export.members to keep the family within {plan.max_total_mb:g} MB): "
+        f"{', '.join(left_out) or 'none'}; `specdec recipe run {name}` builds them. Every file is at most {plan.max_file_mb:g} MB.",
         "",
         "## Data",
         "",
