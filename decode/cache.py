@@ -110,15 +110,28 @@ class SlotLayer(StaticLayer):
         self.zeroed = zeroed
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Buffers for as many rows as ``key_states`` has: the row capacity (``use_rows`` views fewer)."""
         if self.zeroed:
-            return super().lazy_initialization(key_states, value_states)
-        self.dtype, self.device = key_states.dtype, key_states.device
-        self.batch_size, self.num_heads = key_states.shape[:2]
-        self.k_head_dim, self.v_head_dim = key_states.shape[-1], value_states.shape[-1]
-        shape = (self.batch_size, self.num_heads, self.max_cache_len)
-        self.keys = torch.empty(*shape, self.k_head_dim, dtype=self.dtype, device=self.device)
-        self.values = torch.empty(*shape, self.v_head_dim, dtype=self.dtype, device=self.device)
-        self.is_initialized = True
+            super().lazy_initialization(key_states, value_states)
+        else:
+            self.dtype, self.device = key_states.dtype, key_states.device
+            self.batch_size, self.num_heads = key_states.shape[:2]
+            self.k_head_dim, self.v_head_dim = key_states.shape[-1], value_states.shape[-1]
+            shape = (self.batch_size, self.num_heads, self.max_cache_len)
+            self.keys = torch.empty(*shape, self.k_head_dim, dtype=self.dtype, device=self.device)
+            self.values = torch.empty(*shape, self.v_head_dim, dtype=self.dtype, device=self.device)
+            self.is_initialized = True
+        self.store = (self.keys, self.values)
+
+    def use_rows(self, n: int) -> None:
+        """The layer's keys and values become the first ``n`` rows of its buffers."""
+        keys, values = self.store
+        if self.keys.shape[0] == n:
+            return
+        self.keys, self.values = keys[:n], values[:n]
+        if self.zeroed and not torch.compiler.is_compiling():  # compiled steps: the views keep a static address
+            torch._dynamo.mark_static_address(self.keys)
+            torch._dynamo.mark_static_address(self.values)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if self.end is None:
@@ -150,31 +163,66 @@ class SlotBuffers(Cache):
         self.capacity = capacity
 
     @classmethod
-    def holding(cls, kv: list[tuple[torch.Tensor, torch.Tensor]], capacity: int, zeroed: bool = True) -> "SlotBuffers":
+    def holding(cls, kv: list[tuple[torch.Tensor, torch.Tensor]], capacity: int, zeroed: bool = True, rows: int = 0) -> "SlotBuffers":
         """Buffers of ``capacity`` slots whose first slots hold ``kv`` (per layer keys, values [B, H, S, D])."""
-        return cls.stacking([(kv, kv[0][0].shape[2])], kv[0][0].shape[2], capacity, zeroed)
+        return cls.stacking([(kv, kv[0][0].shape[2])], kv[0][0].shape[2], capacity, zeroed, rows)
 
     @classmethod
-    def stacking(cls, sides: list[tuple[list, int]], width: int, capacity: int, zeroed: bool = True) -> "SlotBuffers":
+    def stacking(cls, sides: list[tuple[list, int]], width: int, capacity: int, zeroed: bool = True, rows: int = 0) -> "SlotBuffers":
         """Buffers whose rows are the sides' rows in order, each side's ``length`` slots (its per layer
         keys, values [B_i, H, length, D], or [] for a side of empty rows, then given as its row count)
-        right-aligned to ``width``; the holes on their left are zeros. One copy of each side."""
+        right-aligned to ``width``; the holes on their left are zeros. One copy of each side. ``rows``:
+        room for that many rows at least, so that rows admitted later are written in place."""
         ref = next(kv for kv, _ in sides if isinstance(kv, list) and kv)
         counts = [kv[0][0].shape[0] if isinstance(kv, list) else kv for kv, _ in sides]
         out = cls(len(ref), capacity, ref[0][0].device, zeroed)
+        room = max(rows, sum(counts))
         for i, layer in enumerate(out.layers):
             k_like, v_like = ref[i]
-            layer.lazy_initialization(k_like[:1, :, :1].expand(sum(counts), -1, -1, -1), v_like[:1, :, :1].expand(sum(counts), -1, -1, -1))
-            row = 0
-            for (kv, length), n in zip(sides, counts):
-                for j, buf in enumerate((layer.keys, layer.values)):
-                    part = buf[row : row + n]
-                    if not zeroed:
-                        part[:, :, : width - length].zero_()
-                    if length:
-                        part[:, :, width - length : width] = kv[i][j]
-                row += n
+            layer.lazy_initialization(k_like[:1, :, :1].expand(room, -1, -1, -1), v_like[:1, :, :1].expand(room, -1, -1, -1))
+            layer.use_rows(sum(counts))
+        row = 0
+        for (kv, length), n in zip(sides, counts):
+            out.write_rows(row, n, kv if length else None, length, width)
+            row += n
         return out
+
+    @property
+    def rows(self) -> int:
+        """The rows the buffers have room for."""
+        return self.layers[0].store[0].shape[0]
+
+    def write_rows(self, row: int, n: int, kv: list | None, length: int, width: int) -> None:
+        """Rows row..row+n-1 hold ``kv``'s ``length`` slots (per layer keys, values [n, H, length, D];
+        None: no slots) right-aligned to ``width``, holes on their left zeroed (a hole still enters an
+        eager forward's product: it must hold a number)."""
+        for i, layer in enumerate(self.layers):
+            for j, buf in enumerate(layer.store):
+                part = buf[row : row + n]
+                if not layer.zeroed:  # a compiled state's buffers start zeroed and hold numbers since
+                    part[:, :, : width - length].zero_()
+                if length:
+                    part[:, :, width - length : width] = kv[i][j]
+
+    def admit_rows(self, kv: list | None, n: int, length: int, width: int) -> None:
+        """``n`` rows after the ones in use, written in place (the buffers have room for them)."""
+        row = self.layers[0].keys.shape[0]
+        self.write_rows(row, n, kv, length, width)
+        for layer in self.layers:
+            layer.use_rows(row + n)
+
+    def keep_rows(self, rows: torch.Tensor, length: int) -> None:
+        """Only ``rows`` (indices of the rows in use, in their new order) stay, moved in place; their first
+        ``length`` slots are what moves."""
+        n = rows.shape[0]
+        moved = (rows != torch.arange(n, device=rows.device)).nonzero()
+        if moved.numel():
+            first = int(moved[0, 0])
+            for layer in self.layers:
+                for buf in layer.store:
+                    buf[first:n, :, :length] = buf[rows[first:], :, :length]
+        for layer in self.layers:
+            layer.use_rows(n)
 
     def at(self, n: int, compiled_step: bool) -> None:
         """The next forward writes from slot ``n``: a tensor offset for a compiled step, an int otherwise."""
@@ -322,7 +370,7 @@ class KVState(SlotBook):
             old = self.cache.capacity if self.cache is not None else 0
             capacity = capacity_for(max(slots + CAPACITY_STEP // 2, old + old // 2))
             if self.length:
-                self.cache = SlotBuffers.holding(self._committed(), capacity, zeroed=self._compiled is not None)
+                self.cache = SlotBuffers.holding(self._committed(), capacity, zeroed=self._compiled is not None, rows=self.cache.rows)
             else:
                 layers = self.model.config.get_text_config().num_hidden_layers
                 self.cache = SlotBuffers(layers, capacity, self.pos.device, zeroed=self._compiled is not None)
@@ -335,10 +383,12 @@ class KVState(SlotBook):
             return []
         return self.cache.committed(self.length)
 
-    def _hold(self, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """The cache becomes one holding ``kv`` (per layer keys, values of the committed slots)."""
+    def _hold(self, kv: list[tuple[torch.Tensor, torch.Tensor]], rows: int = 0) -> None:
+        """The cache becomes one holding ``kv`` (per layer keys, values of the committed slots), with room
+        for ``rows`` rows at least."""
         width = kv[0][0].shape[2] if kv else 0
-        self.cache = SlotBuffers.holding(kv, capacity_for(width + CAPACITY_STEP // 2), zeroed=self._compiled is not None) if width else None
+        zeroed = self._compiled is not None
+        self.cache = SlotBuffers.holding(kv, capacity_for(width + CAPACITY_STEP // 2), zeroed, rows) if width else None
 
     def _mask(self, visible: torch.Tensor) -> torch.Tensor:
         if self._whole:  # a compiled step's keys are the whole buffer
@@ -384,15 +434,21 @@ class KVState(SlotBook):
         """Append other's rows (a prefill of newly admitted requests, or an empty state) after these:
         the continuous-batching merge. Keys and values are aligned as ``SlotBook._admit`` aligns the
         slots; a side that holds no slots yet contributes holes. Two sides that share one prefix
-        keep sharing it; otherwise each side's prefix is copied into its rows first."""
+        keep sharing it; otherwise each side's prefix is copied into its rows first. Where the buffers
+        have room for the rows and the slots, the new rows are written in place (rows that finished
+        left it): the running rows' keys and values are not copied."""
         if self.prefix is not other.prefix:
             self.materialize()
             other.materialize()
         width = max(self.length, other.length)
-        sides = [(state._committed() or state.valid.shape[0], state.length) for state in (self, other)]
-        if width:
+        total = self.valid.shape[0] + other.valid.shape[0]
+        if self.cache is not None and other.length <= self.length and total <= self.cache.rows:
+            self.cache.admit_rows(other._committed() or None, other.valid.shape[0], other.length, width)
+        elif width:
+            sides = [(state._committed() or state.valid.shape[0], state.length) for state in (self, other)]
             capacity = capacity_for(width + CAPACITY_STEP // 2)
-            self.cache = SlotBuffers.stacking(sides, width, capacity, zeroed=self._compiled is not None)
+            rows = self.cache.rows if self.cache is not None else 0
+            self.cache = SlotBuffers.stacking(sides, width, capacity, zeroed=self._compiled is not None, rows=rows)
         else:
             self.cache = None
         self._admit(other)
@@ -435,14 +491,19 @@ class KVState(SlotBook):
         return out
 
     def select_rows(self, rows: torch.Tensor) -> None:
-        """Drop finished rows (rows: indices of the rows that continue)."""
-        kv = self._committed()
+        """Drop finished rows (rows: indices of the rows that continue, in their new order). The rows that stay
+        move down in place and the buffers keep their room, for rows admitted later; slots no remaining
+        row uses on the left are dead weight that every forward reads, cut (a copy of every row) once
+        they are a quarter of the slots."""
+        kv, length = self._committed(), self.length
         self._select(rows)
-        # slots that no remaining row uses on the left are dead weight: cut them
         used = self.valid.any(0)
         first = 0
         if self.length and not bool(used[0]):
             first = int(used.long().argmax().item()) if bool(used.any()) else self.length
-        self._hold([(k[rows, :, first:], v[rows, :, first:]) for k, v in kv])
+        if self.cache is not None and 4 * first < length:
+            self.cache.keep_rows(rows, length)
+            return
+        self._hold([(k[rows, :, first:], v[rows, :, first:]) for k, v in kv], self.cache.rows if self.cache is not None else 0)
         if first > 0:
             self._truncate(self.length, first)

@@ -172,6 +172,37 @@ def test_admission_leaves_every_rows_cache_equal_to_a_fresh_prefill(target, draf
     assert len(finished) == len(reqs) and checked[0] >= 10
 
 
+@pytest.mark.parametrize("compile", [False, True])
+def test_rows_admitted_where_rows_finished_are_written_in_place(target, compile, monkeypatch):
+    """Finished rows leave room in the buffers; rows admitted into it are written there, the running
+    rows' keys and values neither copied nor moved (unless a row before them finished), and every row's
+    next logits are those of its text alone."""
+    from specdec.decode import compiled
+
+    monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
+    texts = make_prompts(4, seed=11, lo=6, hi=20)
+    fresh_text = make_prompts(1, seed=12, lo=3, hi=5)[0]  # shorter than the running slots: fits in place
+    width = max(map(len, texts))
+    ids = torch.tensor([[0] * (width - len(t)) + t for t in texts])
+    valid = torch.tensor([[False] * (width - len(t)) + [True] * len(t) for t in texts])
+    state = KVState(target, 4, torch.device("cpu"), compile=compile)
+    state.forward(ids, valid)
+    state.commit_prefix(width, valid)
+    store = state.cache.layers[0].store[0]
+    state.select_rows(torch.tensor([0, 1, 3]))  # row 2 finished: row 3 moves down, rows 0 and 1 stay
+    new = KVState(target, 1, torch.device("cpu"), compile=compile)
+    new.forward(torch.tensor([fresh_text]))
+    new.commit_prefix(len(fresh_text), torch.ones(1, len(fresh_text), dtype=torch.bool))
+    state.admit(new)
+    assert state.cache.layers[0].store[0] is store and state.cache.layers[0].keys.shape[0] == 4
+    step = torch.tensor([[5], [6], [7], [8]])
+    got = state.forward(step).logits[:, -1]
+    for row, text in enumerate([texts[0], texts[1], texts[3], fresh_text]):
+        alone = KVState(target, 1, torch.device("cpu"))
+        want = alone.forward(torch.tensor([text + [5 + row]])).logits[0, -1]
+        torch.testing.assert_close(got[row], want, rtol=1e-9, atol=1e-9)
+
+
 def test_sliding_window_hybrid_target_with_a_sliding_draft():
     """Admitted rows bring their slot positions along: sliding-window masks stay right per row."""
     common = dict(vocab_size=96, bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False, hidden_size=32,
