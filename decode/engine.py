@@ -150,8 +150,8 @@ class SpecEngine:
 
     def _should_admit(self, batch: Batch | None, batch_size: int, joining: int = 0) -> bool:
         """Admit into an empty batch at once, into a running one when ``admit_fraction`` of its places
-        are free: each admission prefills on its own and copies the running cache, which costs more than
-        a place gains when rows finish every few rounds (fast drafters) and are replaced one at a time.
+        are free: each admission is a prefill forward of its own, which costs more than a place gains
+        when rows finish every few rounds (fast drafters) and are replaced one at a time.
         Rows that join riding the verify forwards spend no forward of their own: one free place will do."""
         active = len(batch.rows) if batch is not None else 0
         free = batch_size - active - joining
