@@ -22,13 +22,18 @@ def test_bench_limit_tiny(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--shapes", "tiny", "--batch-sizes", "1,2", "--prompts", "2", "--prompt-len", "16",
-         "--max-new", "16", "--compile-backend", "aot_eager", "--out", str(out)],
+         "--max-new", "16", "--compile-backend", "aot_eager", "--job", "12", "--prefill-chunk", "4", "--out", str(out)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(out.read_text())
     assert report["complete"] and report["peak_gbps_copy"] > 0
-    rows = {(r["batch_size"], r["method"]): r for r in report["rows"]}
+    job = [r for r in report["rows"] if r["method"].startswith("ar, job: ")]
+    assert [r["method"] for r in job] == ["ar, job: static", "ar, job: continuous", "ar, job: chunked 4"]
+    # the job's records decode alike in static batches, continuously and with prompts riding in chunks
+    assert all(r["batch_size"] == 2 and r["tokens_per_s"] > 0 and r["identical"] is True for r in job)
+    assert job[0]["speedup"] == 1.0 and "12 records" in job[0]["note"]
+    rows = {(r["batch_size"], r["method"]): r for r in report["rows"] if r not in job}
     assert set(rows) == {(bs, m) for bs in (1, 2) for m in ENGINE} | {(1, "hf-generate"), (1, "hf-static-compile")}
     for (bs, method), r in rows.items():
         if method.startswith("hf-") and r.get("tokens_per_s") is None:
