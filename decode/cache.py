@@ -107,6 +107,7 @@ class SlotLayer(StaticLayer):
         # on the buffers' device from the start, so the layer's initialisation keeps this tensor
         self.cumulative_length = torch.zeros((), dtype=torch.long, device=device)
         self.end: int | None = 0
+        self.offset = 0  # the first slot in use: slots before it are dead (no row of the batch keeps them)
         self.zeroed = zeroed
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -142,25 +143,27 @@ class SlotLayer(StaticLayer):
         self.end += key_states.shape[-2]
         self.keys[:, :, start : self.end] = key_states
         self.values[:, :, start : self.end] = value_states
-        return self.keys[:, :, : self.end], self.values[:, :, : self.end]
+        return self.keys[:, :, self.offset : self.end], self.values[:, :, self.offset : self.end]
 
     def get_seq_length(self) -> int:
-        return self.end if self.end is not None else super().get_seq_length()
+        return self.end - self.offset if self.end is not None else super().get_seq_length()
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         if self.end is None:
             return super().get_mask_sizes(query_length)
-        return self.end + query_length, 0
+        return self.end - self.offset + query_length, 0
 
 
 class SlotBuffers(Cache):
     """Every layer's ``SlotLayer`` of one capacity. Slots past what the slot book committed hold stale
     values that every mask hides, so dropping a tail is only bookkeeping: each forward starts by
-    setting the write offsets to the committed length (``at``)."""
+    setting the write offsets to the committed length (``at``). Slot i of the slot book is slot
+    ``offset + i`` of the buffers: dropping dead slots at the head is bookkeeping too (``drop_head``)."""
 
     def __init__(self, num_layers: int, capacity: int, device: torch.device, zeroed: bool = True):
         super().__init__(layers=[SlotLayer(capacity, device, zeroed) for _ in range(num_layers)])
         self.capacity = capacity
+        self.offset = 0
 
     @classmethod
     def holding(cls, kv: list[tuple[torch.Tensor, torch.Tensor]], capacity: int, zeroed: bool = True, rows: int = 0) -> "SlotBuffers":
@@ -196,13 +199,14 @@ class SlotBuffers(Cache):
         """Rows row..row+n-1 hold ``kv``'s ``length`` slots (per layer keys, values [n, H, length, D];
         None: no slots) right-aligned to ``width``, holes on their left zeroed (a hole still enters an
         eager forward's product: it must hold a number)."""
+        start, end = self.offset, self.offset + width
         for i, layer in enumerate(self.layers):
             for j, buf in enumerate(layer.store):
                 part = buf[row : row + n]
                 if not layer.zeroed:  # a compiled state's buffers start zeroed and hold numbers since
-                    part[:, :, : width - length].zero_()
+                    part[:, :, start : end - length].zero_()
                 if length:
-                    part[:, :, width - length : width] = kv[i][j]
+                    part[:, :, end - length : end] = kv[i][j]
 
     def admit_rows(self, kv: list | None, n: int, length: int, width: int) -> None:
         """``n`` rows after the ones in use, written in place (the buffers have room for them)."""
@@ -217,25 +221,32 @@ class SlotBuffers(Cache):
         n = rows.shape[0]
         moved = (rows != torch.arange(n, device=rows.device)).nonzero()
         if moved.numel():
-            first = int(moved[0, 0])
+            first, slots = int(moved[0, 0]), slice(self.offset, self.offset + length)
             for layer in self.layers:
                 for buf in layer.store:
-                    buf[first:n, :, :length] = buf[rows[first:], :, :length]
+                    buf[first:n, :, slots] = buf[rows[first:], :, slots]
         for layer in self.layers:
             layer.use_rows(n)
 
+    def drop_head(self, n: int) -> None:
+        """The first ``n`` slots in use are dead: they are no longer read."""
+        self.offset += n
+        for layer in self.layers:
+            layer.offset = self.offset
+
     def at(self, n: int, compiled_step: bool) -> None:
-        """The next forward writes from slot ``n``: a tensor offset for a compiled step, an int otherwise."""
+        """The next forward writes from slot ``n`` in use: a tensor offset for a compiled step, an int otherwise."""
         for layer in self.layers:
             if compiled_step:
                 layer.end = None
-                layer.cumulative_length.fill_(n)
+                layer.cumulative_length.fill_(self.offset + n)
             else:
-                layer.end = n
+                layer.end = self.offset + n
 
     def committed(self, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Views of every layer's first ``n`` slots."""
-        return [(layer.keys[:, :, :n], layer.values[:, :, :n]) for layer in self.layers]
+        """Views of every layer's first ``n`` slots in use."""
+        end = self.offset + n
+        return [(layer.keys[:, :, self.offset : end], layer.values[:, :, self.offset : end]) for layer in self.layers]
 
 
 class KVState(SlotBook):
@@ -364,11 +375,13 @@ class KVState(SlotBook):
         return out
 
     def _reserve(self, slots: int, compiled_step: bool = False) -> None:
-        """Buffers holding at least ``slots`` slots (grown by half at least, so growing is rare), the next
-        write at the committed length."""
-        if self.cache is None or slots > self.cache.capacity:
+        """Buffers holding at least ``slots`` slots in use (grown by half at least, so growing is rare; at
+        the same capacity when the dead head slots were what did not fit), the next write at the
+        committed length."""
+        if self.cache is None or self.cache.offset + slots > self.cache.capacity:
             old = self.cache.capacity if self.cache is not None else 0
-            capacity = capacity_for(max(slots + CAPACITY_STEP // 2, old + old // 2))
+            needed = slots + CAPACITY_STEP // 2
+            capacity = old if needed <= old else capacity_for(max(needed, old + old // 2))
             if self.length:
                 self.cache = SlotBuffers.holding(self._committed(), capacity, zeroed=self._compiled is not None, rows=self.cache.rows)
             else:
@@ -392,7 +405,8 @@ class KVState(SlotBook):
 
     def _mask(self, visible: torch.Tensor) -> torch.Tensor:
         if self._whole:  # a compiled step's keys are the whole buffer
-            visible = F.pad(visible, (0, self.cache.capacity - visible.shape[-1]), value=False)
+            head = self.cache.offset
+            visible = F.pad(visible, (head, self.cache.capacity - head - visible.shape[-1]), value=False)
         if self._bool_mask:
             return visible.contiguous()
         # additive and materialised: CPU SDPA takes a very slow path for broadcast bool masks
@@ -407,7 +421,7 @@ class KVState(SlotBook):
         """Keep, per row, the segment slots listed in index [B, M] (a tree's accepted path)."""
         t = self._pending.shape[1]
         m = index.shape[1]
-        start = self.length
+        start = self.cache.offset + self.length
         for layer in self.cache.layers:
             for name in ("keys", "values"):
                 buf = getattr(layer, name)
@@ -491,19 +505,16 @@ class KVState(SlotBook):
         return out
 
     def select_rows(self, rows: torch.Tensor) -> None:
-        """Drop finished rows (rows: indices of the rows that continue, in their new order). The rows that stay
-        move down in place and the buffers keep their room, for rows admitted later; slots no remaining
-        row uses on the left are dead weight that every forward reads, cut (a copy of every row) once
-        they are a quarter of the slots."""
-        kv, length = self._committed(), self.length
+        """Drop finished rows (rows: indices of the rows that continue, in their new order). The rows that
+        stay move in place and the buffers keep their room, for rows admitted later; slots no remaining
+        row uses at the head are dead weight every forward would read: they leave the slots in use."""
+        length = self.length
         self._select(rows)
-        used = self.valid.any(0)
-        first = 0
-        if self.length and not bool(used[0]):
-            first = int(used.long().argmax().item()) if bool(used.any()) else self.length
-        if self.cache is not None and 4 * first < length:
-            self.cache.keep_rows(rows, length)
+        if self.cache is None:
             return
-        self._hold([(k[rows, :, first:], v[rows, :, first:]) for k, v in kv], self.cache.rows if self.cache is not None else 0)
-        if first > 0:
-            self._truncate(self.length, first)
+        self.cache.keep_rows(rows, length)
+        used = self.valid.any(0)
+        if length and not bool(used[0]):
+            first = int(used.long().argmax().item()) if bool(used.any()) else length
+            self.cache.drop_head(first)
+            self._truncate(length, first)

@@ -203,6 +203,32 @@ def test_rows_admitted_where_rows_finished_are_written_in_place(target, compile,
         torch.testing.assert_close(got[row], want, rtol=1e-9, atol=1e-9)
 
 
+@pytest.mark.parametrize("compile", [False, True])
+def test_slots_only_finished_rows_used_leave_without_a_copy(target, compile, monkeypatch):
+    """When the longest row finishes, the head slots no row keeps leave the slots every forward reads,
+    the buffers unchanged and unmoved, and the rows left decode as their texts alone."""
+    from specdec.decode import compiled
+
+    monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
+    long, short = make_prompts(1, seed=13, lo=20, hi=21)[0], make_prompts(1, seed=14, lo=6, hi=7)[0]
+    width = len(long)
+    ids = torch.tensor([long, [0] * (width - len(short)) + short])
+    valid = torch.tensor([[True] * width, [False] * (width - len(short)) + [True] * len(short)])
+    state = KVState(target, 2, torch.device("cpu"), compile=compile)
+    state.forward(ids, valid)
+    state.commit_prefix(width, valid)
+    store = state.cache.layers[0].store[0]
+    state.select_rows(torch.tensor([1]))
+    assert state.length == len(short) and state.cache.offset == width - len(short)
+    assert state.cache.layers[0].store[0] is store
+    for step in ([5], [6, 7]):  # one token, then two, after the dropped head
+        got = state.forward(torch.tensor([step])).logits[0, -1]
+        state.commit_prefix(len(step), torch.ones(1, len(step), dtype=torch.bool))
+        short = short + step
+        alone = KVState(target, 1, torch.device("cpu"))
+        torch.testing.assert_close(got, alone.forward(torch.tensor([short])).logits[0, -1], rtol=1e-9, atol=1e-9)
+
+
 def test_sliding_window_hybrid_target_with_a_sliding_draft():
     """Admitted rows bring their slot positions along: sliding-window masks stay right per row."""
     common = dict(vocab_size=96, bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False, hidden_size=32,
