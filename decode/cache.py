@@ -512,6 +512,9 @@ class KVState(SlotBook):
         self._select(rows)
         if self.cache is None:
             return
+        if rows.shape[0] > self.cache.rows:  # rows repeated past the buffers' room (a row drafting several chains)
+            self._hold([(k[rows], v[rows]) for k, v in self._committed()])
+            return
         self.cache.keep_rows(rows, length)
         used = self.valid.any(0)
         if length and not bool(used[0]):

@@ -512,10 +512,14 @@ class SpecEngine:
 
     def _drop_finished(self, batch: Batch, rows: dict[int, _Row], state: KVState, joining: int = 0) -> None:
         """Finished rows leave the batch, its state and the drafter; the ``joining`` rows that follow the
-        batch's in the state stay."""
-        keep = [i for i, r in enumerate(batch.rows) if not rows[r].finish]
-        if len(keep) == len(batch.rows):
+        batch's in the state stay. A row that stays keeps its place unless it is past the rows that
+        stay: such a row takes the place of a finished one, so at most as many rows move as finished
+        (the caches move rows in place)."""
+        kept = [i for i, r in enumerate(batch.rows) if not rows[r].finish]
+        if len(kept) == len(batch.rows):
             return
+        tail = iter(i for i in kept if i >= len(kept))
+        keep = [i if not rows[batch.rows[i]].finish else next(tail) for i in range(len(kept))]
         idx = torch.tensor(keep, dtype=torch.long, device=self.device)
         active = len(batch.rows)
         batch.rows = [batch.rows[i] for i in keep]

@@ -112,7 +112,8 @@ def test_greedy_rows_joining_by_chunks_equal_each_request_alone(target, draft_mo
     for i, res in engine.stream(iter(reqs), BATCH):
         order.append(i)
         got[i] = res
-    assert prefills[0] == 1  # the first batch only: every later prompt rode the verify forwards
+    # the first batch, and another only if every row finished in one round with none joining
+    assert prefills[0] <= 2
     assert order != sorted(order)
     for i, ref in enumerate(alone):
         assert (got[i].token_ids, got[i].finish_reason) == (ref.token_ids, ref.finish_reason), (name, i)
@@ -331,11 +332,11 @@ def test_sampling_with_rows_joining_by_chunks_draws_the_target_joint_distributio
 def test_a_joining_row_drawing_its_first_token_at_the_wrong_position_fails_the_same_test(monkeypatch):
     split = engine_module._Ride.split
 
-    def first_tokens_logits(self, out, bsz):  # the bug: the chunk's first token's logits stand for its last
-        out.logits[bsz:] = out.logits[bsz:, :1]
+    def off_by_one(self, out, bsz):  # the bug: each chunk token's logits stand for the next one's
+        out.logits[bsz:, 1:] = out.logits[bsz:, :-1].clone()
         return split(self, out, bsz)
 
-    monkeypatch.setattr(engine_module._Ride, "split", first_tokens_logits)
+    monkeypatch.setattr(engine_module._Ride, "split", off_by_one)
     counts, exact, _ = _sampled_pairs(False, monkeypatch, chunk=5)
     assert chi2_pvalue(counts, exact) < P_FLOOR
 
