@@ -265,6 +265,13 @@ def test_cli_recipe_export_and_device_check(built, tmp_path, monkeypatch):
     res = invoke(["recipe", "export", str(recipe), "--out", str(tmp_path / "fam"), "--members", "target"])
     assert res.exit_code == 0, res.output
     assert "wrote" in res.output and (tmp_path / "fam" / "target" / "model.safetensors").exists()
+    res = invoke(["recipe", "export", str(recipe), "--out", str(tmp_path / "fam"), "--members", "target"])
+    assert res.exit_code == 0, res.output  # a family shipped before is replaced
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    res = invoke(["recipe", "export", str(recipe), "--out", str(tmp_path / "mine"), "--members", "target"])
+    assert res.exit_code == 2 and "notes.txt" in res.output  # a folder of something else is never replaced
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
     if not torch.cuda.is_available():
         res = invoke(["recipe", "run", str(recipe), "--device", "cuda", "--only", "target"])
         assert res.exit_code == 2 and "no CUDA device" in res.output

@@ -68,6 +68,11 @@ def ship_family(family: Path, out: Path, plan: ExportPlan, command: str) -> dict
     commands are the recipe runs' (from the family's report) and ``command``, this export's; returns
     {"files": {relative path: bytes}, "total_bytes", "members": sizes, "left_out": built members not shipped}."""
     family, out = Path(family), Path(out)
+    if out.exists():
+        foreign = sorted(p.name for p in out.iterdir() if p.name not in (*FAMILY_MEMBERS, *FAMILY_FILES, "README.md")) if out.is_dir() else [out.name]
+        if foreign:  # the folder is replaced whole: only a family shipped before may be
+            raise UsageError(f"--out {out} holds what a shipped family does not ({', '.join(foreign[:5])}): "
+                             "name a new folder or a family shipped before")
     sizes = member_sizes(family, plan.members)
     extra = sum(_side_bytes(family / m) for m in plan.members) + sum(
         (family / f).stat().st_size for f in FAMILY_FILES if (family / f).exists())
