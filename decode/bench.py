@@ -39,7 +39,7 @@ from specdec.decode.memory import draft_width, memory_model
 from specdec.decode.options import DecodeOptions, parse_method
 from specdec.decode.registry import build_drafter, kernel_backend, load_decode_target
 from specdec.decode.roofline import nominal_bandwidth, peak_bandwidth, roofline
-from specdec.decode.report import plot, provenance
+from specdec.decode.report import plot, provenance, shown_path
 from specdec.decode.timing import Run, Runner, run_passes, speedup, tokens_per_s
 from specdec.decode.types import GenRequest, add_counts
 from specdec.decode.validate import check_num_samples
@@ -121,6 +121,7 @@ def run_bench(cfg: BenchConfig, console=None) -> dict:
 def _config(cfg: BenchConfig) -> dict:
     """The bench's settings and the resolved decode options, flat (the methods name the drafters)."""
     bench = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in ("options", "command")}
+    bench["in_path"] = shown_path(cfg.in_path)
     options = {k: v for k, v in dataclasses.asdict(cfg.options).items() if k not in ("drafter", "strategy")}
     return bench | options
 

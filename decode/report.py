@@ -19,6 +19,15 @@ def cli_command(argv: list[str] | None = None) -> str:
     return "specdec " + shlex.join(sys.argv[1:] if argv is None else argv)
 
 
+def shown_path(path) -> str:
+    """A path as a report shows it: relative to the working folder when inside it (a report names the
+    files of the checkout it ran in, not where that checkout lay on the machine)."""
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
 def provenance(command: str | None = None, device=None) -> dict:
     """{"command", "machine", "date", "specdec_version"}; without a ``command``, this process's own
     command line."""
