@@ -20,6 +20,7 @@ import torch
 
 from specdec.kernels import backend as pick_backend
 from specdec.kernels import load_triton
+from specdec.kernels.tree_attention import softmax_tile
 
 triton, tl = load_triton()
 
@@ -121,14 +122,8 @@ def _prefix_attention_kernel(
         k = tl.load(k_base + n[:, None] * s_kp + d[None, :], mask=kv_mask, other=0.0)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
         scores = tl.where(n_ok[None, :], scores, float("-inf"))
-        # every tile holds a key (start < hi): m_new is finite, and exp2(-inf) = 0 on the first tile
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        p = tl.exp2(scores - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_base + n[:, None] * s_vp + d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = softmax_tile(scores, v, m_i, l_i, acc, PRECISION)
     # an empty prefix (P = 0) gives out 0 and lse -inf, as the reference does
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(o_ptr + split * s_os + hkv * s_oh + rows[:, None] * s_om + d[None, :], out, mask=row_ok[:, None] & d_ok[None, :])

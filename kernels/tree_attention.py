@@ -102,6 +102,20 @@ def _merge_splits(partial, row_max, row_sum) -> torch.Tensor:
 
 
 @triton.jit
+def softmax_tile(scores, v, m_i, l_i, acc, PRECISION: tl.constexpr):
+    """One tile of keys folded into a running softmax (flash attention's online softmax): ``scores``
+    [M, N] in log2 units, -inf where a query does not attend; ``v`` [N, D]. Returns the running max,
+    normaliser and unnormalised output (m_i, l_i, acc)."""
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing attended yet
+    p = tl.exp2(scores - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _tree_attention_kernel(
     q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, max_ptr, sum_ptr,
     T, S, HKV, G, split_len, scale_log2,
@@ -143,14 +157,8 @@ def _tree_attention_kernel(
             k = tl.load(k_base + n[:, None] * s_ks + d[None, :], mask=kv_mask, other=0.0)
             scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
             scores = tl.where(allow, scores, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing attended yet
-            p = tl.exp2(scores - m_safe[:, None])
-            alpha = tl.exp2(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(v_base + n[:, None] * s_vs + d[None, :], mask=kv_mask, other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m_i = m_new
+            m_i, l_i, acc = softmax_tile(scores, v, m_i, l_i, acc, PRECISION)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_rows = o_ptr + split * s_os + b * s_ob + head[:, None] * s_oh + tok[:, None] * s_ot
     tl.store(o_rows + d[None, :], out, mask=row_ok[:, None] & d_ok[None, :])
