@@ -9,9 +9,9 @@ One host sync per round (the verdict), none inside drafting.
 in flight, and the requests that take the places of finished rows are prefilled in a forward of
 their own and merged into the running state (``KVState.admit``, ``Drafter.admit``) between rounds.
 With ``prefill_chunk`` they join instead as rows of the target's state whose prompts ride along in
-the verify forwards, a chunk a round (SARATHI): a decode forward that reads every weight for a few
-tokens per row computes a prompt's chunk for little more, and no forward is spent on the prompt
-alone. A joining row is not yet a row of the batch the drafter sees: its chunks' outputs are kept
+the verify forwards, a chunk a round (SARATHI): where a decode forward is bound by reading the
+weights (a GPU at small batch), it computes a prompt's chunk for little more, and no forward is spent
+on the prompt alone; on a CPU every padded token costs compute, and the prefill of its own is cheaper. A joining row is not yet a row of the batch the drafter sees: its chunks' outputs are kept
 and handed over as one prefill segment when its prompt is complete.
 """
 
