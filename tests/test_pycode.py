@@ -358,7 +358,7 @@ def test_drafters_train_with_every_core(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_gpu_recipe_script_in_two_runs_on_a_cpu(tmp_path):
-    """scripts/gpu-recipe as the GPU session runs it, on a toy recipe and a CPU: the target stage ships
+    """scripts/gpu-recipe as a GPU machine runs it, on a toy recipe and a CPU: the target stage ships
     the target and packs it, the pieces unpack into a fresh families folder, the rest stage starts from
     that target on a bare SPECDEC_HOME, and the shipped family decodes with its draft as without it."""
     import subprocess
