@@ -298,6 +298,12 @@ def test_sharded_head_artifact_loads_as_its_single_file(tmp_path):
     loaded, _ = load_heads(tmp_path / "one", target)  # upcast to the target's dtype
     assert loaded.fc.weight.dtype == target.dtype != torch.bfloat16
     assert torch.equal(loaded.fc.weight, weights["fc.weight"].to(torch.bfloat16).to(target.dtype))
+    from safetensors.torch import load_file
+
+    from specdec.train.heads import export_artifact
+
+    export_artifact(tmp_path / "one", tmp_path / "vllm", "vllm")  # the EAGLE layout, from the shards
+    assert torch.equal(load_file(str(tmp_path / "vllm" / "model.safetensors"))["fc.weight"], weights["fc.weight"].to(torch.bfloat16))
 
 
 def fake_family(root: Path) -> Path:

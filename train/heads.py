@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from specdec.models.artifacts import read_config, tokenizer_fingerprint, write_json
+from specdec.models.artifacts import load_weights, read_config, tokenizer_fingerprint, write_json
 from specdec.models.errors import SpecdecError, UsageError
 from specdec.models.heads import KINDS, build_heads, save_heads
 from specdec.train.loop import TrainConfig, run_training, save_config
@@ -116,14 +116,14 @@ def export_artifact(src: Path, dst: Path, to: str) -> Path:
     eagle --to hf|vllm: the EAGLE-1 layout (``fc.*``, ``layers.0.*`` of one Llama decoder layer, a
       Llama config with num_hidden_layers 1); multi-layer (EAGLE-3) artifacts add ``fuse.weight``.
     """
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
 
     src, dst = Path(src), Path(dst)
     if to not in ("hf", "vllm"):
         raise UsageError(f"--to must be hf or vllm, not {to!r}")
     cfg = read_config(src)
     kind = cfg.get("kind")
-    weights = load_file(str(src / "model.safetensors"))
+    weights = load_weights(src)
     dst.mkdir(parents=True, exist_ok=True)
     if kind == "medusa":
         n, layers = int(cfg["num_heads"]), int(cfg["num_layers"])
