@@ -154,6 +154,8 @@ def heldout_metrics(model, blocks, byte_lengths: torch.Tensor | None = None, bat
     model.eval()
     n = min(len(blocks), max_blocks)
     bf16 = resolve_precision(mixed_precision) == "bf16"
+    if byte_lengths is not None:
+        byte_lengths = byte_lengths.to(model.device)
     nats, tokens, n_bytes = 0.0, 0, 0
     for i in range(0, n, batch_size):
         ids = blocks[i : min(i + batch_size, n)]["input_ids"].to(model.device)
@@ -163,7 +165,7 @@ def heldout_metrics(model, blocks, byte_lengths: torch.Tensor | None = None, bat
         nats += float(F.cross_entropy(logits[:, :-1].float().flatten(0, 1), labels.flatten(), reduction="sum"))
         tokens += labels.numel()
         if byte_lengths is not None:
-            n_bytes += int(byte_lengths.to(labels.device)[labels].sum())
+            n_bytes += int(byte_lengths[labels].sum())
     model.train()
     out = {"heldout_loss": round(nats / max(tokens, 1), 4), "heldout_tokens": tokens}
     if byte_lengths is not None:

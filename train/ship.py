@@ -94,7 +94,7 @@ def ship_family(family: Path, out: Path, plan: ExportPlan, command: str) -> dict
             if (family / f).exists():
                 shutil.copyfile(family / f, tmp / f)
         _relative_paths(tmp, family)
-        report = json.loads((family / "recipe_report.json").read_text()) if (family / "recipe_report.json").exists() else {}
+        report = _json(family / "recipe_report.json")
         left_out = [m for m in FAMILY_MEMBERS if m not in plan.members and (family / m / "metrics.json").exists()]
         built_by = [r["command"] for r in report.get("runs", []) if r.get("command")]
         card = model_card(family.name, tmp, report, sizes, left_out, plan, "\n".join(built_by + [command]))
