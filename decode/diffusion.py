@@ -314,7 +314,7 @@ def load_for_decoding(path: str | Path, options: DecodeOptions):
     dtype = placement.dtype if placement.dtype != "auto" else (None if device.type == "cuda" else "float32")
     model, tokenizer, spec = load_dllm(path, trust_remote_code=options.trust_remote_code, dtype=dtype)
     model.to(device)
-    apply_threads(placement.threads, model)
+    apply_threads(placement.threads, model, rows=options.batch_size * options.max_new_tokens)  # every forward reads the whole canvas
     return model, tokenizer, spec
 
 

@@ -52,9 +52,9 @@ def kernel_backend(options: DecodeOptions, device=None) -> str:
 
 
 def load_decode_target(target: str, options: DecodeOptions):
-    """(model, tokenizer, source) placed by the options; with the Triton backend, tree attention runs
-    through specdec's own attention function."""
-    model, tokenizer, source = load_target(target, options.placement)
+    """(model, tokenizer, source) placed by the options, threads set for forwards of the batch's rows;
+    with the Triton backend, tree attention runs through specdec's own attention function."""
+    model, tokenizer, source = load_target(target, options.placement, rows=options.batch_size)
     if kernel_backend(options, input_device(model)) == "triton":
         from specdec.kernels.tree_attention import register
 

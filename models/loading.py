@@ -23,9 +23,11 @@ DTYPES = ("auto", "bfloat16", "float16", "float32")
 # specdec's verify and tree forwards pass a 4-D mask (holes, trees, sliding windows); these
 # implementations take one as given. flash-attention kernels take only padding masks.
 MASK_ATTENTION = ("eager", "sdpa", "flex_attention", "specdec_tree")
-# below this many parameters a forward is too short for intra-op threads to pay for their
-# synchronisation (measured on a 2-core CPU: see docs/benchmarks.md, "CPU threads")
-THREADS_MIN_PARAMS = 5_000_000
+# a forward's work is its parameters times the rows it carries: below this much, its operations are too
+# short for intra-op threads to pay for their synchronisation (measured on a 2-core CPU, at 1 and 8 rows:
+# docs/benchmarks.md, "CPU threads"). Rows count because a batch of 8 small rows is as long a forward as
+# one row of a model 8 times larger.
+THREADS_MIN_WORK = 1_200_000
 
 
 @dataclass
@@ -37,7 +39,7 @@ class Placement:
     device_map: str | None = None  # "auto": accelerate's big-model placement across the visible devices
     attn_implementation: str | None = None  # None: the model's own choice
     trust_remote_code: bool = False
-    threads: int = 0  # 0: all cores for models of THREADS_MIN_PARAMS and more, one below
+    threads: int = 0  # 0: all cores for forwards of THREADS_MIN_WORK (parameters x rows) and more, one below
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -204,13 +206,13 @@ def load_tokenizer(source: str, placement: Placement):
         raise SpecdecError(_load_error(source, exc)) from None
 
 
-def load_target(name: str | os.PathLike, placement: Placement | None = None, device=None):
-    """(model, tokenizer, source) of a target; threads are set for its size. ``device`` overrides the
-    placement's (a trainer's process device)."""
+def load_target(name: str | os.PathLike, placement: Placement | None = None, device=None, rows: int = 1):
+    """(model, tokenizer, source) of a target; threads are set for its size and the ``rows`` its
+    forwards carry (a decode's batch size). ``device`` overrides the placement's (a trainer's process device)."""
     placement = placement or Placement()
     source = resolve_source(name)
     model = load_causal_lm(source, placement, device=device)
-    apply_threads(placement.threads, model)
+    apply_threads(placement.threads, model, rows)
     return model, load_tokenizer(source, placement), source
 
 
@@ -234,13 +236,13 @@ def input_device(model):
     return model.get_input_embeddings().weight.device
 
 
-def apply_threads(threads: int, model=None) -> int:
-    """Set torch's intra-op threads: ``threads`` when given, else all cores for models of
-    THREADS_MIN_PARAMS parameters and more and one for smaller ones. Returns the number set."""
+def apply_threads(threads: int, model=None, rows: int = 1) -> int:
+    """Set torch's intra-op threads: ``threads`` when given, else all cores when ``model``'s forwards of
+    ``rows`` rows are THREADS_MIN_WORK of work and more, one below. Returns the number set."""
     import torch
 
     if threads <= 0:
         size = sum(p.numel() for p in model.parameters()) if model is not None else 0
-        threads = (os.cpu_count() or 1) if size >= THREADS_MIN_PARAMS else 1
+        threads = (os.cpu_count() or 1) if size * max(rows, 1) >= THREADS_MIN_WORK else 1
     torch.set_num_threads(threads)
     return threads

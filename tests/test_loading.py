@@ -84,9 +84,20 @@ def test_dtype_auto_is_float32_on_a_cpu_and_explicit_dtypes_are_honoured(tiny_fa
     assert model.dtype == torch.bfloat16
 
 
-def test_threads_follow_the_model_size(tiny_family):
+def test_threads_follow_the_work_of_a_forward(tiny_family):
+    import os
+
+    from specdec.models.loading import THREADS_MIN_WORK
+
     small, _, _ = load_target(tiny_family / "target", Placement(device="cpu"))
+    size = sum(p.numel() for p in small.parameters())
+    assert size < THREADS_MIN_WORK  # the test family's target is below the line at one row
     assert apply_threads(0, small) == 1
+    enough = -(-THREADS_MIN_WORK // size)  # rows that make its forwards worth every core
+    assert apply_threads(0, small, rows=enough - 1) == 1
+    assert apply_threads(0, small, rows=enough) == (os.cpu_count() or 1)
+    load_target(tiny_family / "target", Placement(device="cpu"), rows=enough)
+    assert torch.get_num_threads() == (os.cpu_count() or 1)
     assert apply_threads(3) == 3
     torch.set_num_threads(1)
 
