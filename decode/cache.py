@@ -219,12 +219,14 @@ class SlotBuffers(Cache):
         """Only ``rows`` (indices of the rows in use, in their new order) stay, moved in place; their first
         ``length`` slots are what moves."""
         n = rows.shape[0]
-        moved = (rows != torch.arange(n, device=rows.device)).nonzero()
+        moved = (rows != torch.arange(n, device=rows.device)).nonzero()[:, 0]
         if moved.numel():
-            first, slots = int(moved[0, 0]), slice(self.offset, self.offset + length)
+            # only the rows whose place changed (swap-removal moves one row per finished one); the
+            # gather copies the sources before the scatter writes, so a row may move onto another's place
+            source, slots = rows[moved], slice(self.offset, self.offset + length)
             for layer in self.layers:
                 for buf in layer.store:
-                    buf[first:n, :, slots] = buf[rows[first:], :, slots]
+                    buf[moved, :, slots] = buf[source, :, slots]
         for layer in self.layers:
             layer.use_rows(n)
 
