@@ -157,8 +157,11 @@ def _prepare_method(spec: str, model, tok, prompts, base: DecodeOptions, warmup:
     bs, n = max(1, opts.batch_size), opts.num_samples
     warm = prompts[:warmup]
     # compiled steps compile once per shape (segment bucket, buffer capacity, batch size): warming up at
-    # the full length meets the shapes the timed passes will, so compilation is not timed
+    # the full length on prompts from the shortest to the longest meets the capacities the timed passes
+    # will (a dimension seen at two sizes is compiled as dynamic), so compilation is not timed
     warm_tokens = opts.max_new_tokens if opts.compile else min(16, opts.max_new_tokens)
+    if opts.compile and warmup:
+        warm = spread_by_length(prompts, warmup)
     for i in range(0, len(warm), bs):
         engine.generate(_sample_requests(warm, i, min(i + bs, len(warm)), warm_tokens, n))
 
@@ -175,6 +178,16 @@ def _prepare_method(spec: str, model, tok, prompts, base: DecodeOptions, warmup:
     mm = memory_model(model, drafter, max(map(len, prompts)), opts.max_new_tokens)
     estimate = min(bs, len(prompts)) * n * mm.row_bytes(draft_width(drafter, engine.num_draft))
     return _Prepared(Runner(decode, len(prompts), timed), getattr(drafter, "model", None), estimate)
+
+
+def spread_by_length(prompts: list, k: int) -> list:
+    """``k`` of the prompts at evenly spaced ranks of length, the shortest and the longest among them."""
+    ranked = sorted(prompts, key=len)
+    if k >= len(ranked):
+        return ranked
+    if k == 1:
+        return [ranked[-1]]
+    return [ranked[round(i * (len(ranked) - 1) / (k - 1))] for i in range(k)]
 
 
 def _sample_requests(prompts, lo: int, hi: int, new_tokens: int, n: int) -> list[GenRequest]:

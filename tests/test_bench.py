@@ -148,3 +148,13 @@ def test_ideal_speedup_charges_a_round_its_drafts_per_row():
     got = _ideal("draft+k=4", run, {"tau": 3.0, "speedup": 1.2}, costs, draft_model=object())
     assert got["verify_cost"] == 1.5 and got["draft_cost"] == 1.0
     assert got["ideal_speedup"] == round(3.0 / (1.0 + 1.5), 3)
+
+
+def test_compiled_methods_warm_up_on_the_shortest_and_the_longest_prompts():
+    from specdec.decode.bench import spread_by_length
+
+    prompts = [[0] * n for n in (7, 3, 12, 5, 9)]
+    assert [len(p) for p in spread_by_length(prompts, 2)] == [3, 12]
+    assert [len(p) for p in spread_by_length(prompts, 3)] == [3, 7, 12]
+    assert [len(p) for p in spread_by_length(prompts, 1)] == [12]
+    assert [len(p) for p in spread_by_length(prompts, 9)] == [3, 5, 7, 9, 12]
