@@ -26,9 +26,8 @@ thread draws from the drafter's own generator (torch generators are not thread-s
 verification draws from the engine's meanwhile) and runs under inference mode of its own (a
 thread-local mode). An exception in the thread is raised again by the join. On a CPU the two
 threads overlap inside torch ops only (they release the GIL; the Python around them does not), so
-models whose forward is mostly Python overhead gain little; each thread uses the process's intra-op
-threads: half the cores each is the right ``--threads`` (the automatic setting gives models under 5M
-parameters one). On CUDA the draft runs on a stream of its own.
+models whose forward is mostly Python overhead gain little; while both run, each has half the
+process's intra-op threads. On CUDA the draft runs on a stream of its own.
 
 Pre-verify (``pre_verify``): a block the draft must draft in the loop's thread (no kept block is
 ready) is handed to the engine after its first draft d1, with ``Proposal.rest``; the background thread
@@ -69,6 +68,7 @@ class ParallelDrafter(ModelDrafter):
         self.ready_rounds = 0  # proposals drafted while the target verified the block before
         self._stream = None
         self._thread: threading.Thread | None = None
+        self._threads = 0  # the intra-op threads to restore when the thread is joined (CPU)
         self._verdict_in = threading.Event()
         self._ahead: tuple[int, list, list] | None = None  # the thread's (steps fed, tokens, q's)
         self._error: BaseException | None = None
@@ -181,6 +181,11 @@ class ParallelDrafter(ModelDrafter):
         self._verdict_in.clear()
         self._block_done.clear()
         self._ahead, self._error = (0, [], []), None
+        if self._stream is None:
+            # on a CPU the two threads share the cores: each gets half the intra-op threads while both
+            # run (more threads than cores spin against each other in every op's barrier)
+            self._threads = torch.get_num_threads()
+            torch.set_num_threads(max(1, self._threads // 2))  # this thread's, and the new thread's
         self._thread = threading.Thread(target=self._draft_ahead, args=(last, sampling, limit), daemon=True)
         self._thread.start()
 
@@ -231,6 +236,9 @@ class ParallelDrafter(ModelDrafter):
             return
         self._verdict_in.set()
         thread.join()
+        if self._threads:
+            torch.set_num_threads(self._threads)
+            self._threads = 0
         if self._stream is not None:
             torch.cuda.current_stream(self._stream.device).wait_stream(self._stream)
         if self._error is not None:

@@ -254,6 +254,32 @@ def test_the_draft_cache_is_never_touched_by_two_threads(target, twin, monkeypat
     assert len(threads) > 1  # the background thread did draft
 
 
+def test_the_two_threads_share_the_cores_while_both_run(target, twin, monkeypatch):
+    """On a CPU each thread has half the intra-op threads while the draft runs beside the target's
+    verification, and the loop's thread gets its own back at the join."""
+    torch.set_num_threads(4)
+    drafter = ParallelDrafter(twin, adaptive=False)
+    seen = {"draft": set(), "verify": set()}
+    draft_ahead, verify = drafter._draft_ahead, SpecEngine._verify
+
+    def counted_draft(*args):
+        seen["draft"].add(torch.get_num_threads())
+        return draft_ahead(*args)
+
+    def counted_verify(self, *args, **kwargs):
+        if drafter._thread is not None:
+            seen["verify"].add(torch.get_num_threads())
+        return verify(self, *args, **kwargs)
+
+    monkeypatch.setattr(drafter, "_draft_ahead", counted_draft)
+    monkeypatch.setattr(SpecEngine, "_verify", counted_verify)
+    reqs = requests(make_prompts(2, seed=5), [30, 21])
+    spec, ar = run(target, drafter, reqs), run(target, NoDrafter(), reqs)
+    assert [r.token_ids for r in spec.values()] == [r.token_ids for r in ar.values()]
+    assert seen == {"draft": {2}, "verify": {2}}
+    assert torch.get_num_threads() == 4
+
+
 @pytest.mark.parametrize("pre_verify", [False, True])
 def test_a_failure_in_the_background_thread_is_an_error_not_a_hang(target, twin, monkeypatch, pre_verify):
     """The thread drafts every round, verdict or not (post-verify), or draws the block the engine waits
