@@ -39,7 +39,7 @@ def validate_options(opts: DecodeOptions) -> None:
     if threads is not None:
         _int(threads, "--threads")
         if threads < 0:
-            raise UsageError(f"--threads must be >= 0 (0: one thread), got {threads}")
+            raise UsageError(f"--threads must be >= 0 (0: chosen by the model's size and the batch), got {threads}")
     threshold = getattr(opts, "stop_threshold", None)
     if threshold is not None and (not _is_number(threshold) or not (0 < threshold < 1)):
         raise UsageError(f"--stop-threshold must be in (0, 1), got {threshold}")

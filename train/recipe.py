@@ -140,8 +140,8 @@ def run_recipe(name: str | os.PathLike, budget_minutes: float | None = None, for
 
     cfg = load_recipe(name, budget_minutes=budget_minutes, device=device)
     dev = training_device(cfg.device)
-    # the trainers' frozen targets load through models.loading, which keeps small models on one thread
-    # (right for decoding one row); training batches use every core
+    # the trainers' frozen targets load through models.loading, which keeps small models at one row on
+    # one thread (right for decoding one row); training batches use every core
     cores = apply_threads(os.cpu_count() or 1)
     fam = family_dir(cfg.name)
     fam.mkdir(parents=True, exist_ok=True)
