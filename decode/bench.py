@@ -110,7 +110,7 @@ def run_bench(cfg: BenchConfig, console=None) -> dict:
     nominal = nominal_bandwidth(device)
     return {
         "kind": "speculative",
-        "config": _config(cfg) | {"target": str(target_path), "prompts": len(prompts), "peak_gbps_copy": round(peak / 1e9, 2),
+        "config": _config(cfg) | {"target": shown_path(target_path), "prompts": len(prompts), "peak_gbps_copy": round(peak / 1e9, 2),
                                   "peak_gbps_nominal": None if nominal is None else round(nominal / 1e9, 1),
                                   "peak_rss_mib": peak_rss_mib()},
         "methods": entries,

@@ -15,17 +15,31 @@ from pathlib import Path
 
 
 def cli_command(argv: list[str] | None = None) -> str:
-    """``specdec`` and the arguments after the program name (``sys.argv`` by default), shell-quoted."""
-    return "specdec " + shlex.join(sys.argv[1:] if argv is None else argv)
+    """``specdec`` and the arguments after the program name (``sys.argv`` by default), shell-quoted,
+    the specdec home shown as ``$SPECDEC_HOME``."""
+    return shown_home("specdec " + shlex.join(sys.argv[1:] if argv is None else argv))
+
+
+def shown_home(text: str) -> str:
+    """``text`` with the specdec home folder written ``$SPECDEC_HOME``: a report's command reruns on any
+    machine, whose home lies elsewhere (after shell quoting, so the variable stays unquoted)."""
+    from specdec.models.artifacts import specdec_home
+
+    home = specdec_home()
+    for form in {str(home.resolve()), str(home)}:
+        if len(form) > 1:
+            text = text.replace(form.rstrip("/") + "/", "$SPECDEC_HOME/")
+    return text
 
 
 def shown_path(path) -> str:
     """A path as a report shows it: relative to the working folder when inside it (a report names the
-    files of the checkout it ran in, not where that checkout lay on the machine)."""
+    files of the checkout it ran in, not where that checkout lay on the machine), under the specdec
+    home as ``$SPECDEC_HOME/...``."""
     try:
         return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
     except ValueError:
-        return str(path)
+        return shown_home(str(path))
 
 
 def provenance(command: str | None = None, device=None) -> dict:
@@ -34,7 +48,7 @@ def provenance(command: str | None = None, device=None) -> dict:
     from specdec import __version__
 
     return {
-        "command": command if command is not None else shlex.join(sys.argv),
+        "command": shown_home(command if command is not None else shlex.join(sys.argv)),
         "machine": machine(device),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "specdec_version": __version__,

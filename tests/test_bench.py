@@ -106,6 +106,24 @@ def test_bench_reports_carry_their_provenance(tiny_family, tmp_path, monkeypatch
     assert report["kind"] == "speculative" and report["config"]["max_new_tokens"] == 4
 
 
+def test_reports_name_the_specdec_home_not_this_machines_folders(tmp_path, monkeypatch):
+    """A report's command and paths rerun on another machine: the home folder is ``$SPECDEC_HOME``."""
+    from specdec.decode.report import cli_command, provenance, shown_path
+
+    home = tmp_path / "home"
+    (home / "tiny-stdlib" / "target").mkdir(parents=True)
+    monkeypatch.setenv("SPECDEC_HOME", str(home))
+    target = home / "tiny-stdlib" / "target"
+    assert shown_path(target) == "$SPECDEC_HOME/tiny-stdlib/target"
+    assert shown_path(tmp_path / "elsewhere") == str(tmp_path / "elsewhere")
+    argv = ["bench", "--target", str(target), "--in", str(tmp_path / "p.jsonl")]
+    assert cli_command(argv) == f"specdec bench --target $SPECDEC_HOME/tiny-stdlib/target --in {tmp_path / 'p.jsonl'}"
+    monkeypatch.setattr("sys.argv", ["scripts/bench-schedule", "--target", str(target)])
+    assert provenance()["command"] == "scripts/bench-schedule --target $SPECDEC_HOME/tiny-stdlib/target"
+    # a folder that only begins like the home is not under it
+    assert shown_path(str(home) + "-other/x") == str(home) + "-other/x"
+
+
 def test_roofline_counts_the_bytes_each_forward_must_read():
     """Weights once per batch forward (the batch's longest row), KV per row and forward at its average
     context, a draft's weights once per drafted position; achieved bandwidth over wall time."""
