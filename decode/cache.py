@@ -163,7 +163,6 @@ class SlotBuffers(Cache):
     def __init__(self, num_layers: int, capacity: int, device: torch.device, zeroed: bool = True):
         super().__init__(layers=[SlotLayer(capacity, device, zeroed) for _ in range(num_layers)])
         self.capacity = capacity
-        self.offset = 0
 
     @classmethod
     def holding(cls, kv: list[tuple[torch.Tensor, torch.Tensor]], capacity: int, zeroed: bool = True, rows: int = 0) -> "SlotBuffers":
@@ -189,6 +188,11 @@ class SlotBuffers(Cache):
             out.write_rows(row, n, kv if length else None, length, width)
             row += n
         return out
+
+    @property
+    def offset(self) -> int:
+        """The first buffer slot in use (every layer's)."""
+        return self.layers[0].offset
 
     @property
     def rows(self) -> int:
@@ -232,9 +236,8 @@ class SlotBuffers(Cache):
 
     def drop_head(self, n: int) -> None:
         """The first ``n`` slots in use are dead: they are no longer read."""
-        self.offset += n
         for layer in self.layers:
-            layer.offset = self.offset
+            layer.offset += n
 
     def at(self, n: int, compiled_step: bool) -> None:
         """The next forward writes from slot ``n`` in use: a tensor offset for a compiled step, an int otherwise."""
