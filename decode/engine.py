@@ -11,7 +11,8 @@ their own and merged into the running state (``KVState.admit``, ``Drafter.admit`
 With ``prefill_chunk`` they join instead as rows of the target's state whose prompts ride along in
 the verify forwards, a chunk a round (SARATHI): where a decode forward is bound by reading the
 weights (a GPU at small batch), it computes a prompt's chunk for little more, and no forward is spent
-on the prompt alone; on a CPU every padded token costs compute, and the prefill of its own is cheaper. A joining row is not yet a row of the batch the drafter sees: its chunks' outputs are kept
+on the prompt alone; on a CPU every padded token costs compute, and the prefill of its own is
+cheaper. A joining row is not yet a row of the batch the drafter sees: its chunks' outputs are kept
 and handed over as one prefill segment when its prompt is complete.
 """
 
