@@ -42,20 +42,12 @@ def _console():
 
 
 def default_target(console) -> str:
-    """The default family's target, built by its recipe first when it is not cached (said up front:
-    the build takes minutes)."""
-    from specdec.models.artifacts import family_dir
+    """The default model, Gemma 3 270M: converted from its registry package on first use (said up
+    front, with how long it takes)."""
+    from specdec.models.gguf import gemma_target
 
-    target = family_dir() / "target"
-    if not (target / "metrics.json").exists():
-        from specdec.train.recipe import recipe_minutes, run_recipe
-
-        console.print(
-            f"[yellow]No --target given and the default model family is not built yet: building it in {family_dir()} "
-            f"now (about {recipe_minutes('tiny-stdlib'):.0f} minutes, once). Pass --target DIR|HUB_ID to use your own model.[/yellow]"
-        )
-        run_recipe("tiny-stdlib", console=console)
-    return str(target)
+    say = None if console is None else (lambda text: console.print(f"[yellow]{text}[/yellow]"))
+    return str(gemma_target(announce=say))
 
 
 class Schedule(str, Enum):

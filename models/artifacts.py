@@ -3,8 +3,9 @@
 An artifact is a directory: config.json (``kind``, ``target`` fingerprint, hyper-parameters),
 model.safetensors (or shards of it listed by model.safetensors.index.json, as transformers writes
 them), metrics.json and the resolved training config. A bare member name such as ``draft``
-resolves inside the default family: the family shipped with specdec (``families/pycode``) when it
-is there, else ``tiny-stdlib`` under ``$SPECDEC_HOME``, which its recipe builds on demand.
+resolves inside the default family, Gemma 3 270M: its drafters ship with specdec (``families/``),
+its target is converted from its registry package on first use. ``FAMILY/MEMBER`` names a member
+of another family (``tiny-stdlib/draft``: built by ``specdec recipe run tiny-stdlib``).
 """
 
 from __future__ import annotations
@@ -16,47 +17,71 @@ from pathlib import Path
 
 from specdec.models.errors import SpecdecError, UsageError  # noqa: F401  (re-exported)
 
-FAMILY_MEMBERS = ("target", "draft", "draft-ce", "acceptance", "medusa", "clover", "eagle", "dllm", "filter")
-SHIPPED_DIR = Path(__file__).resolve().parent.parent / "families"  # families committed with specdec
-SHIPPED_FAMILY = "pycode"
-BUILT_FAMILY = "tiny-stdlib"  # the default where none is shipped: built on a CPU by its recipe, once
+FAMILY_MEMBERS = ("target", "draft", "draft-ce", "acceptance", "medusa", "clover", "eagle", "eagle3", "dllm", "filter")
+SHIPPED_DIR = Path(__file__).resolve().parent.parent / "families"  # drafters committed with specdec
+# the default family: Gemma 3 270M, its target converted from its registry package on first use
+# (models.gguf), its drafters shipped in SHIPPED_DIR
+DEFAULT_FAMILY = "gemma3-270m"
+BUILT_FAMILY = "tiny-stdlib"  # the from-scratch CPU family the tests' recipes and `recipe run tiny-stdlib` build
+FAMILIES = (DEFAULT_FAMILY, BUILT_FAMILY, "pycode")
 
 
 def specdec_home() -> Path:
     return Path(os.environ.get("SPECDEC_HOME", Path.home() / ".cache" / "specdec"))
 
 
-def shipped_family() -> Path | None:
-    """The shipped family's folder when it holds a target, else None."""
-    fam = SHIPPED_DIR / SHIPPED_FAMILY
-    return fam if (fam / "target" / "config.json").is_file() else None
-
-
-def family_dir(family: str | None = None) -> Path:
-    """Where family ``family`` is built (under $SPECDEC_HOME); no name: the default family's folder."""
-    if family is None:
-        return shipped_family() or specdec_home() / BUILT_FAMILY
+def built_dir(family: str) -> Path:
+    """Where ``specdec recipe run FAMILY`` builds the family: $SPECDEC_HOME/FAMILY."""
     return specdec_home() / family
 
 
+def family_dir(family: str | None = None) -> Path:
+    """Where a family's members are read: the default family's drafters ship with specdec; another
+    family's folder is the one shipped with specdec when it holds a target, else the one its recipe
+    builds under $SPECDEC_HOME."""
+    family = family or DEFAULT_FAMILY
+    shipped = SHIPPED_DIR / family
+    if family == DEFAULT_FAMILY or (shipped / "target" / "config.json").is_file():
+        return shipped
+    return built_dir(family)
+
+
 def family_member(name: str, family: str | None = None) -> Path:
-    """A member of a family (the default one when ``family`` is None). A shipped family holds the members
-    that fit its size cap: asking for another is an error rather than a silent switch of families."""
+    """A member of a family (the default one when ``family`` is None). The default family's target is
+    converted from its package on first use; a shipped family holds the members that fit its size cap,
+    and asking for another is an error rather than a silent switch of families."""
+    family = family or DEFAULT_FAMILY
+    if name == "target" and family == DEFAULT_FAMILY:
+        from specdec.models.gguf import gemma_target
+
+        return gemma_target()
     fam = family_dir(family)
-    if family is None and fam == shipped_family() and not (fam / name).is_dir():
-        shipped = ", ".join(m for m in FAMILY_MEMBERS if (fam / m).is_dir())
-        raise SpecdecError(f"the default family {fam.name} ({fam}) does not ship {name!r} (it has {shipped}); "
-                           f"pass an artifact folder, or build the whole family with `specdec recipe run {fam.name}`")
+    if fam.parent == SHIPPED_DIR and not (fam / name).is_dir():
+        shipped = ", ".join(m for m in FAMILY_MEMBERS if (fam / m).is_dir()) or "no drafters"
+        raise SpecdecError(f"the {family} family ({fam}) does not ship {name!r} (it has {shipped}); "
+                           f"pass an artifact folder, or train it with `specdec recipe run {family}`")
     return fam / name
 
 
+def family_spec(name: str) -> tuple[str, str] | None:
+    """(family, member) for ``FAMILY`` (its target) or ``FAMILY/MEMBER``; None for anything else."""
+    family, _, member = str(name).partition("/")
+    if family in FAMILIES and (member in FAMILY_MEMBERS or not member):
+        return family, member or "target"
+    return None
+
+
 def resolve_member(name_or_dir: str | os.PathLike, family: str | None = None) -> Path:
-    """A path that exists wins; otherwise a bare member name resolves inside the default family."""
+    """A path that exists wins; otherwise a bare member name resolves inside the default family, and
+    ``FAMILY/MEMBER`` inside that family."""
     path = Path(name_or_dir)
     if path.exists():
         return path
     if str(name_or_dir) in FAMILY_MEMBERS:
         return family_member(str(name_or_dir), family)
+    spec = family_spec(str(name_or_dir))
+    if spec is not None:
+        return family_member(spec[1], spec[0])
     raise SpecdecError(f"no such model or artifact directory: {name_or_dir}")
 
 

@@ -1,6 +1,7 @@
 """The one model-loading and placement layer: every command loads targets, drafts and dLLMs here.
 
-A model is named by a local folder, a member of the default family (``target``, ``draft``, ...) or a
+A model is named by a local folder, a GGUF file (converted once to a folder, ``models.gguf``), a family
+(``gemma3-270m``: its target) or a member of one (``target``, ``draft``, ``tiny-stdlib/draft``), or a
 Hugging Face hub id (resolved by ``from_pretrained``, so ``HF_HUB_OFFLINE=1`` and a local hub cache
 work as they do for transformers). Weights load from safetensors only; remote code runs only with
 ``trust_remote_code``. ``Placement`` holds the options every command shares under the same names:
@@ -15,7 +16,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from specdec.models.artifacts import FAMILY_MEMBERS, family_member, read_config
+from specdec.models.artifacts import FAMILY_MEMBERS, family_spec, read_config, resolve_member
 from specdec.models.errors import SpecdecError, UsageError
 
 DEVICES_HELP = "auto (CUDA when present), cpu, cuda or cuda:N"
@@ -104,15 +105,23 @@ def resolve_dtype(name: str, device, config=None):
 
 
 def resolve_source(name: str | os.PathLike) -> str:
-    """A local folder, a default-family member, or a hub id for ``from_pretrained``."""
+    """A local model folder, a GGUF file (or a folder holding one: converted once, see models.gguf), a
+    family (its target) or family member, or a hub id for ``from_pretrained``."""
+    from specdec.models.gguf import gguf_in_folder, gguf_target, is_gguf
+
     path = Path(name)
     if path.exists():
-        if not path.is_dir():
-            raise UsageError(f"{name} is a file; a model is a folder (config.json, *.safetensors) or a hub id")
-        return str(path)
-    if str(name) in FAMILY_MEMBERS:
-        return str(family_member(str(name)))
+        if path.is_dir():
+            inner = gguf_in_folder(path)
+            return str(gguf_target(inner)) if inner is not None else str(path)
+        if is_gguf(path):
+            return str(gguf_target(path))
+        raise UsageError(f"{name} is a file; a model is a folder (config.json, *.safetensors), a .gguf file or a hub id")
+    if str(name) in FAMILY_MEMBERS or family_spec(str(name)) is not None:
+        return str(resolve_member(str(name)))
     text = str(name)
+    if is_gguf(text):
+        raise UsageError(f"no such GGUF file: {name}")
     if text.startswith((".", "/", "~")) or text.count("/") > 1 or not text:
         raise SpecdecError(f"no such model folder: {name}")
     return text  # a hub id: from_pretrained resolves it (offline against the local cache with HF_HUB_OFFLINE=1)

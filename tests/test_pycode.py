@@ -314,26 +314,25 @@ def fake_family(root: Path) -> Path:
     return root / "pycode"
 
 
-def test_the_shipped_family_is_the_default_when_present(tmp_path, monkeypatch):
-    from specdec.cli import main as cli_main
+def test_families_resolve_members(tmp_path, monkeypatch):
+    """Bare member names resolve in the default family (Gemma 3 270M: drafters shipped with specdec, its
+    target converted from its package); FAMILY/MEMBER in another family, shipped or built."""
     from specdec.models import artifacts, loading
 
     monkeypatch.setenv("SPECDEC_HOME", str(tmp_path / "home"))
     monkeypatch.setattr(artifacts, "SHIPPED_DIR", tmp_path / "families")
-    assert artifacts.family_dir() == tmp_path / "home" / "tiny-stdlib"
-    assert loading.resolve_source("draft") == str(tmp_path / "home" / "tiny-stdlib" / "draft")
-
-    fam = fake_family(tmp_path / "families")
-    assert artifacts.family_dir() == fam and artifacts.family_dir("tiny-stdlib") == tmp_path / "home" / "tiny-stdlib"
-    assert loading.resolve_source("target") == str(fam / "target")
+    (tmp_path / "families" / "gemma3-270m" / "eagle3").mkdir(parents=True)
+    assert artifacts.family_dir() == tmp_path / "families" / "gemma3-270m"
+    assert loading.resolve_source("eagle3") == str(tmp_path / "families" / "gemma3-270m" / "eagle3")
     with pytest.raises(SpecdecError, match="does not ship 'medusa'"):
         artifacts.resolve_member("medusa")
-
-    def no_build(*args, **kwargs):
-        raise AssertionError("the shipped family needs no build")
-
-    monkeypatch.setattr("specdec.train.recipe.run_recipe", no_build)
-    assert cli_main.default_target(console=None) == str(fam / "target")
+    assert loading.resolve_source("tiny-stdlib/draft") == str(tmp_path / "home" / "tiny-stdlib" / "draft")
+    assert artifacts.family_dir("pycode") == tmp_path / "home" / "pycode"
+    fam = fake_family(tmp_path / "families")
+    assert artifacts.family_dir("pycode") == fam
+    assert loading.resolve_source("pycode") == str(fam / "target")
+    with pytest.raises(SpecdecError, match="pycode family .* does not ship 'medusa'"):
+        artifacts.resolve_member("pycode/medusa")
 
 
 def test_drafters_train_with_every_core(tmp_path, monkeypatch):

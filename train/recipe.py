@@ -19,7 +19,7 @@ from pathlib import Path
 
 import yaml
 
-from specdec.models.artifacts import family_dir, write_json
+from specdec.models.artifacts import built_dir, write_json
 from specdec.models.errors import SpecdecError, UsageError
 from specdec.recipes import RECIPES_DIR as RECIPES
 from specdec.recipes import recipe_path
@@ -143,7 +143,7 @@ def run_recipe(name: str | os.PathLike, budget_minutes: float | None = None, for
     # the trainers' frozen targets load through models.loading, which keeps small models at one row on
     # one thread (right for decoding one row); training batches use every core
     cores = apply_threads(os.cpu_count() or 1)
-    fam = family_dir(cfg.name)
+    fam = built_dir(cfg.name)
     fam.mkdir(parents=True, exist_ok=True)
     budget_s = cfg.budget_minutes * 60
     start = time.perf_counter()
@@ -201,7 +201,7 @@ def export_recipe(name: str | os.PathLike, out: Path, members: list[str] | None 
     from specdec.train.ship import ExportPlan, ship_family
 
     cfg = load_recipe(name)
-    return ship_family(family_dir(cfg.name), Path(out), ExportPlan.from_recipe(cfg.export, members), command or "")
+    return ship_family(built_dir(cfg.name), Path(out), ExportPlan.from_recipe(cfg.export, members), command or "")
 
 
 def _stage(name, fam: Path, force: bool, console, build, members) -> dict:
