@@ -307,7 +307,10 @@ class KVState(SlotBook):
         bsz, t = input_ids.shape
         if input_valid is not None or tree_attn is not None or depth is not None:
             self._solid = False
-        if self._solid and self._window is None and self._lean is None and self._compiled is None and not self._bool_mask:
+        # a sliding window hides nothing while the row is no longer than the window: the plain causal path
+        # serves sliding layers too (Gemma 2/3, Mistral) until then
+        within_window = self._window is None or self.length + t <= self._window
+        if self._solid and within_window and self._lean is None and self._compiled is None and not self._bool_mask:
             return self._forward_causal(input_ids, hidden, model_kwargs)
         if input_valid is None:
             input_valid = torch.ones_like(input_ids, dtype=torch.bool)

@@ -32,6 +32,7 @@ from specdec.decode.cache import KVState, left_pad
 from specdec.decode.drafters import Drafter, NoDrafter, Proposal, Segment, admits, tree_attention_from_parents
 from specdec.decode.types import GenRequest, GenResult
 from specdec.decode.verify import Sampling, Verdict, verify_chain, verify_tree, verify_tree_drafted
+from specdec.models import head
 from specdec.models.errors import SpecdecError
 
 
@@ -199,28 +200,41 @@ class SpecEngine:
                         del rows[i]
                     break
                 else:
-                    batch, state = self._admit(batch, state, new, index, rows, generator)
+                    with self._head():
+                        batch, state = self._admit(batch, state, new, index, rows, generator)
                 taken += len(new)
                 yield from self._finished(rows)
             if not joining and (batch is None or not batch.rows):
                 return
-            proposal = None
-            if batch.rows:
-                room = self.max_context - max(map(len, batch.seqs))
-                batch.num_draft = self.num_draft if room > self.num_draft + 1 else 0
-                proposal = self.drafter.propose(batch) if batch.num_draft > 0 else None
-            if proposal is not None and proposal.rest is not None:
-                seg, verdict, proposal = self._verify_split(state, batch, proposal)
-            else:
-                seg, verdict = self._verify(state, batch, proposal, joining)
-            if batch.rows:
-                emitted = self._accept(batch, rows, proposal, verdict)
-                seg.accepted = emitted
-                self.drafter.observe(batch, seg)
-            self._drop_finished(batch, rows, state, len(joining))
-            if any(j.complete for j in joining):
-                batch = self._joined(batch, state, joining, rows, generator)
+            with self._head():
+                batch = self._round(batch, state, joining, rows, generator)
             yield from self._finished(rows)
+
+    def _round(self, batch: Batch, state: KVState, joining: list[_Joining], rows: dict[int, "_Row"], generator) -> Batch:
+        """One round: propose, verify in one target forward, accept, let the drafter observe; finished
+        rows leave and joining rows whose prompts are complete join. Returns the batch."""
+        proposal = None
+        if batch.rows:
+            room = self.max_context - max(map(len, batch.seqs))
+            batch.num_draft = self.num_draft if room > self.num_draft + 1 else 0
+            proposal = self.drafter.propose(batch) if batch.num_draft > 0 else None
+        if proposal is not None and proposal.rest is not None:
+            seg, verdict, proposal = self._verify_split(state, batch, proposal)
+        else:
+            seg, verdict = self._verify(state, batch, proposal, joining)
+        if batch.rows:
+            emitted = self._accept(batch, rows, proposal, verdict)
+            seg.accepted = emitted
+            self.drafter.observe(batch, seg)
+        self._drop_finished(batch, rows, state, len(joining))
+        if any(j.complete for j in joining):
+            batch = self._joined(batch, state, joining, rows, generator)
+        return batch
+
+    def _head(self):
+        """The target's output layer as ``models.head`` runs it inside the engine: greedy rounds read it
+        screened in half precision (each position's argmax exact), sampling rounds exactly."""
+        return head.scope(self.target, greedy=self.sampling.greedy)
 
     def _admit(self, batch: Batch | None, state: KVState | None, requests, index, rows, generator) -> tuple[Batch, KVState]:
         """Prefill ``requests`` (their own forward, left-padded among themselves) and merge them into the

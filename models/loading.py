@@ -221,6 +221,9 @@ def load_target(name: str | os.PathLike, placement: Placement | None = None, dev
     placement = placement or Placement()
     source = resolve_source(name)
     model = load_causal_lm(source, placement, device=device)
+    from specdec.models import head
+
+    head.install(model)  # a large float32 output layer on a CPU runs as models.head dispatches it inside the engine
     apply_threads(placement.threads, model, rows)
     return model, load_tokenizer(source, placement), source
 

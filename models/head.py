@@ -1,0 +1,153 @@
+"""The output layer of a large vocabulary, read as cheaply as each use allows (float32 models on a CPU).
+
+A 262k-token output layer (Gemma 3) is 671 MB of float32 weights, most of what a decode step reads, and
+MKL's float32 GEMM on it is badly uneven in the number of positions: on a 2-core Xeon, 25 ms for one
+position, 50 ms for four, 82 ms for eight, 113 ms for twelve (``scripts/head-costs``). Inside specdec's
+engine (``scope``), the layer runs as follows; outside it (transformers' own ``generate``, training)
+it is the unchanged ``nn.Linear``.
+
+- Exact logits (sampling, drafters that read distributions): MKL for up to ``ONEDNN_FROM - 1``
+  positions, oneDNN's matmul from ``ONEDNN_FROM`` on (31 ms at four positions, 39 ms at eight).
+- Greedy decoding (``scope(model, greedy=True)``) needs each position's argmax only. The layer is read
+  in half precision (FBGEMM's fp16 GEMM, float32 accumulation: half the bytes) and screened: with
+  ``h`` the position's hidden state, every fp16 logit is within ``eps = C * |h| * max_j |w_j| +
+  D * |h|_1`` of the float32 one (relative rounding of each weight to fp16 at most 2^-11, float32
+  accumulation in either order at most n * 2^-24 of the absolute sum each, and fp16's subnormal
+  spacing for the absolute term), so only tokens whose fp16 logit is within 2 * eps of the best
+  can be the float32 argmax. Those few (1.1 on average on Gemma 3's code) are recomputed in
+  float32 and written over their fp16 values. The argmax of the returned row is the float32
+  argmax: every token left at its fp16 value is below the recomputed winner. The other entries
+  are approximations, good for drafting heuristics (top-k tables), never for probabilities.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import torch
+
+MIN_VOCAB = 16384  # smaller output layers are a small part of a step: left as they are
+ONEDNN_FROM = 4  # positions from which oneDNN's matmul beats MKL's on the output layer (scripts/head-costs)
+SCREEN_UP_TO = 8  # positions up to which the fp16 screen beats exact float32 (FBGEMM fp16 is compute-bound past it)
+PACK_ROWS = 16384  # vocabulary rows per FBGEMM pack: packing 262k rows whole takes 9 s, in pieces 3 s
+_U16 = 2.0 ** -11  # fp16 unit roundoff
+_U32 = 2.0 ** -24  # fp32 unit roundoff
+_SUBNORMAL16 = 2.0 ** -25  # half of fp16's smallest subnormal spacing: the rounding error of tiny weights
+
+
+class FastHead:
+    """Replaces an ``nn.Linear`` output layer's forward; ``enabled`` and ``greedy`` are set by ``scope``."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        self.linear = linear
+        self.original = linear.forward
+        self.enabled = False
+        self.greedy = False
+        self._packs: list | None = None
+        self._lock = threading.Lock()
+        weight = linear.weight.detach()
+        self._max_norm = float(weight.norm(dim=1).max())
+        n = weight.shape[1]
+        # fp16 rounding of each weight, plus float32 accumulation error of both the fp16 GEMM and the
+        # reference GEMM (n terms each), with a margin for the norms' own rounding
+        self._rel = (_U16 + 2 * n * _U32) * 1.05
+        self._fp16_ok = bool(weight.abs().max() < 6.0e4)  # beyond fp16's range a weight would become inf
+        self.screened = 0  # positions screened, and candidates recomputed: the screen's statistics
+        self.candidates = 0
+        linear.forward = self.forward
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.enabled or x.dtype != torch.float32 or torch.compiler.is_compiling():
+            return self.original(x)
+        rows = x.numel() // x.shape[-1]
+        if self.greedy and rows <= SCREEN_UP_TO and self._fp16_ok and self._pack() is not None:
+            return self._screened(x)
+        if rows >= ONEDNN_FROM:
+            return self._onednn(x)
+        return self.original(x)
+
+    def _onednn(self, x: torch.Tensor) -> torch.Tensor:
+        w, b = self.linear.weight, self.linear.bias
+        flat = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), w, b, "none", [], "")
+        return flat.reshape(*x.shape[:-1], w.shape[0])
+
+    def _pack(self):
+        if self._packs is None:
+            with self._lock:
+                if self._packs is None:
+                    self._packs = _fp16_packs(self.linear.weight, self.linear.bias)
+        return self._packs or None
+
+    def _screened(self, x: torch.Tensor) -> torch.Tensor:
+        w, b = self.linear.weight, self.linear.bias
+        h = x.reshape(-1, x.shape[-1]).contiguous()
+        z = torch.cat([torch.ops.quantized.linear_dynamic_fp16(h, p) for p in self._packs], dim=1)
+        eps = self._rel * h.norm(dim=1) * self._max_norm + _SUBNORMAL16 * h.abs().sum(1)
+        if b is not None:
+            eps = eps + _U16 * b.abs().max()
+        top = z.amax(dim=1)
+        rows, cols = (z >= (top - 2 * eps)[:, None]).nonzero(as_tuple=True)
+        exact = (h[rows] * w[cols]).sum(-1)
+        if b is not None:
+            exact = exact + b[cols]
+        z[rows, cols] = exact
+        self.screened += h.shape[0]
+        self.candidates += rows.numel()
+        return z.reshape(*x.shape[:-1], w.shape[0])
+
+
+def _fp16_packs(weight: torch.Tensor, bias: torch.Tensor | None) -> list:
+    """FBGEMM fp16 packs of the weight, PACK_ROWS rows each; [] where the build has no FBGEMM fp16 GEMM."""
+    try:
+        probe = torch.ops.quantized.linear_prepack_fp16(weight[:8].contiguous(), None)
+        torch.ops.quantized.linear_dynamic_fp16(torch.zeros(1, weight.shape[1]), probe)
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return []
+    packs = []
+    for i in range(0, weight.shape[0], PACK_ROWS):
+        part_bias = None if bias is None else bias[i : i + PACK_ROWS].contiguous()
+        packs.append(torch.ops.quantized.linear_prepack_fp16(weight[i : i + PACK_ROWS].contiguous(), part_bias))
+    return packs
+
+
+def install(model) -> FastHead | None:
+    """A ``FastHead`` over the model's output layer where it pays: a plain float32 ``nn.Linear`` on a CPU
+    with a large vocabulary, and no logit soft-capping after it (a saturating cap could turn the
+    screen's strict order into ties). Installed once; None where it does not apply."""
+    existing = getattr(model, "_specdec_head", None)
+    if existing is not None:
+        return existing
+    linear = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if (
+        not isinstance(linear, torch.nn.Linear)
+        or type(linear).forward is not torch.nn.Linear.forward
+        or linear.weight.device.type != "cpu"
+        or linear.weight.dtype != torch.float32
+        or linear.out_features < MIN_VOCAB
+        or getattr(text, "final_logit_softcapping", None)
+        or not hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    ):
+        return None
+    head = FastHead(linear)
+    model._specdec_head = head
+    return head
+
+
+@contextlib.contextmanager
+def scope(model, greedy: bool):
+    """Within: the model's output layer runs as ``FastHead`` dispatches (``greedy``: screened argmax
+    logits); outside, as plain ``nn.Linear``. A no-op for models without a ``FastHead``."""
+    head = getattr(model, "_specdec_head", None)
+    if head is None:
+        yield
+        return
+    before = (head.enabled, head.greedy)
+    head.enabled, head.greedy = True, greedy
+    try:
+        yield
+    finally:
+        head.enabled, head.greedy = before
+
