@@ -38,7 +38,8 @@ app.add_typer(recipe_app, name="recipe")
 def _console():
     from rich.console import Console
 
-    return Console(stderr=True)
+    # a log or a pipe has no width: rich's default of 80 columns folds bench's tables into slivers
+    return Console(stderr=True, width=None if sys.stderr.isatty() else 160)
 
 
 def default_target(console) -> str:

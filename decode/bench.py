@@ -44,7 +44,8 @@ from specdec.decode.timing import Run, Runner, run_passes, speedup, tokens_per_s
 from specdec.decode.types import GenRequest, add_counts
 from specdec.decode.validate import check_num_samples
 from specdec.models.artifacts import resolve_member
-from specdec.models.errors import SpecdecError
+from specdec.models.errors import SpecdecError, UsageError
+from specdec.models.threads import torch_default
 from specdec.models.loading import input_device, load_draft, resolve_source
 
 
@@ -254,8 +255,14 @@ class _TimedPropose:
 
 
 def _prepare_peer(spec: str, model, tok, prompts, base: DecodeOptions, warmup: int) -> Runner:
-    """transformers' own generate: hf-generate (plain), hf-lookup (prompt lookup), hf-assisted:DRAFT."""
-    name, _, arg = spec.partition(":")
+    """transformers' own generate: hf-generate (plain), hf-lookup (prompt lookup), hf-assisted:DRAFT. A peer
+    runs with torch's own intra-op thread count, as a transformers user gets it (``+threads=N`` sets it)."""
+    head, overrides = parse_method(spec)
+    unknown = set(overrides) - {"threads"}
+    if unknown:
+        raise UsageError(f"{spec}: transformers' peers take only +threads=N, not {', '.join(sorted(unknown))}")
+    peer_threads = int(overrides.get("threads", 0)) or torch_default()
+    name, _, arg = head.partition(":")
     kwargs = {"do_sample": False, "pad_token_id": tok.pad_token_id, "eos_token_id": model.generation_config.eos_token_id}
     if base.temperature > 0:
         kwargs.update(do_sample=True, temperature=base.temperature)
@@ -279,10 +286,15 @@ def _prepare_peer(spec: str, model, tok, prompts, base: DecodeOptions, warmup: i
 
     def decode(lo: int, hi: int) -> list:
         out = []
-        for p in prompts[lo:hi]:
-            t0 = time.perf_counter()
-            toks = one(p, base.max_new_tokens)
-            out.append((toks, {"new_tokens": len(toks), "wall_s": time.perf_counter() - t0}))
+        ours = torch.get_num_threads()
+        torch.set_num_threads(peer_threads)
+        try:
+            for p in prompts[lo:hi]:
+                t0 = time.perf_counter()
+                toks = one(p, base.max_new_tokens)
+                out.append((toks, {"new_tokens": len(toks), "wall_s": time.perf_counter() - t0}))
+        finally:
+            torch.set_num_threads(ours)
         return out
 
     return Runner(decode, len(prompts))

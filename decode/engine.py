@@ -32,7 +32,7 @@ from specdec.decode.cache import KVState, left_pad
 from specdec.decode.drafters import Drafter, NoDrafter, Proposal, Segment, admits, tree_attention_from_parents
 from specdec.decode.types import GenRequest, GenResult
 from specdec.decode.verify import Sampling, Verdict, verify_chain, verify_tree, verify_tree_drafted
-from specdec.models import head
+from specdec.models import head, threads
 from specdec.models.errors import SpecdecError
 
 
@@ -206,6 +206,7 @@ class SpecEngine:
                 yield from self._finished(rows)
             if not joining and (batch is None or not batch.rows):
                 return
+            threads.tick()  # intra-op threads follow the cores other processes leave free (models.threads)
             with self._head():
                 batch = self._round(batch, state, joining, rows, generator)
             yield from self._finished(rows)

@@ -124,6 +124,9 @@ def convert(path: Path, out: Path, sha256: str | None = None, source: str | None
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from specdec.models.loading import _quiet_progress
+
+    _quiet_progress()
     start = time.perf_counter()
     arch = _architecture(path)
     tmp = out.parent / f".{out.name}.partial"

@@ -249,12 +249,15 @@ def input_device(model):
 
 
 def apply_threads(threads: int, model=None, rows: int = 1) -> int:
-    """Set torch's intra-op threads: ``threads`` when given, else all cores when ``model``'s forwards of
-    ``rows`` rows are THREADS_MIN_WORK of work and more, one below. Returns the number set."""
-    import torch
+    """Set torch's intra-op threads: ``threads`` when given (fixed), else a ceiling of all cores when
+    ``model``'s forwards of ``rows`` rows are THREADS_MIN_WORK of work and more, one below, under which
+    the count follows the load (``models.threads``: cores other processes keep busy are left to them).
+    Returns the number set now."""
+    from specdec.models import threads as governor
 
-    if threads <= 0:
-        size = sum(p.numel() for p in model.parameters()) if model is not None else 0
-        threads = (os.cpu_count() or 1) if size * max(rows, 1) >= THREADS_MIN_WORK else 1
-    torch.set_num_threads(threads)
-    return threads
+    if threads > 0:
+        governor.fix(threads)
+        return threads
+    size = sum(p.numel() for p in model.parameters()) if model is not None else 0
+    ceiling = (os.cpu_count() or 1) if size * max(rows, 1) >= THREADS_MIN_WORK else 1
+    return governor.follow_load(ceiling).current

@@ -146,3 +146,37 @@ def test_placement_validates_itself():
         Placement(dtype="float8")
     with pytest.raises(UsageError):
         Placement(attn_implementation="flash_attention_2")
+
+
+def test_threads_follow_the_cores_other_processes_leave_free(monkeypatch):
+    """--threads 0: a core kept busy by another process is left to it (every op's barrier would wait
+    for the thread placed there); when it frees up, the count returns to the ceiling."""
+    from specdec.models import threads
+
+    clock = {"t": 100.0, "busy": 0.0, "own": 0.0}
+    monkeypatch.setattr(threads, "allowed_cpus", lambda: [0, 1])
+    monkeypatch.setattr(threads, "_cpu_busy", lambda cpus: clock["busy"])
+    monkeypatch.setattr(threads, "_own_ticks", lambda: clock["own"])
+    monkeypatch.setattr(threads.time, "monotonic", lambda: clock["t"])
+    gov = threads.follow_load(2)
+    hz = gov.hz
+
+    def interval(seconds, ours, others):  # cores' worth of work over ``seconds``
+        clock["t"] += seconds
+        clock["own"] += ours * seconds * hz
+        clock["busy"] += (ours + others) * seconds * hz
+
+    try:
+        interval(1.0, 2.0, 0.0)
+        assert threads.tick() == 2  # not re-read before the period has passed
+        interval(2.0, 1.0, 1.0)  # another process takes a whole core
+        assert threads.tick() == 1 and torch.get_num_threads() == 1
+        interval(3.0, 1.0, 0.05)  # background noise leaves both cores free
+        assert threads.tick() == 2 and torch.get_num_threads() == 2
+        interval(3.0, 1.0, 2.0)  # both busy elsewhere: still one thread
+        assert threads.tick() == 1
+        assert [t for _, t in gov.history] == [1, 2, 1]
+        threads.fix(3)
+        assert threads.tick() is None and torch.get_num_threads() == 3
+    finally:
+        threads.fix(os.cpu_count() or 1)
