@@ -58,6 +58,8 @@ class AdaptiveDrafter(ModelDrafter):
     use ``greedy_policy`` (default: the same).
     """
 
+    length_policy = None  # it decides each round's length itself
+
     def __init__(self, model, head, stop_threshold: float = 0.3, min_draft: int = 2, max_draft: int = 20,
                  greedy_head=None, greedy_policy: StopPolicy | None = None):
         super().__init__(model)

@@ -21,6 +21,7 @@ logits and hidden states of one batch of rows at the longest prompt of the run, 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import resource
@@ -46,7 +47,7 @@ from specdec.decode.validate import check_num_samples
 from specdec.models.artifacts import resolve_member
 from specdec.models.errors import SpecdecError, UsageError
 from specdec.models.threads import torch_default
-from specdec.models.loading import input_device, load_draft, resolve_source
+from specdec.models.loading import input_device, load_draft, resolve_source, reuse_loaded
 
 
 @dataclass
@@ -91,14 +92,15 @@ def run_bench(cfg: BenchConfig, console=None) -> dict:
     device = input_device(model)
     peak = peak_bandwidth(device)  # before the methods: nothing else holds the memory bus
     prepared = {}
-    for spec in methods:
-        if console is not None:
-            console.print(f"[bold]bench[/bold] {spec}")
-        prepared[spec] = _prepare_method(spec, model, tok, prompts, base, cfg.warmup)  # builds and warms up
-    runners = {spec: m.runner for spec, m in prepared.items()}
-    peaks = {spec: _PeakMemory(runner, device) for spec, runner in runners.items()}
-    runs = run_passes(runners, len(prompts), base.batch_size, cfg.repeats)
-    costs = _ForwardCosts(model, prompts)
+    with reuse_loaded():  # each pass rebuilds its drafters: their frozen weights are read once
+        for spec in methods:
+            if console is not None:
+                console.print(f"[bold]bench[/bold] {spec}")
+            prepared[spec] = _prepare_method(spec, model, tok, prompts, base, cfg.warmup)  # builds and warms up
+        runners = {spec: m.runner for spec, m in prepared.items()}
+        peaks = {spec: _PeakMemory(runner, device) for spec, runner in runners.items()}
+        runs = run_passes(runners, len(prompts), base.batch_size, cfg.repeats)
+    costs = _ForwardCosts(model, prompts, greedy=base.temperature == 0)
     entries = [_entry(spec, runs[spec], runs["ar"], categories, costs, prepared[spec].draft_model, base) for spec in methods]
     lens = [len(p) for p in prompts]
     for spec, entry in zip(methods, entries):
@@ -149,12 +151,27 @@ def _prepare_method(spec: str, model, tok, prompts, base: DecodeOptions, warmup:
 
     name, overrides = parse_method(spec)
     opts = base.with_overrides(overrides)
-    drafter = build_drafter(name, model, tok, opts)
-    timed = _TimedPropose(drafter)
-    engine = SpecEngine(model, tok, drafter, Sampling(opts.temperature, opts.top_p), num_draft=opts.num_draft, seed=opts.seed,
-                        kernels=kernel_backend(opts, next(model.parameters()).device),
-                        shared_prefix=shared_prefix_tokens(opts.shared_prefix, tok), compile=opts.compile)
-    drafter.propose = timed  # instance attribute: the engine calls it like the method
+
+    def build():
+        drafter = build_drafter(name, model, tok, opts)
+        timed = _TimedPropose(drafter)
+        engine = SpecEngine(model, tok, drafter, Sampling(opts.temperature, opts.top_p), num_draft=opts.num_draft, seed=opts.seed,
+                            kernels=kernel_backend(opts, next(model.parameters()).device),
+                            shared_prefix=shared_prefix_tokens(opts.shared_prefix, tok), compile=opts.compile)
+        drafter.propose = timed  # instance attribute: the engine calls it like the method
+        return engine, drafter, timed
+
+    # every timed pass starts from a drafter (and engine) that has seen nothing: not the warm-up, not an
+    # earlier pass (copying and retrieval from the job's outputs, learned tables, online updates and
+    # calibrations would otherwise read the answers to the same prompts); frozen weights are loaded once
+    built: dict = {}
+
+    def fresh():
+        built["engine"], built["drafter"], built["timed"] = build()
+        return built["timed"]
+
+    fresh()
+    engine, drafter = built["engine"], built["drafter"]
     bs, n = max(1, opts.batch_size), opts.num_samples
     warm = prompts[:warmup]
     # compiled steps compile once per shape (segment bucket, buffer capacity, batch size): warming up at
@@ -170,7 +187,7 @@ def _prepare_method(spec: str, model, tok, prompts, base: DecodeOptions, warmup:
         out = []
         for i in range(lo, hi, bs):
             t0 = time.perf_counter()
-            res = engine.generate(_sample_requests(prompts, i, min(i + bs, hi), opts.max_new_tokens, n))
+            res = built["engine"].generate(_sample_requests(prompts, i, min(i + bs, hi), opts.max_new_tokens, n))
             wall = time.perf_counter() - t0
             out += [_joined(res[j : j + n], wall * n / len(res)) for j in range(0, len(res), n)]
         return out
@@ -178,7 +195,7 @@ def _prepare_method(spec: str, model, tok, prompts, base: DecodeOptions, warmup:
     # the model's estimate for one batch of rows at the run's longest prompt (weights excluded: they are shared)
     mm = memory_model(model, drafter, max(map(len, prompts)), opts.max_new_tokens)
     estimate = min(bs, len(prompts)) * n * mm.row_bytes(draft_width(drafter, engine.num_draft))
-    return _Prepared(Runner(decode, len(prompts), timed), getattr(drafter, "model", None), estimate)
+    return _Prepared(Runner(decode, len(prompts), fresh=fresh), getattr(drafter, "model", None), estimate)
 
 
 def spread_by_length(prompts: list, k: int) -> list:
@@ -304,10 +321,11 @@ def _prepare_peer(spec: str, model, tok, prompts, base: DecodeOptions, warmup: i
 
 
 class _ForwardCosts:
-    """Median wall time of target forwards of T tokens over a typical cache, memoised by T."""
+    """Median wall time of target forwards of T tokens over a typical cache, memoised by T, timed as the
+    engine runs them (its output layer's greedy or exact path: ``models.head``)."""
 
-    def __init__(self, model, prompts, repeats: int = 15):
-        self.model, self.repeats = model, repeats
+    def __init__(self, model, prompts, repeats: int = 15, greedy: bool = True):
+        self.model, self.repeats, self.greedy = model, repeats, greedy
         self.prefix = prompts[0][:128]
         self._memo: dict[int, float] = {}
 
@@ -315,12 +333,12 @@ class _ForwardCosts:
         model = model or self.model
         key = (id(model), t)
         if key not in self._memo:
-            self._memo[key] = time_forward(model, self.prefix, t, self.repeats)
+            self._memo[key] = time_forward(model, self.prefix, t, self.repeats, greedy=self.greedy)
         return self._memo[key]
 
 
 def time_forward(model, prefix: list[int], t: int, repeats: int, batch_size: int = 1, compile: bool = False,
-                 lean: bool = False) -> float:
+                 lean: bool = False, greedy: bool | None = None) -> float:
     """Median seconds of one forward of ``t`` tokens per row, ``batch_size`` rows each after a cache
     holding ``prefix``, run as the engine runs it (``KVState``: compiled steps with ``compile``, a
     draft's lean forward with ``lean``), after three warm-up forwards. The forward is not committed,
@@ -330,8 +348,12 @@ def time_forward(model, prefix: list[int], t: int, repeats: int, batch_size: int
     device = next(model.parameters()).device
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)  # time the kernels, not their launch
     times = []
-    # inputs made under inference mode, as the engine's are: a compiled step guards on it
-    with torch.inference_mode():
+    from specdec.models import head
+
+    # inputs made under inference mode, as the engine's are: a compiled step guards on it; the output layer
+    # as the engine runs it (greedy None: as plain nn.Linear, as transformers runs it)
+    scope = head.scope(model, greedy) if greedy is not None else contextlib.nullcontext()
+    with torch.inference_mode(), scope:
         ids = torch.tensor([prefix], device=device).expand(batch_size, -1)
         step = ids[:, :t] if t <= ids.shape[1] else ids[:, :1].repeat(1, t)
         state = KVState(model, batch_size, device, lean=lean, compile=compile)
@@ -377,6 +399,8 @@ def _entry(spec, run: Run, ar: Run, categories, costs, draft_model, base: Decode
 
     # the headline is the same summary over every prompt: one way to compute a speedup, for a category or all
     entry = {"method": spec, **summarize(list(range(len(run.outputs)))), "walls_s": [round(w, 4) for w in run.walls]}
+    if any(t is not None for t in run.pass_taus):
+        entry["tau_by_pass"] = run.pass_taus  # equal in every pass at T=0: no pass learns from another
     entry.update(_ideal(spec, run, entry, costs, draft_model))
     cats = sorted(set(categories))
     if len(cats) > 1 or cats != ["all"]:

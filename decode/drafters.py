@@ -44,6 +44,8 @@ class Proposal:
     # PEARL's pre-verify (a chain without lengths): tokens [B, 1] hold each row's first draft only, the
     # drafter draws the rest meanwhile; rest() waits for them and returns the whole chain, first draft included
     rest: Callable[[], Proposal] | None = None
+    # chain only: each row's drafter-given class for decode.length (n-gram: the match length; default 0)
+    classes: list[int] | None = None
 
     @property
     def is_tree(self) -> bool:
@@ -68,6 +70,10 @@ class Drafter:
     needs_hidden = False
     hidden_layers: tuple[int, ...] | None = None  # extra hidden-state layers the drafter reads (EAGLE-3)
     default_k = 4
+    # how decode.length may choose a round's chain length on a CPU: "after" (the engine trims a proposal:
+    # drafting cost nothing), "before" (the engine sets batch.num_draft before a draft model drafts) or
+    # None (the drafter decides its lengths itself)
+    length_policy: str | None = None
 
     def begin(self, batch, seg: Segment) -> None:
         pass
@@ -232,7 +238,10 @@ class NgramDrafter(Drafter):
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
-    def _lookup(self, seq: list[int], k: int) -> list[int]:
+    length_policy = "after"
+
+    def _lookup(self, seq: list[int], k: int) -> tuple[list[int], int]:
+        """(the draft, the length of the match it came from; 0: none)."""
         for n in range(self.max_ngram, self.min_ngram - 1, -1):
             if len(seq) <= n:
                 continue
@@ -245,14 +254,18 @@ class NgramDrafter(Drafter):
                     period = len(seq) - start
                     while len(draft) < k:
                         draft.append(draft[len(draft) - period])
-                    return draft
-        return []
+                    return draft, n
+        return [], 0
 
     def admit(self, batch, seg: Segment) -> None:
         pass  # drafts come from each row's own text
 
     def propose(self, batch) -> Proposal | None:
-        return chain_proposal([self._lookup(seq, batch.num_draft) for seq in batch.seqs], batch.device)
+        found = [self._lookup(seq, batch.num_draft) for seq in batch.seqs]
+        proposal = chain_proposal([d for d, _ in found], batch.device)
+        if proposal is not None:
+            proposal.classes = [n for _, n in found]  # a longer match predicts more reliably
+        return proposal
 
 
 class RecycleDrafter(Drafter):
@@ -313,6 +326,7 @@ class ModelDrafter(Drafter):
     fed plus its own drafts; after verification only the accepted drafts stay."""
 
     default_k = 4
+    length_policy = "before"
 
     def __init__(self, model, scheme: str = "standard", width: int = 2):
         """scheme "rsd": each of the K draft steps proposes ``width`` siblings drawn from q without

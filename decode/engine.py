@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from specdec.decode import hydragen
 from specdec.decode.cache import KVState, left_pad
+from specdec.decode.length import DraftLength
 from specdec.decode.drafters import Drafter, NoDrafter, Proposal, Segment, admits, tree_attention_from_parents
 from specdec.decode.types import GenRequest, GenResult
 from specdec.decode.verify import Sampling, Verdict, verify_chain, verify_tree, verify_tree_drafted
@@ -100,12 +101,19 @@ class SpecEngine:
         compile: bool = False,
         hold_prefix_once: bool = True,
         prefill_chunk: int = 0,
+        adaptive_length: bool | None = None,
     ):
         self.target = target
         self.tokenizer = tokenizer
         self.drafter = drafter or NoDrafter()
         self.sampling = sampling or Sampling()
         self.num_draft = self.drafter.default_k if num_draft is None else num_draft
+        # chain lengths chosen each round by measured forward costs and acceptance (decode.length): on a
+        # CPU, where a wider verify forward costs more, and only when the user fixed no --num-draft
+        policy = self.drafter.length_policy
+        on_cpu = next(target.parameters()).device.type == "cpu"
+        use_length = adaptive_length if adaptive_length is not None else (num_draft is None and on_cpu)
+        self.length = DraftLength(self.num_draft, seed) if use_length and policy and self.num_draft > 0 else None
         self.seed = seed
         self.kernels = kernels
         self.stop = [s for s in (stop or []) if s]
@@ -218,7 +226,14 @@ class SpecEngine:
         if batch.rows:
             room = self.max_context - max(map(len, batch.seqs))
             batch.num_draft = self.num_draft if room > self.num_draft + 1 else 0
+            if self.length is not None and self.drafter.length_policy == "before" and batch.num_draft:
+                batch.num_draft = max(self.length.lengths([0] * len(batch.rows), [batch.num_draft] * len(batch.rows)))
+            start = time.perf_counter()
             proposal = self.drafter.propose(batch) if batch.num_draft > 0 else None
+            if self.length is not None and proposal is not None and not proposal.is_tree and proposal.rest is None:
+                self.length.record_draft(proposal.tokens.shape[1], time.perf_counter() - start)
+                if self.drafter.length_policy == "after":
+                    proposal = self._trim(proposal)
         if proposal is not None and proposal.rest is not None:
             seg, verdict, proposal = self._verify_split(state, batch, proposal)
         else:
@@ -226,11 +241,30 @@ class SpecEngine:
         if batch.rows:
             emitted = self._accept(batch, rows, proposal, verdict)
             seg.accepted = emitted
+            if self.length is not None and proposal is not None and not proposal.is_tree:
+                drafted = proposal.lengths.tolist() if proposal.lengths is not None else [proposal.tokens.shape[1]] * len(emitted)
+                self.length.observe(proposal.classes or [0] * len(emitted), drafted, emitted)
             self.drafter.observe(batch, seg)
         self._drop_finished(batch, rows, state, len(joining))
         if any(j.complete for j in joining):
             batch = self._joined(batch, state, joining, rows, generator)
         return batch
+
+    def _trim(self, proposal: Proposal) -> Proposal | None:
+        """The proposal with each row's chain cut to the length decode.length chooses for it (None when
+        every row is cut to nothing: the round is a plain step)."""
+        n = proposal.tokens.shape[1]
+        have = proposal.lengths.tolist() if proposal.lengths is not None else [n] * proposal.tokens.shape[0]
+        classes = proposal.classes or [0] * len(have)
+        keep = self.length.lengths(classes, have)
+        width = max(keep)
+        if width == 0:
+            return None
+        proposal.tokens = proposal.tokens[:, :width]
+        proposal.lengths = torch.tensor(keep, device=proposal.tokens.device)
+        if proposal.draft_probs is not None:
+            proposal.draft_probs = proposal.draft_probs[:, :width]
+        return proposal
 
     def _head(self):
         """The target's output layer as ``models.head`` runs it inside the engine: greedy rounds read it
@@ -385,7 +419,10 @@ class SpecEngine:
         tree = (attn.expand(bsz, -1, -1), depth.expand(bsz, -1)) if proposal.is_tree else (None, None)
         ride = _Ride(self, joining, 1 + n) if joining else None
         if ride is None:
+            start = time.perf_counter()
             out = state.forward(input_ids, valid if proposal.is_tree or proposal.lengths is not None else None, *tree, hidden=hidden)
+            if self.length is not None:  # a CPU forward is done when it returns
+                self.length.record_forward(bsz, input_ids.shape[1], time.perf_counter() - start)
             logits, (last_hidden, layers) = out.logits, self._hidden(out)
         else:
             out = state.forward(*ride.inputs(input_ids, valid, *tree), hidden=hidden, **ride.model_kwargs)

@@ -50,7 +50,9 @@ class OnlineDrafter(ModelDrafter):
         scheme: str = "standard",
         width: int = 2,
     ):
-        super().__init__(model, scheme=scheme, width=width)
+        # the drafting copy is updated in place as the job learns: a model shared with anything else (a
+        # bench's other passes) stays as it was loaded
+        super().__init__(copy.deepcopy(model), scheme=scheme, width=width)
         self.every, self.steps, self.batch_examples, self.max_context = max(1, every), steps, batch_examples, max_context
         self.rebuild_cache = rebuild_cache  # False only in tests: shows what a stale cache does
         # train in float32 at least (half-precision Adam updates underflow); float64 drafts stay float64

@@ -54,6 +54,8 @@ from specdec.decode.verify import Sampling
 
 
 class ParallelDrafter(ModelDrafter):
+    length_policy = None  # it decides each round's length itself
+
     def __init__(self, model, adaptive: bool = True, pre_verify: bool = False):
         """adaptive False: the thread runs every round and always drafts the guess and ``num_draft``
         drafts (and with pre-verify the block's drafts after the first), verdict or not (the main

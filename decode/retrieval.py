@@ -295,6 +295,8 @@ class RasdDrafter(ModelDrafter):
     draft's probabilities (the module docstring states the choices). ``num_draft`` is the chain's K;
     up to ``retrieval_tokens`` retrieval nodes, ``retrieval_depth`` deep (or K when deeper), join it."""
 
+    length_policy = None  # it decides each round's length itself
+
     def __init__(self, model, store: Datastore, retrieval_tokens: int = 8, retrieval_depth: int = 8, prune_top_k: int = 8,
                  keep_share: float = 0.5):
         super().__init__(model)

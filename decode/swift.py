@@ -42,6 +42,8 @@ from specdec.models import arch
 class ConfidenceDrafter(ModelDrafter):
     """A ModelDrafter whose rows stop drafting when the draft's top probability drops below ``confidence``."""
 
+    length_policy = None  # it decides each round's length itself
+
     def __init__(self, model, confidence: float = 0.6):
         super().__init__(model)
         self.confidence = confidence

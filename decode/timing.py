@@ -24,6 +24,7 @@ class Run:
     record_walls: list = field(default_factory=list)  # per pass: each prompt's share of its batch's wall time
     propose_s: float = 0.0  # seconds spent drafting in the last pass (speculative methods)
     rounds: int = 0  # drafting calls in the last pass (speculative methods)
+    pass_taus: list = field(default_factory=list)  # tokens per target call in each pass (speculative methods)
 
 
 class Runner:
@@ -32,12 +33,16 @@ class Runner:
     propose calls) with outputs and stats in prompt order. ``decode(lo, hi)`` returns one
     (tokens, stats) per prompt, stats holding the prompt's share of its batch's time as ``wall_s``
     (rescaled to the share of the chunk's time);
-    ``timed`` (optional) counts drafting time: ``reset()``, ``seconds``, ``calls``."""
+    ``timed`` (optional) counts drafting time: ``reset()``, ``seconds``, ``calls``. ``fresh`` (optional)
+    rebuilds the method before each pass and returns its new ``timed``."""
 
-    def __init__(self, decode: Callable[[int, int], list], n_prompts: int, timed=None):
-        self.decode, self.n, self.timed = decode, n_prompts, timed
+    def __init__(self, decode: Callable[[int, int], list], n_prompts: int, timed=None, fresh: Callable | None = None):
+        self.decode, self.n, self.timed, self.fresh = decode, n_prompts, timed, fresh
+        self.pass_stats: list[list] = []  # every pass's per-prompt stats
 
     def start_pass(self) -> None:
+        if self.fresh is not None:  # the method starts the pass knowing nothing of earlier ones (see bench)
+            self.timed = self.fresh()
         if self.timed is not None:
             self.timed.reset()
         self.results: list = [None] * self.n
@@ -82,7 +87,11 @@ def _collect(passes: list[tuple]) -> Run:
     outputs, stats, _, propose_s, rounds = passes[-1]
     walls = [p[2] for p in passes]
     record_walls = [[st["wall_s"] for st in p[1]] for p in passes]
-    return Run(outputs, stats, walls, record_walls, propose_s, rounds)
+    taus = []
+    for p in passes:
+        calls = sum(st.get("target_calls") or 0 for st in p[1])
+        taus.append(round(sum(len(t) for t in p[0]) / calls, 3) if calls else None)
+    return Run(outputs, stats, walls, record_walls, propose_s, rounds, taus)
 
 
 def pass_walls(run: Run, idx: list[int]) -> list[float]:

@@ -449,6 +449,12 @@ def save_heads(heads, out_dir: Path, fingerprint: dict, target_config) -> None:
 
 def load_heads(artifact_dir: str | Path, target):
     """A head module from its artifact, attached to ``target`` (weights through safetensors only)."""
+    from specdec.models.loading import cached
+
+    return cached(("heads", str(artifact_dir), id(target)), lambda: _load_heads(artifact_dir, target))
+
+
+def _load_heads(artifact_dir: str | Path, target):
     cfg = read_config(artifact_dir)
     kind = cfg.get("kind")
     if kind not in KINDS:

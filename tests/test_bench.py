@@ -176,3 +176,20 @@ def test_compiled_methods_warm_up_on_the_shortest_and_the_longest_prompts():
     assert [len(p) for p in spread_by_length(prompts, 3)] == [3, 7, 12]
     assert [len(p) for p in spread_by_length(prompts, 1)] == [12]
     assert [len(p) for p in spread_by_length(prompts, 9)] == [3, 5, 7, 9, 12]
+
+
+def test_no_pass_reads_what_an_earlier_pass_or_the_warm_up_decoded(tiny_family, tmp_path):
+    """copy looks up the job's finished outputs: were its drafter kept across passes, the second pass
+    would copy its own first-pass answers to the same prompts and its tau would jump. Every pass starts
+    fresh, so every pass drafts the same (greedy) and tau is the same in each."""
+    prompts = tmp_path / "p.jsonl"
+    rows = [{"prompt": f"def g{i}(values):\n    total = 0\n    for v in values:\n"} for i in range(3)]
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    report_path = tmp_path / "r.json"
+    res = invoke(["bench", "--in", str(prompts), "--target", str(tiny_family / "target"), "--max-new-tokens", "24",
+                  "--methods", "copy,ngram+k=4", "--warmup", "3", "--repeats", "3", "--out", str(report_path)])
+    assert res.exit_code == 0, res.output
+    methods = {m["method"]: m for m in json.loads(report_path.read_text())["methods"]}
+    for spec in ("copy", "ngram+k=4"):
+        taus = methods[spec]["tau_by_pass"]
+        assert len(taus) == 3 and len(set(taus)) == 1, (spec, taus)

@@ -194,10 +194,10 @@ def test_no_drafter_counts():
 def test_ngram_lookup_prefers_recent_matches_and_extends_periodically():
     d = NgramDrafter(max_ngram=3)
     # the most recent match of (5, 1, 2) leaves 5 tokens before the end; the draft repeats them
-    assert d._lookup([1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2], 8) == [3, 4, 5, 1, 2, 3, 4, 5]
-    assert d._lookup([9, 1, 2, 6, 1, 2, 7, 8, 1, 2], 3) == [7, 8, 1]  # most recent (1, 2), not the first
-    assert d._lookup([5, 5, 5], 4) == [5, 5, 5, 5]
-    assert d._lookup([1, 2, 3], 4) == []  # nothing repeats: no draft
+    assert d._lookup([1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2], 8) == ([3, 4, 5, 1, 2, 3, 4, 5], 3)
+    assert d._lookup([9, 1, 2, 6, 1, 2, 7, 8, 1, 2], 3) == ([7, 8, 1], 2)  # most recent (1, 2), not the first
+    assert d._lookup([5, 5, 5], 4) == ([5, 5, 5, 5], 2)
+    assert d._lookup([1, 2, 3], 4) == ([], 0)  # nothing repeats: no draft
 
 
 def test_one_row_runs_without_a_mask_and_matches_generate(target, draft_model, monkeypatch):
