@@ -563,8 +563,101 @@ def _shallow(module: torch.nn.Module) -> torch.nn.Module:
     return clone
 
 
+# what a searched skip set must keep: agreement of the layer-skip draft's greedy token with the target's,
+# teacher-forced on calibration text. Chains of K drafts at agreement a give tau = (1 - a^(K+1)) / (1 - a):
+# 0.6 gives 1.96 at K = 2, 2.2 at K = 3
+SKIP_AGREEMENT = 0.6
+_searched: dict = {}
+
+
+def search_layerskip(model, tokenizer, agreement: float = SKIP_AGREEMENT) -> list[int]:
+    """The layers ``layerskip`` skips by default: the most whose skipping keeps the draft's greedy token
+    the target's on ``agreement`` of the positions of a calibration text (the shipped example prompts:
+    code, data, docstrings). Layers are tried from the least important alone (each skipped on its own)
+    and kept while the set as a whole still agrees; the first and last layers are never skipped. A
+    model's result is remembered for the process and under $SPECDEC_HOME. Which layers a model can lose
+    depends on the model: Gemma 3 270M loses almost nothing without layer 8 or 9, and everything without
+    layer 1 or its first global-attention layer 5 (the middle half, once the default, agreed on 0 of 300
+    code positions)."""
+    n = len(arch.decoder_layers(model)[2])
+    key = _model_key(model)
+    if key in _searched:
+        return _searched[key]
+    disk = _skip_cache_path()
+    stored = _read_json(disk).get(key)
+    if stored is not None:
+        _searched[key] = stored
+        return stored
+    import json as _json
+
+    from specdec.examples import example_path
+
+    texts = [_json.loads(line)["prompt"] for line in example_path("prompts.jsonl").read_text().splitlines()[:8]]
+    try:
+        ids = tokenizer("".join(texts), return_tensors="pt")["input_ids"][:, :160].to(next(model.parameters()).device)
+    except (TypeError, AttributeError, KeyError):  # no tokenizer to encode the calibration text with
+        return middle_layers(n)
+    with torch.inference_mode():
+        ref = model(ids).logits.argmax(-1)
+
+        def agree(skip) -> float:
+            got = layer_skip_view(model, sorted(skip))(ids).logits.argmax(-1)
+            return float((got == ref).float().mean())
+
+        alone = sorted(range(1, n - 1), key=lambda i: -agree([i]))
+        chosen: list[int] = []
+        for i in alone:
+            if len(chosen) + 1 >= n - 2:
+                break
+            if agree(chosen + [i]) >= agreement:
+                chosen.append(i)
+    chosen = sorted(chosen) or [alone[0]]
+    _searched[key] = chosen
+    try:
+        data = _read_json(disk)
+        data[key] = chosen
+        disk.parent.mkdir(parents=True, exist_ok=True)
+        disk.write_text(_json.dumps(data, indent=1, sort_keys=True))
+    except OSError:
+        pass  # a read-only home searches again next time
+    return chosen
+
+
+def _model_key(model) -> str:
+    """A model's identity for the skip-set cache: its name, depth and a digest of a few weights."""
+    import hashlib
+
+    _, _, layers = arch.decoder_layers(model)
+    digest = hashlib.sha256()
+    for p in (model.get_input_embeddings().weight, *(next(layer.parameters()) for layer in layers)):
+        digest.update(repr(float(p.detach().flatten()[:4096].double().sum())).encode())
+    return f"{getattr(model.config, 'model_type', '?')}-{len(layers)}-{digest.hexdigest()[:16]}"
+
+
+def _skip_cache_path():
+    from specdec.models.artifacts import specdec_home
+
+    return specdec_home() / "layerskip.json"
+
+
+def _read_json(path) -> dict:
+    import json as _json
+
+    try:
+        return _json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def middle_layers(num_layers: int) -> list[int]:
+    """The middle half of the layers (what ``layerskip`` skips when no calibration text can be encoded)."""
+    lo, hi = num_layers // 4, num_layers - num_layers // 4
+    return list(range(max(lo, 1), min(hi, num_layers - 1)))
+
+
 def parse_layerskip(spec: str, num_layers: int) -> list[int]:
-    """``layerskip`` skips the middle half of the layers; ``layerskip:2,3`` names them (0-based).
+    """``layerskip:2,3`` names the skipped layers (0-based); bare ``layerskip`` (searched, see
+    ``search_layerskip``) returns [] here.
 
     A draft that skips nothing is the target itself, one that skips everything is no model: both,
     and targets too shallow to leave a useful draft, are usage errors."""
@@ -572,8 +665,7 @@ def parse_layerskip(spec: str, num_layers: int) -> list[int]:
         raise UsageError(f"layerskip needs a target with at least 3 decoder layers; this one has {num_layers}")
     _, _, arg = spec.partition(":")
     if not arg:
-        lo, hi = num_layers // 4, num_layers - num_layers // 4
-        return list(range(max(lo, 1), min(hi, num_layers - 1)))
+        return []
     try:
         skip = sorted({int(x) for x in arg.split(",") if x.strip()})
     except ValueError:

@@ -21,7 +21,8 @@ from specdec.models.errors import SpecdecError, UsageError
 from specdec.models.loading import input_device, load_draft, load_model_config, load_target, load_tokenizer, resolve_source
 
 def _layerskip(spec: str, target, tokenizer, options: DecodeOptions):
-    return drafters.ModelDrafter(drafters.layer_skip_view(target, drafters.parse_layerskip(spec, target.config.num_hidden_layers)))
+    skip = drafters.parse_layerskip(spec, target.config.num_hidden_layers) or drafters.search_layerskip(target, tokenizer)
+    return drafters.ModelDrafter(drafters.layer_skip_view(target, skip))
 
 
 # drafters that need no artifact: name -> factory(spec, target, tokenizer, options), as DRAFTER_KINDS' factories

@@ -3,7 +3,7 @@
 The draft is the target with some decoder layers skipped (``layer_skip_view``, weights shared). Which
 layers to skip is chosen on the fly from the acceptance the job actually sees:
 
-* Start: the middle half of the layers, as ``layerskip`` skips them.
+* Start: the set ``layerskip`` skips by default (searched on calibration text: ``search_layerskip``).
 * Candidates: only layers 1..L-2 may be skipped (the first and last layers carry the embedding and
   the unembedding geometry; dropping them ruins any draft). A candidate is a neighbour of the best
   set so far: one layer added, one removed, or one swapped for another, never empty and never every
@@ -35,7 +35,7 @@ from collections import OrderedDict
 import torch
 
 from specdec.decode.cache import KVState
-from specdec.decode.drafters import Drafter, ModelDrafter, Proposal, Segment, layer_skip_view, parse_layerskip
+from specdec.decode.drafters import Drafter, ModelDrafter, Proposal, Segment, layer_skip_view, middle_layers
 from specdec.models import arch
 
 
@@ -98,7 +98,7 @@ class SwiftDrafter(Drafter):
     default_k = 8  # the most a round drafts; confidence usually stops it sooner
 
     def __init__(self, target, confidence: float = 0.6, search_rounds: int = 32, trial_rounds: int = 2,
-                 reeval_every: int = 48, max_live: int = 3, seed: int = 0):
+                 reeval_every: int = 48, max_live: int = 3, seed: int = 0, start: list[int] | None = None):
         self.target = target
         self.num_layers = len(arch.decoder_layers(target)[2])
         self.confidence = confidence
@@ -106,7 +106,7 @@ class SwiftDrafter(Drafter):
         self.max_live = max(1, max_live)
         self.rng = random.Random(seed)
         self.layers = list(range(1, self.num_layers - 1))  # the layers a skip set may hold
-        self.skip: frozenset[int] = frozenset(parse_layerskip("layerskip", self.num_layers))
+        self.skip: frozenset[int] = frozenset(start or middle_layers(self.num_layers))
         self.scores: dict[frozenset[int], list[float]] = {}  # per set: the score of each round it drafted
         self.history: list[tuple[frozenset[int], float]] = []  # (set, score) per drafting round, in order
         self.rounds = 0  # drafting rounds so far
@@ -230,4 +230,7 @@ def build_swift(spec: str, target, tokenizer, options) -> SwiftDrafter:
         raise UsageError(f"swift:{arg}: the confidence threshold must be a number in [0, 1]") from None
     if not 0.0 <= confidence <= 1.0:
         raise UsageError(f"swift:{arg}: the confidence threshold must be in [0, 1]")
-    return SwiftDrafter(target, confidence=confidence, seed=getattr(options, "seed", 0) or 0)
+    from specdec.decode.drafters import search_layerskip
+
+    return SwiftDrafter(target, confidence=confidence, seed=getattr(options, "seed", 0) or 0,
+                        start=search_layerskip(target, tokenizer))

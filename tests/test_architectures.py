@@ -11,7 +11,7 @@ import transformers as tf
 from conftest import ByteTokenizer
 
 from specdec.decode.cache import KVState
-from specdec.decode.drafters import ModelDrafter, NgramDrafter, NoDrafter, RecycleDrafter, layer_skip_view, parse_layerskip
+from specdec.decode.drafters import ModelDrafter, NgramDrafter, NoDrafter, RecycleDrafter, layer_skip_view, middle_layers, parse_layerskip
 from specdec.decode.engine import SpecEngine
 from specdec.decode.types import GenRequest
 from specdec.models import arch
@@ -122,7 +122,7 @@ def make_drafter(kind: str, name: str, zoo: _Zoo):
     if kind == "recycle":
         return RecycleDrafter()
     if kind == "layerskip":
-        return ModelDrafter(layer_skip_view(target, parse_layerskip("layerskip", target.config.num_hidden_layers)))
+        return ModelDrafter(layer_skip_view(target, middle_layers(target.config.num_hidden_layers)))
     return ModelDrafter(zoo.model(DRAFT_OF[name]))
 
 
@@ -270,7 +270,7 @@ def test_bad_layerskip_is_a_usage_error(spec, layers, message):
 
 
 def test_layerskip_defaults_and_view_refuses_nothing_or_everything(zoo):
-    assert parse_layerskip("layerskip", 4) == [1, 2] and parse_layerskip("layerskip", 3) == [1]
+    assert middle_layers(4) == [1, 2] and middle_layers(3) == [1] and parse_layerskip("layerskip", 4) == []
     assert parse_layerskip("layerskip:3,1,1", 4) == [1, 3]
     with pytest.raises(UsageError):
         layer_skip_view(zoo.model("llama"), [])

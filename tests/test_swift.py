@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from conftest import ByteTokenizer, make_prompts, tiny_llama
 
-from specdec.decode.drafters import ModelDrafter, layer_skip_view, parse_layerskip
+from specdec.decode.drafters import ModelDrafter, layer_skip_view, middle_layers
 from specdec.decode.engine import SpecEngine
 from specdec.decode.swift import ConfidenceDrafter, SwiftDrafter
 from specdec.decode.types import GenRequest
@@ -66,7 +66,7 @@ def test_search_ends_on_the_best_scored_set(deep, monkeypatch):
     monkeypatch.setattr(SwiftDrafter, "round_score", scripted)
     drafter = SwiftDrafter(deep, search_rounds=20, trial_rounds=1, reeval_every=10)
     start = drafter.skip
-    assert start == frozenset(parse_layerskip("layerskip", 6))  # the middle half first
+    assert start == frozenset(middle_layers(6))  # the middle half first
     engine = SpecEngine(deep, ByteTokenizer(), drafter, num_draft=1)
     engine.generate(requests(make_prompts(1, seed=5), [60]))
     assert drafter.rounds > 30
@@ -138,9 +138,9 @@ def test_tau_swift_vs_layerskip(deep, capsys):
     """Not a pass/fail bar: the mean tokens per target forward of both, printed for the record."""
     prompts = make_prompts(3, seed=21)
     budgets = [48] * 3
-    fixed = ModelDrafter(layer_skip_view(deep, parse_layerskip("layerskip", 6)))
+    fixed = ModelDrafter(layer_skip_view(deep, middle_layers(6)))
     t_ls = tau(SpecEngine(deep, ByteTokenizer(), fixed).generate(requests(prompts, budgets)))
-    line = [f"layerskip {sorted(parse_layerskip('layerskip', 6))} {t_ls:.3f}"]
+    line = [f"layerskip {sorted(middle_layers(6))} {t_ls:.3f}"]
     # the default bar (0.6) stops every round after one draft on this model (its top probabilities are
     # ~0.03-0.16); 0 never stops early (fixed K, as layerskip)
     for conf in (0.6, 0.0):
@@ -151,3 +151,40 @@ def test_tau_swift_vs_layerskip(deep, capsys):
     with capsys.disabled():
         print("\ntau " + "; ".join(line))
     assert t_ls >= 1.0
+
+
+def test_the_default_layer_skip_set_is_searched_to_agree_with_its_model(tmp_path, monkeypatch):
+    """Bare ``layerskip`` skips the most layers that keep the draft's greedy token the target's on
+    calibration text; on other text it still agrees far more often than chance (1 in the vocabulary),
+    and the search is remembered under $SPECDEC_HOME."""
+    import torch
+    from conftest import save_tiny_lm, tiny_tokenizer
+    from transformers import AutoModelForCausalLM
+
+    from specdec.decode import drafters
+    from specdec.decode.registry import build_drafter
+    from specdec.decode.options import DecodeOptions
+
+    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path / "home"))
+    tok = tiny_tokenizer()
+    save_tiny_lm(tmp_path / "t", tok, layers=6, hidden=48)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "t").eval()
+    skip = drafters.search_layerskip(model, tok)
+    assert skip and 0 not in skip and 5 not in skip
+    ids = tok("for i in range(10):\n    print(i * i)\nclass Point:\n    def __init__(self, x, y):\n" * 3, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        ref = model(ids).logits.argmax(-1)
+        got = drafters.layer_skip_view(model, skip)(ids).logits.argmax(-1)
+    assert (got == ref).float().mean() > 0.2 > 50 / len(tok)  # 60 times chance
+    assert (tmp_path / "home" / "layerskip.json").is_file()
+    drafters._searched.clear()
+
+    def no_search(*a, **k):
+        raise AssertionError("searched again")
+
+    monkeypatch.setattr(drafters, "layer_skip_view", no_search)
+    assert drafters.search_layerskip(model, tok) == skip  # from the disk cache
+    monkeypatch.undo()
+    drafter = build_drafter("layerskip", model, tok, DecodeOptions())
+    kept = len(drafters.arch.decoder_layers(drafter.model)[2])
+    assert kept == 6 - len(skip)
