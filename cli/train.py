@@ -178,6 +178,8 @@ def train_heads_cmd(
     num_heads: Annotated[Optional[int], typer.Option("--num-heads", help="Medusa/Clover heads (default 4).")] = None,
     eagle3: Annotated[bool, typer.Option("--eagle3", help="EAGLE: multi-layer features and unrolled training-time steps.")] = False,
     unroll: Annotated[Optional[int], typer.Option("--unroll", help="EAGLE: unrolled training-time steps (1 = EAGLE-1).")] = None,
+    draft_vocab: o.DraftVocab = None,
+    teacher_cache: Annotated[Optional[Path], typer.Option("--teacher-cache", help="File for the target's features and top-k logits over the training blocks, computed once (used whenever --draft-vocab is given).")] = None,
     recipe: o.Recipe = None,
     max_steps: o.MaxSteps = None,
     budget_minutes: o.Budget = None,
@@ -206,7 +208,8 @@ def train_heads_cmd(
     hp = {"num_heads": num_heads, "unroll": unroll}
     if eagle3:
         hp.update(eagle3=True, feature_layers="eagle3")
-    metrics = train_heads(kind, target, data, out, cfg, resume=resume, placement=place, **hp)
+    metrics = train_heads(kind, target, data, out, cfg, resume=resume, placement=place, draft_vocab=draft_vocab,
+                          teacher_cache=teacher_cache, **hp)
     _report(metrics, out, ("top1_accuracy", "expected_tau", "steps", "stopped"))
 
 

@@ -167,6 +167,7 @@ class HeadTreeDrafter(Drafter):
         for d, (par, uniq, inv, r, k) in enumerate(self._template(depth, batch.device), start=1):
             logp = self._child_logprobs(tree, uniq[None].expand(bsz, -1), d - 1, batch)  # [B, u, V]
             top_lp, top_tok = logp.topk(k, dim=-1)
+            top_tok = self.heads.to_target(top_tok)  # a reduced vocabulary's ids as the target's
             tok = top_tok[:, inv, r]
             lp = top_lp[:, inv, r].double()
             par_b = par[None].expand(bsz, -1)
@@ -184,6 +185,7 @@ class HeadTreeDrafter(Drafter):
         for d in range(1, depth + 1):
             logp = self._child_logprobs(tree, frontier, d - 1, batch)  # [B, m, V]
             top_lp, top_tok = logp.topk(k, dim=-1)  # [B, m, k]
+            top_tok = self.heads.to_target(top_tok)  # a reduced vocabulary's ids as the target's
             m = frontier.shape[1]
             key = self.calibration.key(top_lp, d)
             score = (f_score[..., None] + self.calibration.log_accept(key)).reshape(bsz, m * k)

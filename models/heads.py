@@ -41,41 +41,89 @@ def _frozen(target):
     return (target.get_input_embeddings(), target.get_output_embeddings())
 
 
+class _TargetHead:
+    """How a head reads the target's output layer: whole, or restricted to a reduced draft vocabulary's
+    rows (``set_vocab``: ``d2t`` [N] draft id -> target id, its last entry the unk stand-in, never
+    proposed). Restricted logits are over draft ids 0..N-2; ``to_target`` maps them back."""
+
+    @property
+    def d2t(self) -> torch.Tensor | None:
+        return self._buffers.get("vocab_d2t")
+
+    def set_vocab(self, vocab) -> None:
+        self.register_buffer("vocab_d2t", vocab.d2t.clone(), persistent=False)  # saved in draft_vocab.safetensors
+        self._rows_key = None
+
+    def target_logits(self, f):
+        _, lm_head = self._target
+        if self.d2t is None:
+            return lm_head(f.to(lm_head.weight.dtype))
+        w = lm_head.weight
+        key = (w.data_ptr(), w._version, w.device, self.d2t.device)
+        if getattr(self, "_rows_key", None) != key:  # the restricted rows, gathered once per weight version
+            self._rows = w.detach()[self.d2t[:-1]].contiguous()
+            self._rows_key = key
+        return F.linear(f.to(self._rows.dtype), self._rows)
+
+    def to_target(self, idx: torch.Tensor) -> torch.Tensor:
+        """Indices into ``target_logits``'s last axis as target token ids."""
+        return idx if self.d2t is None else self.d2t[:-1][idx]
+
+    def labels(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Target token ids as indices into ``target_logits``'s last axis (-100, ignored, outside the draft vocabulary)."""
+        if self.d2t is None:
+            return input_ids
+        key = (self.d2t.data_ptr(), self.d2t.device)
+        if getattr(self, "_t2d_key", None) != key:
+            vocab = int(self._target[1].weight.shape[0])
+            t2d = torch.full((vocab,), -100, dtype=torch.long, device=self.d2t.device)
+            t2d[self.d2t[:-1]] = torch.arange(len(self.d2t) - 1, device=self.d2t.device)
+            self._t2d, self._t2d_key = t2d, key
+        return self._t2d[input_ids]
+
+
 # ---------------------------------------------------------------------------------------------
 # Medusa (Cai et al. 2024): head i = ResBlock^L then Linear(H, V) on h_t, predicts token t+2+i
 
 
-class MedusaHeads(nn.Module):
+class MedusaHeads(_TargetHead, nn.Module):
     kind = "medusa"
 
-    def __init__(self, hidden: int, vocab: int, num_heads: int = 4, num_layers: int = 1, decay: float = 0.8):
+    def __init__(self, hidden: int, vocab: int, num_heads: int = 4, num_layers: int = 1, decay: float = 0.8,
+                 shared_head: bool = False):
+        """shared_head: every head ends in the target's own (frozen) output layer instead of a trained
+        one of its own (Medusa-1 with the LM head shared): a 262k-row layer per head would outweigh
+        everything else, and with a reduced vocabulary only its rows are read."""
         super().__init__()
-        self.num_heads, self.num_layers, self.decay = num_heads, num_layers, decay
+        self.num_heads, self.num_layers, self.decay, self.shared_head = num_heads, num_layers, decay, shared_head
         self.heads = nn.ModuleList(
-            nn.Sequential(*[ResBlock(hidden) for _ in range(num_layers)], nn.Linear(hidden, vocab, bias=False)) for _ in range(num_heads)
+            nn.Sequential(*[ResBlock(hidden) for _ in range(num_layers)], *([] if shared_head else [nn.Linear(hidden, vocab, bias=False)]))
+            for _ in range(num_heads)
         )
         self._target = None
 
     def attach(self, target, init_from_lm_head: bool = False):
         self._target = _frozen(target)
-        if init_from_lm_head:
+        if init_from_lm_head and not self.shared_head:
             with torch.no_grad():
                 for head in self.heads:
                     head[-1].weight.copy_(target.get_output_embeddings().weight)
         return self
 
     def hparams(self) -> dict:
-        return {"num_heads": self.num_heads, "num_layers": self.num_layers}
+        return {"num_heads": self.num_heads, "num_layers": self.num_layers, "shared_head": self.shared_head}
 
     def medusa_logits(self, h):
-        """[num_heads, ..., V] from last hidden states h [..., H]."""
+        """[num_heads, ..., V] from last hidden states h [..., H] (V: the draft vocabulary's size - 1 when reduced)."""
+        if self.shared_head:
+            return torch.stack([self.target_logits(head(h)) for head in self.heads])
         return torch.stack([head(h) for head in self.heads])
 
     def chain_logits(self, hidden_states, input_ids, k):
         return self.medusa_logits(hidden_states[-1])[:k]
 
     def forward(self, hidden_states, input_ids, target_logits):
-        return decayed_head_loss(self.medusa_logits(hidden_states[-1]), input_ids, self.decay)
+        return decayed_head_loss(self.medusa_logits(hidden_states[-1]), self.labels(input_ids), self.decay)
 
 
 def decayed_head_loss(logits, input_ids, decay: float):
@@ -85,7 +133,8 @@ def decayed_head_loss(logits, input_ids, decay: float):
     for i in range(logits.shape[0]):
         if t - 2 - i <= 0:
             break
-        ce = F.cross_entropy(logits[i, :, : t - 2 - i].float().reshape(-1, logits.shape[-1]), input_ids[:, 2 + i :].reshape(-1))
+        ce = F.cross_entropy(logits[i, :, : t - 2 - i].float().reshape(-1, logits.shape[-1]), input_ids[:, 2 + i :].reshape(-1),
+                             ignore_index=-100)
         loss = loss + decay**i * ce
         parts[f"ce{i}"] = float(ce.detach())
     return loss, parts
@@ -139,7 +188,7 @@ def window_mask(t: int, window: int, device) -> torch.Tensor:
     return (diff >= 0) & (diff < window)
 
 
-class CloverHeads(nn.Module):
+class CloverHeads(_TargetHead, nn.Module):
     kind = "clover"
 
     def __init__(self, hidden: int, vocab: int, num_heads: int = 4, attn_heads: int = 4, window: int = 64, decay: float = 0.8):
@@ -174,8 +223,7 @@ class CloverHeads(nn.Module):
         return self.decoder(x, mem, mask)
 
     def head_logits(self, i, state):
-        _, lm_head = self._target
-        return lm_head(self.heads[i](state).to(lm_head.weight.dtype))
+        return self.target_logits(self.heads[i](state))
 
     def chain_logits(self, hidden_states, input_ids, k):
         h = hidden_states[-1]
@@ -191,7 +239,7 @@ class CloverHeads(nn.Module):
         return torch.stack(out)
 
     def forward(self, hidden_states, input_ids, target_logits):
-        return decayed_head_loss(self.chain_logits(hidden_states, input_ids, self.num_heads), input_ids, self.decay)
+        return decayed_head_loss(self.chain_logits(hidden_states, input_ids, self.num_heads), self.labels(input_ids), self.decay)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -296,7 +344,7 @@ def rope_frequencies(config, head_dim: int) -> tuple[torch.Tensor, float]:
     return 1.0 / rope_theta(config) ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim), 1.0
 
 
-class EagleHead(nn.Module):
+class EagleHead(_TargetHead, nn.Module):
     kind = "eagle"
 
     def __init__(self, target_config, feature_layers: list[int] | None = None, noise: float = 0.2, ce_weight: float = 0.1,
@@ -354,8 +402,7 @@ class EagleHead(nn.Module):
         return self.layer(x, *self.rope(position_ids), mask, store)
 
     def lm_logits(self, f):
-        _, lm_head = self._target
-        return lm_head(f.to(lm_head.weight.dtype))
+        return self.target_logits(f)
 
     def unrolled(self, hidden_states, input_ids, steps: int, noise: float = 0.0):
         """Predicted features [steps, B, T-1, H]: entry s of step u predicts f_{s+u+1}.
@@ -406,11 +453,23 @@ class EagleHead(nn.Module):
             pred = fh[u, :, :valid]
             true = f[:, 1 + u : 1 + u + valid].to(pred.dtype)
             reg = F.smooth_l1_loss(pred.float(), true.float())
-            p = F.softmax(target_logits[:, 1 + u : 1 + u + valid].float(), -1)
-            ce = -(p * F.log_softmax(self.lm_logits(pred).float(), -1)).sum(-1).mean()
+            log_q = F.log_softmax(self.lm_logits(pred).float(), -1)
+            ce = soft_ce(log_q, target_logits, 1 + u, valid)
             loss = loss + self.decay**u * (self.reg_weight * reg + self.ce_weight * ce)
             parts[f"reg{u}"], parts[f"ce{u}"] = float(reg.detach()), float(ce.detach())
         return loss, parts
+
+
+def soft_ce(log_q, teacher, start: int, n: int):
+    """Cross-entropy of the head's log-probs ``log_q`` [B, n, V] against the teacher at positions
+    start..start+n-1: full logits [B, T, V], or a cached top-k (values, indices) pair over the head's
+    output space, renormalised over its support."""
+    if isinstance(teacher, tuple):
+        values, indices = (t[:, start : start + n] for t in teacher)
+        p = F.softmax(values.float(), -1)
+        return -(p * log_q.gather(-1, indices.long())).sum(-1).mean()
+    p = F.softmax(teacher[:, start : start + n].float(), -1)
+    return -(p * log_q).sum(-1).mean()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -420,7 +479,8 @@ class EagleHead(nn.Module):
 def build_heads(kind: str, target, hp: dict):
     cfg = target.config
     if kind == "medusa":
-        m = MedusaHeads(cfg.hidden_size, cfg.vocab_size, int(hp.get("num_heads", 4)), int(hp.get("num_layers", 1)))
+        m = MedusaHeads(cfg.hidden_size, cfg.vocab_size, int(hp.get("num_heads", 4)), int(hp.get("num_layers", 1)),
+                        shared_head=bool(hp.get("shared_head", False)))
     elif kind == "clover":
         m = CloverHeads(cfg.hidden_size, cfg.vocab_size, int(hp.get("num_heads", 4)), int(hp.get("attn_heads", cfg.num_attention_heads)),
                         int(hp.get("window", 64)))
@@ -441,9 +501,15 @@ def save_heads(heads, out_dir: Path, fingerprint: dict, target_config) -> None:
 
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file({k: v.detach().float().contiguous() for k, v in heads.state_dict().items()}, str(out_dir / "model.safetensors"))
+    extra = {}
+    if heads.d2t is not None:
+        from specdec.models.vocab import DraftVocab
+
+        DraftVocab(heads.d2t.cpu(), target_config.vocab_size).save(out_dir)
+        extra["draft_vocab_size"] = len(heads.d2t)
     write_json(out_dir / "config.json", {
         "kind": heads.kind, "target": fingerprint, "hidden_size": target_config.hidden_size,
-        "vocab_size": target_config.vocab_size, "num_hidden_layers": target_config.num_hidden_layers, **heads.hparams(),
+        "vocab_size": target_config.vocab_size, "num_hidden_layers": target_config.num_hidden_layers, **heads.hparams(), **extra,
     })
 
 
@@ -464,5 +530,10 @@ def _load_heads(artifact_dir: str | Path, target):
                            f"vocabulary {cfg.get('vocab_size')}; this target has {target.config.hidden_size} and {target.config.vocab_size}")
     heads = build_heads(kind, target, cfg)
     heads.load_state_dict(load_weights(artifact_dir))
+    from specdec.models import vocab as draft_vocab
+
+    reduced = draft_vocab.load(artifact_dir)
+    if reduced is not None:
+        heads.set_vocab(reduced)
     p = next(target.parameters())
     return heads.to(device=p.device, dtype=p.dtype).eval().requires_grad_(False).attach(target), cfg

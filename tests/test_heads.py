@@ -203,7 +203,7 @@ def test_dynamic_tree_deepens_once_calibration_sees_an_underconfident_drafter():
             q = torch.full((16,), 0.8 / 15).index_fill_(0, torch.tensor([1]), 0.2)
             return q.log().expand(nodes.shape[0], nodes.shape[1], -1)
 
-    drafter = Fixed(SimpleNamespace(kind="eagle", num_heads=0), None, tree="dynamic", tree_tokens=8, depth=6, top_k=4)
+    drafter = Fixed(SimpleNamespace(kind="eagle", num_heads=0, to_target=lambda idx: idx), None, tree="dynamic", tree_tokens=8, depth=6, top_k=4)
     batch = SimpleNamespace(seqs=[[0]], num_draft=6, device=torch.device("cpu"))
     depths = []
     for _ in range(12):
@@ -267,3 +267,43 @@ def test_eagle_takes_the_targets_rope_scaling(rope):
     cos, sin = ref(x, pos)
     got_cos, got_sin = head.rope(pos)
     assert torch.allclose(got_cos, cos, atol=1e-5) and torch.allclose(got_sin, sin, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_heads_with_a_reduced_draft_vocabulary(workdir, kind):
+    """--draft-vocab N: heads read the target's output layer at the N - 1 most frequent training tokens
+    only (a map in the artifact), learn from the cached teacher (features and top-k over those tokens),
+    propose target ids, and decode exactly as ar."""
+    from specdec.models import vocab as draft_vocab
+    from specdec.models.loading import load_target
+
+    out = workdir / f"{kind}-vocab"
+    extra = {"window": 16} if kind == "clover" else ({"eagle3": True, "feature_layers": "eagle3", "unroll": 2} if kind == "eagle" else {})
+    m = train_heads(kind, workdir / "target", [workdir / "data.jsonl"], out, tiny_cfg(steps=12, lr=1e-2 if kind != "eagle" else 3e-3),
+                    draft_vocab=40, teacher_topk=8, **extra)
+    curve = m["loss_curve"]
+    assert sum(curve[-3:]) / 3 < sum(curve[:3]) / 3
+    assert m["draft_vocab"] == 40 and 0 < m["vocab_coverage_heldout"] <= 1 and m["teacher_s"] >= 0
+    vocab = draft_vocab.load(out)
+    assert vocab.size == 40 and (out / "teacher_cache.safetensors").exists()
+    target, tok, _ = load_target(workdir / "target")
+    drafter = build_drafter(out, target, tok, SimpleNamespace(num_draft=None, tree="static", tree_tokens=10))
+    assert drafter.heads.d2t is not None
+    prompt = tok("the cat sat on the mat and the dog")["input_ids"]
+    res = SpecEngine(target, tok, drafter).generate([GenRequest(prompt_ids=prompt, max_new_tokens=16)])
+    ar = SpecEngine(target, tok, None).generate([GenRequest(prompt_ids=prompt, max_new_tokens=16)])
+    assert res[0].token_ids == ar[0].token_ids
+    assert res[0].stats["drafted_tokens"] > 0
+    # every proposed token is one of the draft vocabulary's
+    allowed = set(vocab.d2t[:-1].tolist())
+    seen = []
+    orig = drafter._grow_static
+
+    def spy(batch, depth):
+        tree = orig(batch, depth)
+        seen.extend(tree.tokens.flatten().tolist())
+        return tree
+
+    drafter._grow_static = spy
+    SpecEngine(target, tok, drafter).generate([GenRequest(prompt_ids=prompt, max_new_tokens=8)])
+    assert seen and set(seen) <= allowed

@@ -3,6 +3,8 @@ export to the methods' public checkpoint layouts."""
 
 from __future__ import annotations
 
+import dataclasses
+import sys
 from pathlib import Path
 
 import torch
@@ -30,7 +32,7 @@ def evaluate_heads(heads, target, heldout, k: int, batch: int = 8, top_k: int = 
             m = torch.zeros(ids.shape[0], t - 1 - k, k, dtype=torch.bool)
             for j in range(k):
                 n = t - 2 - j
-                top = logits[j, :, :n].topk(top_k, -1).indices
+                top = heads.to_target(logits[j, :, :n].topk(top_k, -1).indices)
                 data = ids[:, 2 + j :]
                 hits1[j] += (top[..., 0] == data).sum()
                 hitsk[j] += (top == data[..., None]).any(-1).sum()
@@ -64,10 +66,18 @@ def train_heads(
     cfg: TrainConfig,
     resume: bool = False,
     placement=None,
+    draft_vocab: int | None = None,
+    teacher_cache: str | Path | None = None,
+    teacher_topk: int = 32,
     **hp,
 ) -> dict:
     """Train one head kind on the frozen target; writes the artifact, returns metrics. ``placement``
-    (models.loading.Placement): how the target loads."""
+    (models.loading.Placement): how the target loads. ``draft_vocab`` N: the heads propose only the
+    N - 1 most frequent tokens of the training blocks (``models.vocab``; the target's output layer is
+    read at their rows only). ``teacher_cache``: the target's features and top-k logits over the
+    training blocks are computed once into this file (``train.teacher``; its forward time is charged
+    to the budget) instead of a target forward every step; with ``draft_vocab`` it is always used."""
+    from specdec.train import teacher
     from specdec.train.data import load_blocks, load_teacher
     from specdec.train.loop import make_accelerator
 
@@ -80,10 +90,31 @@ def train_heads(
     fp = tokenizer_fingerprint(tokenizer)
     train, held = load_blocks(data_files, tokenizer, cfg.seq_len, cfg.heldout, cfg.seed)
     torch.manual_seed(cfg.seed)
+    if draft_vocab and kind == "medusa":
+        hp.setdefault("shared_head", True)  # a head's own output layer would have the target's vocabulary
     heads = build_heads(kind, target, hp).attach(target, init_from_lm_head=bool(hp.get("init_from_lm_head", True)))
+    vocab = training_vocab(train, tokenizer, draft_vocab, target.config.vocab_size) if draft_vocab else None
+    if vocab is not None:
+        heads.set_vocab(vocab)
+    cache = None
+    if draft_vocab or teacher_cache:
+        path = Path(teacher_cache) if teacher_cache else out_dir / "teacher_cache.safetensors"
+        layers = [*(heads.feature_layers or []), -1] if kind == "eagle" else [-1]
+        if accelerator.is_main_process:
+            teacher.build(target, train, path, layers, vocab, teacher_topk, console=lambda m: print(m, file=sys.stderr, flush=True))
+        accelerator.wait_for_everyone()
+        cache = teacher.build(target, train, path, layers, vocab, teacher_topk)
+        if cfg.budget_minutes > 0:  # the teacher's forwards are training time: runs compare at equal minutes
+            cfg = dataclasses.replace(cfg, budget_minutes=max(cfg.budget_minutes - teacher.compute_seconds(path) / 60, 0.01))
 
     def loss_fn(model, batch):
         ids = batch["input_ids"]
+        if cache is not None:
+            idx = batch["idx"].cpu()
+            layers = teacher.batch_layers(cache, idx)
+            layers = teacher.HiddenLayers({k: v.to(ids.device) for k, v in layers.layers.items()}, layers.count)
+            top = (cache["values"][idx].to(ids.device), cache["indices"][idx].to(ids.device))
+            return model(layers, ids, top)
         with torch.no_grad():
             out = target(input_ids=ids, output_hidden_states=True)
         # float32 features: a bf16 target on a GPU feeds heads whose weights train in float32
@@ -93,14 +124,47 @@ def train_heads(
     if not result.is_main:
         return {}
     heads = result.model.float().attach(target)
+    if vocab is not None:
+        heads.set_vocab(vocab)
     k = heads.num_heads if kind != "eagle" else int(hp.get("eval_depth", 5))
     metrics = evaluate_heads(heads, target, held, min(k, cfg.seq_len - 3), batch=cfg.batch)
     metrics.update(kind=kind, steps=result.steps, stopped=result.stopped, train_wall_s=round(result.wall_s, 3),
-                   loss_curve=result.losses, final_loss=result.losses[-1] if result.losses else None)
+                   loss_curve=result.losses, final_loss=result.losses[-1] if result.losses else None,
+                   train_tokens=result.steps * cfg.batch * cfg.grad_accum * cfg.seq_len * accelerator.num_processes)
+    if vocab is not None:
+        metrics.update(draft_vocab=vocab.size, vocab_coverage_heldout=heldout_coverage(vocab, held))
+    if cache is not None:
+        metrics["teacher_s"] = round(teacher.compute_seconds(path), 1)
     save_heads(heads, out_dir, fp, target.config)
-    save_config(cfg, out_dir, {"trainer": "heads", "kind": kind, "target": str(target_dir), "data": [str(f) for f in data_files], **hp})
+    save_config(cfg, out_dir, {"trainer": "heads", "kind": kind, "target": str(target_dir), "data": [str(f) for f in data_files],
+                               "draft_vocab": draft_vocab, "teacher_topk": teacher_topk if cache is not None else None, **hp})
     write_json(out_dir / "metrics.json", metrics)
     return metrics
+
+def training_vocab(train, tokenizer, size: int, target_vocab: int):
+    """The ``size``-entry draft vocabulary of the training blocks' most frequent tokens (special tokens first)."""
+    from collections import Counter
+
+    from specdec.models.vocab import most_frequent
+
+    if size < 2 or size > target_vocab:
+        raise UsageError(f"--draft-vocab must be in 2..{target_vocab} (the target's vocabulary), not {size}")
+    counts: Counter = Counter()
+    for i in range(0, len(train), 256):
+        counts.update(train[i : i + 256]["input_ids"].reshape(-1).tolist())
+    special = [t for t in (tokenizer.eos_token_id, tokenizer.bos_token_id, tokenizer.pad_token_id) if t is not None]
+    return most_frequent(counts, size, target_vocab, always=special)
+
+
+def heldout_coverage(vocab, held) -> float | None:
+    """Share of the held-out blocks' tokens inside the draft vocabulary (None without held-out blocks)."""
+    if not len(held):
+        return None
+    ids = held[:]["input_ids"].reshape(-1)
+    inside = torch.zeros(vocab.target_vocab, dtype=torch.bool)
+    inside[vocab.d2t[:-1].cpu()] = True
+    return round(float(inside[ids].float().mean()), 4)
+
 
 # ---------------------------------------------------------------------------------------------
 # Export
