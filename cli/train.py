@@ -84,6 +84,7 @@ def train_draft_cmd(
     lora_save: Annotated[LoraSave, typer.Option("--lora-save", help="merged (plain weights) or adapter (peft adapter folder).")] = LoraSave.merged,
     cache_teacher: Annotated[Optional[bool], typer.Option("--cache-teacher/--no-cache-teacher", help="Compute the target's top-k logits once, on disk, inside the budget (default: the recipe's).")] = None,
     ce_labels: Annotated[Optional[CeLabels], typer.Option("--ce-labels", help="CE term's labels under KD: data (next tokens) or target (the target's greedy tokens). Default: the recipe's.")] = None,
+    draft_vocab: o.DraftVocab = None,
     max_steps: o.MaxSteps = None,
     budget_minutes: o.Budget = None,
     resume: o.Resume = False,
@@ -112,7 +113,7 @@ def train_draft_cmd(
              "ce_labels": ce_labels.value if ce_labels else None}
     knobs = draft_knobs(cfg.extra) | {k: v for k, v in flags.items() if v is not None}
     metrics = train_draft(target, data, out, cfg, init=init, arch=arch, lora=lora, lora_save=lora_save.value, resume=resume,
-                          placement=place, **knobs)
+                          placement=place, draft_vocab=draft_vocab, **knobs)
     _report(metrics, out, ("heldout_ce", "top1_agreement", "expected_tau", "steps", "stopped"))
 
 

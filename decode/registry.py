@@ -75,11 +75,18 @@ def _build_draft(path: Path | str, target, tokenizer, options: DecodeOptions):
         check_fingerprint(tokenizer_fingerprint(load_tokenizer(str(path), options.placement)), actual, f"draft {path}")
     # a matching tokenizer does not make the embedding tables match: a draft with fewer rows would
     # index past its vocabulary on the target's tokens
-    if cfg.get("vocab_size") is not None and cfg.get("vocab_size") != target.config.vocab_size:
+    from specdec.models import vocab as draft_vocab
+
+    reduced = draft_vocab.load(path) if local else None
+    if reduced is not None and reduced.target_vocab != target.config.vocab_size:
+        raise SpecdecError(f"draft {path} maps its vocabulary to one of {reduced.target_vocab} tokens; the target has {target.config.vocab_size}")
+    if reduced is None and cfg.get("vocab_size") is not None and cfg.get("vocab_size") != target.config.vocab_size:
         raise SpecdecError(
             f"draft {path} has vocabulary size {cfg.get('vocab_size')}, the target's is {target.config.vocab_size}"
         )
     model = load_draft(path, options.placement, device=input_device(target), dtype=target.dtype)
+    if reduced is not None:  # a reduced vocabulary's draft: target ids in, logits over the target's vocabulary out
+        model = draft_vocab.MappedVocabLM(model, reduced)
     if options.verify not in ("standard", *TREE_SCHEMES):
         raise UsageError(f"verify must be one of standard, {', '.join(TREE_SCHEMES)}; not {options.verify!r}")
     if options.retrieval:  # RASD: the draft's chain fused with retrieval drafts (decode/retrieval.py)

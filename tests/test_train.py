@@ -434,3 +434,45 @@ def test_weighted_bce_optimum_is_undone_by_log_w():
         opt.step(closure)
         assert torch.sigmoid(z + math.log(6.0)).item() == pytest.approx(y, abs=1e-4)
         assert torch.sigmoid(z).item() < y  # uncorrected, it leans low
+
+
+def test_a_draft_over_a_reduced_vocabulary(workdir):
+    """--draft-vocab N: a small Llama over the N - 1 most frequent training tokens (embedding started from
+    the target's rows), distilled on the cached teacher's top-k over them; decodes exactly as ar, drafting
+    only tokens of its vocabulary; the CLI reaches it."""
+    from specdec.decode.engine import SpecEngine
+    from specdec.decode.options import DecodeOptions
+    from specdec.decode.registry import build_drafter
+    from specdec.decode.types import GenRequest
+    from specdec.models import vocab as draft_vocab
+    from specdec.models.loading import load_target
+    from specdec.train.draft import train_draft
+
+    out = workdir / "draft-vocab"
+    m = train_draft(workdir / "target", [workdir / "data.jsonl"], out, tiny_cfg(steps=12, lr=1e-2),
+                    arch="layers=1,hidden=32,heads=4", kd_weight=0.8, draft_vocab=24, teacher_topk=8)
+    curve = m["loss_curve"]
+    assert sum(curve[-3:]) / 3 < sum(curve[:3]) / 3
+    assert m["draft_vocab"] == 24 and m["vocab_coverage_heldout"] > 0.5 and m["top1_agreement"] > 0
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["vocab_size"] == 24 and cfg["specdec_draft_vocab"] == 24
+    vocab = draft_vocab.load(out)
+    target, tok, _ = load_target(workdir / "target")
+    drafter = build_drafter(str(out), target, tok, DecodeOptions())
+    assert isinstance(drafter.model, draft_vocab.MappedVocabLM)
+    prompts = [tok(t)["input_ids"] for t in ("the cat sat on", "a big red dog ran", "then it was")]
+    reqs = [GenRequest(p, 14) for p in prompts]
+    ar = SpecEngine(target, tok).generate(reqs)
+    spec = SpecEngine(target, tok, drafter, num_draft=3).generate(reqs)
+    assert [r.token_ids for r in spec] == [r.token_ids for r in ar]
+    assert sum(r.stats["drafted_tokens"] for r in spec) > 0
+    with torch.no_grad():
+        logits = drafter.model(input_ids=torch.tensor([prompts[0]])).logits
+    allowed = torch.zeros(target.config.vocab_size, dtype=torch.bool)
+    allowed[vocab.d2t[:-1]] = True
+    assert torch.isinf(logits[..., ~allowed]).all() and torch.isfinite(logits[..., allowed]).all()
+    res = invoke(["train-draft", "--target", workdir / "target", "--data", workdir / "data.jsonl", "--out", workdir / "dv-cli",
+                  "--arch", "layers=1,hidden=32,heads=4", "--draft-vocab", "20", "--max-steps", "2", "--seq-len", "32",
+                  "--batch-size", "4", "--device", "cpu"])
+    assert res.exit_code == 0, res.output
+    assert draft_vocab.load(workdir / "dv-cli").size == 20

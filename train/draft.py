@@ -51,6 +51,40 @@ def parse_arch(spec: str) -> dict:
     return out
 
 
+def new_vocab_draft(target, arch: str, vocab):
+    """A fresh small Llama over the reduced vocabulary ``vocab`` (models.vocab), sized by ``arch``, its
+    embedding (tied to its output layer) started from the target's embedding rows of those tokens
+    projected on their top principal directions: the draft begins knowing which tokens are alike."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from specdec.models.arch import FULL, text_config
+
+    kw = {"num_hidden_layers": 2, "hidden_size": 256, "num_attention_heads": 4}
+    kw.update(parse_arch(arch))
+    kw.setdefault("num_key_value_heads", kw["num_attention_heads"])
+    kw.setdefault("intermediate_size", kw["hidden_size"] * 3)
+    tc = text_config(target.config)
+    rope = dict(getattr(tc, "rope_parameters", None) or {})
+    rope = dict(rope.get(FULL, rope))
+    rope.pop("partial_rotary_factor", None)
+    t2d = vocab.t2d
+    special = {k: int(t2d[v]) for k, v in (("bos_token_id", tc.bos_token_id), ("eos_token_id", tc.eos_token_id),
+                                           ("pad_token_id", getattr(tc, "pad_token_id", None))) if isinstance(v, int)}
+    config = LlamaConfig(vocab_size=vocab.size, max_position_embeddings=getattr(tc, "max_position_embeddings", 2048),
+                         tie_word_embeddings=True, **({"rope_parameters": rope} if rope.get("rope_type") else {}), **special, **kw)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        rows = target.get_input_embeddings().weight.detach().float()[vocab.d2t.to(target.device)].cpu()
+        rows = rows - rows.mean(0)
+        _, _, v = torch.linalg.svd(rows, full_matrices=False)
+        proj = rows @ v[: kw["hidden_size"]].T
+        proj = torch.nn.functional.pad(proj, (0, kw["hidden_size"] - proj.shape[1]))  # fewer directions than its width
+        proj = proj / proj.std() * model.config.initializer_range * 4
+        model.get_input_embeddings().weight.copy_(proj)
+    return model
+
+
 def new_draft(target_config, arch: str):
     """A fresh small causal LM of the target's own architecture, sized by ``arch``: the target's rope
     settings, sliding window and layer-type mix, vocabulary and special tokens. Where that
@@ -92,22 +126,24 @@ def new_draft(target_config, arch: str):
 # Losses
 
 
-def kd_loss(student_logits, input_ids, teacher, kd_weight: float, temperature: float, ce_labels: str = "data"):
+def kd_loss(student_logits, input_ids, teacher, kd_weight: float, temperature: float, ce_labels: str = "data", labels=None):
     """kd_weight * T^2 * KL(p_T || q_T) + (1 - kd_weight) * CE.
 
     ``teacher`` is full logits [B, T, V] or a sparse (values [B, T, k], indices [B, T, k]) pair from
     the disk cache (the KL then runs over the teacher's top-k support, renormalised). The CE term's
     labels are the data's next tokens (``ce_labels="data"``) or the target's greedy choices
     (``"target"``): what a greedy round accepts, at the prompt's positions too.
+    ``labels``: the data's tokens as indices into the student's vocabulary when it is not the input's
+    (a reduced draft vocabulary; -100 outside it, ignored).
     Returns (loss, {"kl": ..., "ce": ...}).
     """
     import torch
     import torch.nn.functional as F
 
     s = student_logits.float()
-    vocab, targets = s.shape[-1], input_ids[:, 1:].reshape(-1)
+    vocab, targets = s.shape[-1], (input_ids if labels is None else labels)[:, 1:].reshape(-1)
     if kd_weight <= 0:
-        ce = F.cross_entropy(s[:, :-1].reshape(-1, vocab), targets)
+        ce = F.cross_entropy(s[:, :-1].reshape(-1, vocab), targets, ignore_index=-100)
         return ce, {"ce": float(ce.detach())}
     t = temperature
     log_q = F.log_softmax(s if t == 1 else s / t, dim=-1)  # one pass over the vocabulary serves CE too when t == 1
@@ -116,7 +152,7 @@ def kd_loss(student_logits, input_ids, teacher, kd_weight: float, temperature: f
         greedy = teacher[1][..., 0] if isinstance(teacher, tuple) else teacher.argmax(-1)
         ce = F.nll_loss(log_q1.reshape(-1, vocab), greedy.reshape(-1).long())
     else:
-        ce = F.nll_loss(log_q1[:, :-1].reshape(-1, vocab), targets)
+        ce = F.nll_loss(log_q1[:, :-1].reshape(-1, vocab), targets, ignore_index=-100)
     if isinstance(teacher, tuple):
         values, indices = teacher
         log_p = F.log_softmax(values.float() / t, dim=-1)
@@ -272,7 +308,8 @@ def evaluate_draft(draft, target, heldout, batch: int = 8, temperature: float = 
             ids = heldout[i : i + batch]["input_ids"].to(target.get_input_embeddings().weight.device)
             q = draft(input_ids=ids).logits.float()
             p = target(input_ids=ids).logits.float()
-            ces.append(F.cross_entropy(q[:, :-1].reshape(-1, q.shape[-1]), ids[:, 1:].reshape(-1), reduction="none"))
+            ce = F.cross_entropy(q[:, :-1].reshape(-1, q.shape[-1]), ids[:, 1:].reshape(-1), reduction="none")
+            ces.append(ce[ce.isfinite()])  # a reduced vocabulary's draft cannot say the others (-inf): left out
             m = q.argmax(-1) == p.argmax(-1)
             agree.append(m.float().flatten())
             greedy.append(m)
@@ -316,6 +353,7 @@ def train_draft(
     ce_labels: str = "data",
     resume: bool = False,
     placement=None,
+    draft_vocab: int | None = None,
 ) -> dict:
     """Train a draft and write its artifact; returns metrics (empty on non-main processes).
     ``placement`` (models.loading.Placement): how the frozen target loads."""
@@ -336,6 +374,8 @@ def train_draft(
         raise UsageError("kd_weight must lie in [0, 1] and temperature be > 0")
     if ce_labels not in ("data", "target"):
         raise UsageError("ce_labels must be data or target")
+    if draft_vocab and (init or lora):
+        raise UsageError("--draft-vocab builds a new draft over the reduced vocabulary: it does not combine with --init or --lora")
     accelerator = make_accelerator(cfg)
     target, tokenizer = load_teacher(target_dir, placement, accelerator)
     fp = tokenizer_fingerprint(tokenizer)
@@ -346,7 +386,16 @@ def train_draft(
         if AutoConfig.from_pretrained(init).vocab_size != target.config.vocab_size:
             raise SpecdecError(f"--init {init} has another vocabulary size than the target")
         draft = trainable_draft(init, placement)
-    else:
+    train, held = load_blocks(data_files, tokenizer, cfg.seq_len, cfg.heldout, cfg.seed)
+    vocab = None
+    if draft_vocab:
+        from specdec.train.heads import training_vocab
+
+        vocab = training_vocab(train, tokenizer, draft_vocab, target.config.vocab_size)
+        torch.manual_seed(cfg.seed)
+        draft = new_vocab_draft(target, arch or "", vocab)
+        cache_teacher = True  # the teacher's logits over the draft's tokens only: a cheap forward, computed once
+    elif not init:
         torch.manual_seed(cfg.seed)
         draft = new_draft(target.config, arch or "")
     if lora:
@@ -361,9 +410,22 @@ def train_draft(
             LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, lora_dropout=0.0, target_modules=targets),
         )
 
-    train, held = load_blocks(data_files, tokenizer, cfg.seq_len, cfg.heldout, cfg.seed)
     cached, cache_s = None, 0.0
-    if cache_teacher and kd_weight > 0:
+    if vocab is not None and kd_weight > 0:
+        from specdec.train import teacher
+
+        path = out_dir / "teacher_cache.safetensors"
+        start = time.perf_counter()
+        if accelerator.is_main_process:
+            teacher.build(target, train, path, [], vocab, min(teacher_topk, vocab.size - 1),
+                          console=lambda m: print(m, file=sys.stderr, flush=True))
+        accelerator.wait_for_everyone()
+        got = teacher.build(target, train, path, [], vocab, min(teacher_topk, vocab.size - 1))
+        cached = {"values": got["values"].to(accelerator.device), "indices": got["indices"].long().to(accelerator.device)}
+        cache_s = time.perf_counter() - start
+        if cfg.budget_minutes > 0:
+            cfg = dataclasses.replace(cfg, budget_minutes=max(cfg.budget_minutes - teacher.compute_seconds(path) / 60, 0.01))
+    elif cache_teacher and kd_weight > 0:
         path = out_dir / "teacher_cache.safetensors"
         start = time.perf_counter()
         if accelerator.is_main_process:
@@ -382,8 +444,18 @@ def train_draft(
         if cfg.budget_minutes > 0:
             cfg = dataclasses.replace(cfg, budget_minutes=max(cfg.budget_minutes - compute_s / 60, 0.01))
 
+    t2d = None if vocab is None else vocab.t2d.to(accelerator.device)
+    labels_map = None
+    if vocab is not None:
+        labels_map = torch.where(t2d == vocab.size - 1, -100, t2d)  # no label outside the draft vocabulary
+
     def loss_fn(model, batch):
         ids = batch["input_ids"]
+        if t2d is not None:
+            logits = model(input_ids=t2d[ids]).logits
+            teacher_top = (cached["values"][batch["idx"]], cached["indices"][batch["idx"]]) if cached is not None else None
+            return kd_loss(logits, ids, teacher_top, kd_weight if teacher_top is not None else 0.0, temperature, ce_labels,
+                           labels=labels_map[ids])
         logits = model(input_ids=ids).logits
         if kd_weight <= 0:
             teacher = None
@@ -398,14 +470,25 @@ def train_draft(
     if not result.is_main:
         return {}
     model = result.model
-    metrics = evaluate_draft(model, target, held, batch=cfg.batch, temperature=temperature)
+    evaluated = model
+    if vocab is not None:
+        from specdec.models.vocab import MappedVocabLM
+
+        evaluated = MappedVocabLM(model, vocab)
+    metrics = evaluate_draft(evaluated, target, held, batch=cfg.batch, temperature=temperature)
     metrics.update(
         kind="draft", kd_weight=kd_weight, temperature=temperature, steps=result.steps, stopped=result.stopped,
         train_wall_s=round(result.wall_s, 3), loss_curve=result.losses, final_loss=result.losses[-1] if result.losses else None,
         processes=accelerator.num_processes, teacher="cached-top%d" % teacher_topk if cached is not None else "on-the-fly",
         teacher_cache_s=round(cache_s, 3), ce_labels=ce_labels if kd_weight > 0 else "data",
+        train_tokens=result.steps * cfg.batch * cfg.grad_accum * cfg.seq_len * accelerator.num_processes,
+        parameters=sum(p.numel() for p in model.parameters()),
     )
-    _save_draft(model, tokenizer, out_dir, fp, lora, lora_save, init)
+    if vocab is not None:
+        from specdec.train.heads import heldout_coverage
+
+        metrics.update(draft_vocab=vocab.size, vocab_coverage_heldout=heldout_coverage(vocab, held))
+    _save_draft(model, tokenizer, out_dir, fp, lora, lora_save, init, vocab)
     save_config(cfg, out_dir, {"trainer": "draft", "target": str(target_dir), "data": [str(f) for f in data_files],
                                "init": str(init) if init else None, "arch": arch, "kd_weight": kd_weight,
                                "temperature": temperature, "lora": lora, "lora_save": lora_save,
@@ -414,7 +497,7 @@ def train_draft(
     return metrics
 
 
-def _save_draft(model, tokenizer, out_dir: Path, fp: dict, lora: bool, lora_save: str, init) -> None:
+def _save_draft(model, tokenizer, out_dir: Path, fp: dict, lora: bool, lora_save: str, init, vocab=None) -> None:
     if lora and lora_save == "merged":
         model = model.merge_and_unload()
     if lora and lora_save == "adapter":
@@ -427,4 +510,7 @@ def _save_draft(model, tokenizer, out_dir: Path, fp: dict, lora: bool, lora_save
     tokenizer.save_pretrained(out_dir)
     config["specdec_kind"] = "draft"
     config["specdec_target"] = fp
+    if vocab is not None:  # a draft over a reduced vocabulary: its ids map to the target's (models.vocab)
+        vocab.save(out_dir)
+        config["specdec_draft_vocab"] = vocab.size
     write_json(out_dir / "config.json", config)
