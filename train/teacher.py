@@ -58,8 +58,13 @@ def build(target, dataset, path: Path, layers: list[int], vocab, top_k: int, bat
     if path.exists():
         try:
             with safe_open(str(path), framework="pt") as fh:
-                if json.loads((fh.metadata() or {}).get("specdec_teacher", "{}")) == key:
-                    return {k: fh.get_tensor(k) for k in fh.keys()} | {"_count": count}
+                stored = json.loads((fh.metadata() or {}).get("specdec_teacher", "{}"))
+                have = {int(x) for x in stored.get("layers", "").split(",") if x}
+                # a cache of more layers serves a drafter that reads fewer (the recipe's drafters share one)
+                if {k: v for k, v in stored.items() if k != "layers"} == {k: v for k, v in key.items() if k != "layers"} \
+                        and set(layers) <= have:
+                    wanted = {f"h{i}" for i in layers} | {"values", "indices"}
+                    return {k: fh.get_tensor(k) for k in fh.keys() if k in wanted} | {"_count": count}
         except Exception:  # a torn or foreign file: recomputed below
             pass
         print(f"teacher cache {path}: computed for other inputs or unreadable; recomputing", file=sys.stderr)
