@@ -122,8 +122,9 @@ def _assert_lossless(env, path):
 # export -> speculators' own classes -> the same proposals
 
 
-@pytest.mark.parametrize("variant", [{}, {"reduced": True}, {"norm_before_residual": True, "fc_norm": True}, {"norm_output": True}],
-                         ids=["full-vocab", "reduced-vocab", "norm-before-residual+fc-norm", "norm-output"])
+@pytest.mark.parametrize("variant", [{}, {"reduced": True}, {"norm_before_residual": True, "fc_norm": True}, {"norm_before_fc": True},
+                                     {"norm_output": True}],
+                         ids=["full-vocab", "reduced-vocab", "norm-before-residual+fc-norm", "norm-before-fc", "norm-output"])
 def test_speculators_loads_the_export_and_proposes_the_same_tokens(env, variant):
     from speculators import Eagle3DraftModel
 
@@ -169,7 +170,8 @@ def test_round_trip_proposes_identically_and_decodes_as_ar(env, kind, to):
     assert _greedy(target, tok, drafter) == _greedy(target, tok, build_drafter(str(art), target, tok, DecodeOptions()))
 
 
-def test_a_checkpoint_speculators_wrote_imports_and_decodes_as_ar(env):
+@pytest.mark.parametrize("layer_type", ["llama", "qwen3"])
+def test_a_checkpoint_speculators_wrote_imports_and_decodes_as_ar(env, layer_type):
     """A draft trained elsewhere: speculators' own Eagle3DraftModel with a reduced vocabulary (d2t/t2d
     from its vocab-mapping builder), saved by speculators, proposes in specdec what it proposes in
     speculators, and decodes losslessly."""
@@ -177,13 +179,14 @@ def test_a_checkpoint_speculators_wrote_imports_and_decodes_as_ar(env):
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
     from speculators.proposals.greedy import GreedyTokenProposalConfig
     from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
-    from transformers import LlamaConfig
+    from transformers import LlamaConfig, Qwen3Config
 
     root, target, tok = env
     tc = target.config
     torch.manual_seed(4)
-    layer = LlamaConfig(vocab_size=tc.vocab_size, hidden_size=tc.hidden_size, intermediate_size=64, num_hidden_layers=1,
-                        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6, max_position_embeddings=256)
+    layer = (LlamaConfig if layer_type == "llama" else Qwen3Config)(
+        vocab_size=tc.vocab_size, hidden_size=tc.hidden_size, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=12, rms_norm_eps=1e-6, max_position_embeddings=256, rope_theta=5000.0)
     layer._attn_implementation = "eager"
     cfg = Eagle3SpeculatorConfig(
         transformer_layer_config=layer, draft_vocab_size=100, norm_before_residual=True, eagle_aux_hidden_state_layer_ids=[1, 2, 3],
@@ -199,16 +202,21 @@ def test_a_checkpoint_speculators_wrote_imports_and_decodes_as_ar(env):
         model.lm_head.weight.copy_(6 * target.get_output_embeddings().weight[t2d])
         model.norm.weight.uniform_(0.5, 1.5)
         model.layers[0].hidden_norm.weight.uniform_(0.5, 1.5)
-    model.save_pretrained(str(root / "spec-native"))
-    assert drafter_kind(str(root / "spec-native")) == "eagle"
-    imported, _ = load_foreign_heads(root / "spec-native", target, tok)
+    if layer_type == "qwen3":
+        with torch.no_grad():
+            model.layers[0].self_attn.q_norm.weight.uniform_(0.5, 1.5)
+    path = root / f"spec-native-{layer_type}"
+    model.save_pretrained(str(path))
+    assert drafter_kind(str(path)) == "eagle"
+    imported, _ = load_foreign_heads(path, target, tok)
+    assert hasattr(imported.layer.self_attn, "q_norm") == (layer_type == "qwen3")
     ids = _text(tok, seed=9)
     mine = _chain(imported, target, ids).argmax(-1)
-    theirs = _speculators_tokens(_speculators_model(root / "spec-native"), target, ids)
+    theirs = _speculators_tokens(_speculators_model(path), target, ids)
     for u in range(STEPS):
         n = ids.shape[1] - 1 - u
         assert torch.equal(theirs[u][:n], mine[u, :n]), u
-    _assert_lossless(env, root / "spec-native")
+    _assert_lossless(env, path)
 
 
 def test_a_specforge_checkpoint_imports_and_decodes_as_ar(env):
@@ -310,3 +318,57 @@ def test_specdec_architecture_heads_are_not_exported_as_published(env, tmp_path)
     assert "--layout published" in line
     line = _one_error_line(invoke(["export", _eagle1(env, "e1-refused"), "--to", "speculators", "--out", tmp_path / "y"]), code=2)
     assert "--to eagle" in line
+
+
+def test_train_heads_layout_published_then_export_for_speculators(tmp_path):
+    """The user's path: train an EAGLE-3 head in the published architecture with specdec, export it,
+    and speculators' classes propose what specdec's head proposes."""
+    from specdec.tests.test_train import make_target_dir, write_decode_output
+
+    make_target_dir(tmp_path / "target", layers=4)
+    write_decode_output(tmp_path / "data.jsonl", n=60)
+    res = invoke(["train-heads", "--kind", "eagle", "--eagle3", "--layout", "published", "--target", tmp_path / "target",
+                  "--data", tmp_path / "data.jsonl", "--out", tmp_path / "e3", "--max-steps", "4", "--batch-size", "4",
+                  "--seq-len", "32", "--unroll", "2"])
+    assert res.exit_code == 0, res.output
+    cfg = json.loads((tmp_path / "e3" / "config.json").read_text())
+    assert cfg["layout"] == "eagle3" and cfg["feature_layers"] == [0, 2, 3]
+    res = invoke(["export", tmp_path / "e3", "--to", "speculators"])
+    assert res.exit_code == 0, res.output
+    target, tok, _ = load_target(tmp_path / "target")
+    head, _ = load_heads(tmp_path / "e3", target)
+    ids = torch.tensor([list(range(5, 29))])
+    chain = _chain(head, target, ids).argmax(-1)
+    theirs = _speculators_tokens(_speculators_model(tmp_path / "e3-speculators"), target, ids)
+    for u in range(STEPS):
+        n = ids.shape[1] - 1 - u
+        assert torch.equal(theirs[u][:n], chain[u, :n]), u
+    out = _greedy(target, tok, build_drafter(str(tmp_path / "e3-speculators"), target, tok, DecodeOptions()))
+    assert out == _greedy(target, tok, None)
+
+
+@pytest.mark.parametrize("flags", [{}, {"norm_output": True, "norm_before_residual": True}], ids=["eagle3", "eagle3.1"])
+def test_the_decode_side_drafter_runs_the_published_head_as_training_does(env, flags):
+    """The EAGLE drafter on a published EAGLE-3 head: its root feature after the prefill is the
+    training-time chain's first step at the prompt's last token (fused layers, the 2H entry, norms)."""
+    from specdec.decode.heads import EagleDrafter
+
+    root, target, tok = env
+    head, _ = load_heads(_eagle3(env, "drafter-" + "-".join(flags), seed=11, **flags), target)
+    roots = []
+
+    class Spy(EagleDrafter):
+        def begin(self, batch, seg):
+            super().begin(batch, seg)
+            roots.append((batch.root.clone(), self.f_root.clone()))
+
+    prompts = make_prompts(2, vocab=len(tok), seed=12)
+    reqs = [GenRequest(prompt_ids=p, max_new_tokens=10) for p in prompts]
+    out = SpecEngine(target, tok, Spy(head, target, tree="static", tree_tokens=8, top_k=2)).generate(reqs)
+    assert [r.token_ids for r in out] == [r.token_ids for r in SpecEngine(target, tok, None).generate(reqs)]
+    first, f_root = roots[0]
+    for row, prompt in enumerate(prompts):
+        ids = torch.tensor([prompt + [int(first[row])]])
+        with torch.no_grad():
+            chain = head.unrolled(target(input_ids=ids, output_hidden_states=True).hidden_states, ids, 1)
+        assert torch.allclose(f_root[row], chain[0, 0, len(prompt) - 1], atol=1e-5)
