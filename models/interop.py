@@ -354,8 +354,11 @@ def _weight_keys(folder: Path) -> set[str]:
 
     keys: set[str] = set()
     for f in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(f), "pt") as fh:
-            keys.update(fh.keys())
+        try:
+            with safe_open(str(f), "pt") as fh:
+                keys.update(fh.keys())
+        except Exception:  # a torn or foreign file: the loader that reads it says what is wrong
+            continue
     return keys
 
 
@@ -379,9 +382,9 @@ def foreign_layout(path: str | os.PathLike, cfg: dict | None = None) -> str | No
     if cfg.get("model_type") == "medusa" or any("Medusa" in a for a in archs):
         return "medusa-vllm"
     if not cfg.get("model_type") and not archs:
-        raise SpecdecError(f"{folder}: unknown drafter layout (config.json names no kind, model_type or architectures; "
-                           "specdec reads its own artifacts, Hugging Face causal LMs, speculators eagle3, EAGLE/EAGLE-3/SpecForge "
-                           "and Medusa checkpoints)")
+        raise SpecdecError(f"{folder}: unknown layout (its config.json names no kind, model_type or architectures; specdec "
+                           "reads its own artifacts, Hugging Face models, and speculators eagle3, EAGLE/EAGLE-3/SpecForge and "
+                           "Medusa drafts)")
     if any("Eagle3" in a for a in archs) or "draft_vocab_size" in cfg:
         return "eagle3"
     if any(a.startswith("Eagle") for a in archs):

@@ -296,7 +296,7 @@ def test_a_folder_of_unknown_layout_is_one_error_line(env, tmp_path):
     odd.mkdir()
     (odd / "config.json").write_text(json.dumps({"heads": 2}))
     save_file({"w": torch.zeros(2)}, str(odd / "model.safetensors"))
-    assert "unknown drafter layout" in _one_error_line(_decode(env, tmp_path, odd))
+    assert "unknown layout" in _one_error_line(_decode(env, tmp_path, odd))
     mtp = tmp_path / "mtp"
     mtp.mkdir()
     (mtp / "config.json").write_text(json.dumps({"speculators_model_type": "mtp"}))
@@ -316,8 +316,9 @@ def test_specdec_architecture_heads_are_not_exported_as_published(env, tmp_path)
     art = _artifact(env, "native-eagle3", build_heads("eagle", target, {"feature_layers": [1, 2, 3]}).attach(target))
     line = _one_error_line(invoke(["export", art, "--to", "speculators", "--out", tmp_path / "x"]))
     assert "--layout published" in line
-    line = _one_error_line(invoke(["export", _eagle1(env, "e1-refused"), "--to", "speculators", "--out", tmp_path / "y"]), code=2)
-    assert "--to eagle" in line
+    e1 = _eagle1(env, "e1-refused")
+    assert "--to eagle" in _one_error_line(invoke(["export", e1, "--to", "speculators", "--out", tmp_path / "y"]), code=2)
+    assert "--to speculators" in _one_error_line(invoke(["export", e1, "--to", "hf", "--out", tmp_path / "z"]), code=2)
 
 
 def test_train_heads_layout_published_then_export_for_speculators(tmp_path):

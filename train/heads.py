@@ -129,6 +129,8 @@ def export_artifact(src: Path, dst: Path, to: str) -> Path:
         raise UsageError(f"--to must be hf, vllm, speculators or eagle, not {to!r}")
     cfg = read_config(src)
     kind = cfg.get("kind")
+    if cfg.get("layout"):
+        raise UsageError(f"{src} is an EAGLE head of the published architecture: export it --to speculators or --to eagle")
     weights = load_weights(src)
     dst.mkdir(parents=True, exist_ok=True)
     if kind == "medusa":
