@@ -49,9 +49,6 @@ from specdec.models.errors import SpecdecError, UsageError
 from specdec.models.heads import DraftLayer, EagleHead, MedusaHeads, _RMSNorm, rope_frequencies
 
 LAYOUTS = ("eagle1", "eagle3")  # published EAGLE architectures specdec trains and runs as heads
-EXPORT_TO = ("speculators", "eagle")
-LAYER_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
-              "max_position_embeddings", "rope_parameters", "attention_bias", "mlp_bias", "hidden_act", "model_type")
 SPECULATORS_VERSION = "0.9.0"  # the release whose loader the exports were checked against
 
 
@@ -651,8 +648,10 @@ def _published(src: Path, to: str):
     return cfg, layout, load_weights(src)
 
 
-def export_speculators(src: str | os.PathLike, dst: str | os.PathLike, speculative_tokens: int = 3) -> Path:
-    """An EAGLE-3 head as a speculators ``eagle3`` checkpoint (config.json + model.safetensors)."""
+def export_speculators(src: str | os.PathLike, dst: str | os.PathLike, speculative_tokens: int | None = None) -> Path:
+    """An EAGLE-3 head as a speculators ``eagle3`` checkpoint (config.json + model.safetensors); its
+    proposal method drafts ``speculative_tokens`` per round (default: the steps the head was trained to
+    unroll, as speculators' own trainer writes its ttt_steps)."""
     from safetensors.torch import save_file
 
     src, dst = Path(src), Path(dst)
@@ -661,6 +660,7 @@ def export_speculators(src: str | os.PathLike, dst: str | os.PathLike, speculati
         raise UsageError(f"--to speculators: {src} is an EAGLE-1 head and speculators {SPECULATORS_VERSION} has only the "
                          "eagle3 EAGLE type (export it --to eagle)")
     layer, vocab, hidden = cfg["layer"], int(cfg["vocab_size"]), int(cfg["layer"]["hidden_size"])
+    speculative_tokens = int(speculative_tokens or cfg.get("unroll") or 3)
     verifier = _verifier(src)
     ids = state.pop("draft_ids", None)  # specdec's artifacts store every tensor as float32 (exact below 2**24)
     d2t, sorted_ids = _sorted_vocab(state, None if ids is None else ids.round().long())

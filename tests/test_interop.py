@@ -83,8 +83,18 @@ def _chain(head, target, ids, steps=STEPS):
         return head.chain_logits(hs, ids, steps)[:, 0].float()
 
 
+def _speculators():
+    """The speculators package: CI installs it (`make venv`: pinned, --no-deps, see the Makefile)."""
+    try:
+        import speculators
+    except ImportError as exc:
+        pytest.fail(f"speculators is not installed ({exc}): `make venv` installs it (constraints-cpu.txt pins it)")
+    return speculators
+
+
 def _speculators_model(path):
     """speculators' own loader; eager attention (its default, flex attention, wants 128-token blocks)."""
+    _speculators()
     from speculators import SpeculatorModel, SpeculatorModelConfig
 
     cfg = SpeculatorModelConfig.from_pretrained(str(path))
@@ -126,7 +136,7 @@ def _assert_lossless(env, path):
                                      {"norm_output": True}],
                          ids=["full-vocab", "reduced-vocab", "norm-before-residual+fc-norm", "norm-before-fc", "norm-output"])
 def test_speculators_loads_the_export_and_proposes_the_same_tokens(env, variant):
-    from speculators import Eagle3DraftModel
+    Eagle3DraftModel = _speculators().Eagle3DraftModel
 
     root, target, tok = env
     name = "e3-" + "-".join(sorted(variant)) if variant else "e3"
@@ -175,6 +185,7 @@ def test_a_checkpoint_speculators_wrote_imports_and_decodes_as_ar(env, layer_typ
     """A draft trained elsewhere: speculators' own Eagle3DraftModel with a reduced vocabulary (d2t/t2d
     from its vocab-mapping builder), saved by speculators, proposes in specdec what it proposes in
     speculators, and decodes losslessly."""
+    _speculators()
     from speculators import SpeculatorsConfig, VerifierConfig
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
     from speculators.proposals.greedy import GreedyTokenProposalConfig
@@ -336,6 +347,8 @@ def test_train_heads_layout_published_then_export_for_speculators(tmp_path):
     assert cfg["layout"] == "eagle3" and cfg["feature_layers"] == [0, 2, 3]
     res = invoke(["export", tmp_path / "e3", "--to", "speculators"])
     assert res.exit_code == 0, res.output
+    spec = json.loads((tmp_path / "e3-speculators" / "config.json").read_text())["speculators_config"]
+    assert spec["proposal_methods"][0]["speculative_tokens"] == 2  # the steps it was trained to unroll
     target, tok, _ = load_target(tmp_path / "target")
     head, _ = load_heads(tmp_path / "e3", target)
     ids = torch.tensor([list(range(5, 29))])
