@@ -15,8 +15,10 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 SCRIPT = ROOT / "scripts" / "benchmarks-doc"
-# options of other programs the README shows specdec running under
-FOREIGN_OPTIONS = {"--num_processes", "--multi_gpu"}
+# options of other programs the README shows specdec running under, or serving its exports
+FOREIGN_OPTIONS = {"--num_processes", "--multi_gpu", "--speculative-config", "--model-path", "--speculative-algorithm",
+                   "--speculative-draft-model-path", "--speculative-num-steps", "--speculative-eagle-topk",
+                   "--speculative-num-draft-tokens"}
 PLACEMENT_USERS = ("decode", "bench", "train-draft", "train-acceptance", "train-heads")
 TRAINERS_WITH_RECIPES = ("train-draft", "train-acceptance", "train-heads")
 OPTION = re.compile(r"(?<![\w-])--[a-z][\w-]*")
@@ -134,7 +136,7 @@ def test_generator_refuses_a_broken_report(tmp_path):
 
 
 def test_readme_is_short(readme):
-    assert len(readme.splitlines()) <= 260
+    assert len(readme.splitlines()) <= 285
 
 
 def test_readme_has_no_development_history(readme):
