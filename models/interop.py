@@ -46,7 +46,7 @@ from torch import nn
 
 from specdec.models.artifacts import load_weights, read_config, write_json
 from specdec.models.errors import SpecdecError, UsageError
-from specdec.models.heads import DraftLayer, EagleHead, MedusaHeads, _RMSNorm, rope_frequencies
+from specdec.models.heads import DraftLayer, EagleHead, MedusaHeads, _RMSNorm, rope_frequencies, soft_ce
 
 LAYOUTS = ("eagle1", "eagle3")  # published EAGLE architectures specdec trains and runs as heads
 SPECULATORS_VERSION = "0.9.0"  # the release whose loader the exports were checked against
@@ -304,10 +304,14 @@ class Eagle3Head(EagleHead):
             valid = t - 1 - u
             if valid <= 0:
                 break
-            tl = target_logits[:, 1 + u : 1 + u + valid].float()
-            if self.draft_ids is not None:
-                tl = tl[..., self.draft_ids]
-            ce = -(F.softmax(tl, -1) * F.log_softmax(self.draft_logits(fh[u, :, :valid]).float(), -1)).sum(-1).mean()
+            log_q = F.log_softmax(self.draft_logits(fh[u, :, :valid]).float(), -1)
+            if isinstance(target_logits, tuple):  # a teacher cache's top-k over the draft vocabulary (train.teacher)
+                ce = soft_ce(log_q, target_logits, 1 + u, valid)
+            else:
+                tl = target_logits[:, 1 + u : 1 + u + valid].float()
+                if self.draft_ids is not None:
+                    tl = tl[..., self.draft_ids]
+                ce = -(F.softmax(tl, -1) * log_q).sum(-1).mean()
             loss = loss + self.decay**u * ce
             parts[f"ce{u}"] = float(ce.detach())
         return loss, parts
@@ -331,8 +335,8 @@ def build_published_eagle(target, hp: dict):
     layers = default_aux_layers(n) if layers in (None, "eagle3") else [int(i) for i in layers]
     if len(set(layers)) != len(layers) or min(layers) < 0 or max(layers) >= n:
         raise UsageError(f"EAGLE-3 feature layers must be distinct target layers 0..{n - 1}, not {layers}")
-    draft_ids = None
-    if hp.get("reduced_vocab"):  # rebuilt from an artifact: the buffer's size comes from its config
+    draft_ids = hp.get("draft_ids")  # a reduced vocabulary being trained: models.vocab's d2t without its unk row
+    if draft_ids is None and hp.get("reduced_vocab"):  # rebuilt from an artifact: the buffer's size comes from its config
         draft_ids = torch.zeros(int(hp["draft_vocab_size"]), dtype=torch.long)
     return Eagle3Head(layer, layers, target_hidden=hp.get("target_hidden_size") or target.config.hidden_size, vocab=vocab,
                       draft_ids=draft_ids, norm_before_residual=bool(hp.get("norm_before_residual")),

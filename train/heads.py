@@ -93,9 +93,13 @@ def train_heads(
     torch.manual_seed(cfg.seed)
     if draft_vocab and kind == "medusa":
         hp.setdefault("shared_head", True)  # a head's own output layer would have the target's vocabulary
-    heads = build_heads(kind, target, hp).attach(target, init_from_lm_head=bool(hp.get("init_from_lm_head", True)))
     vocab = training_vocab(train, tokenizer, draft_vocab, target.config.vocab_size) if draft_vocab else None
-    if vocab is not None:
+    published = kind == "eagle" and bool(hp.get("layout"))
+    if vocab is not None and published:  # the published EAGLE-3 trains its own output layer over the draft's tokens
+        hp["draft_ids"] = vocab.d2t[:-1]
+    heads = build_heads(kind, target, hp).attach(target, init_from_lm_head=bool(hp.get("init_from_lm_head", True)))
+    hp.pop("draft_ids", None)
+    if vocab is not None and not published:
         heads.set_vocab(vocab)
     cache = None
     if draft_vocab or teacher_cache:
@@ -125,7 +129,7 @@ def train_heads(
     if not result.is_main:
         return {}
     heads = result.model.float().attach(target)
-    if vocab is not None:
+    if vocab is not None and not published:
         heads.set_vocab(vocab)
     k = heads.num_heads if kind != "eagle" else int(hp.get("eval_depth", 5))
     metrics = evaluate_heads(heads, target, held, min(k, cfg.seq_len - 3), batch=cfg.batch)
