@@ -297,12 +297,23 @@ def chain_tau(match, ks=TAU_KS) -> dict:
     return {"tau": tau, "alpha": alpha}
 
 
+def eval_batch(batch: int, heldout, target, budget_bytes: float = 1.5e9) -> int:
+    """Held-out blocks per evaluation forward: at most ``batch``, and few enough that one forward's float32
+    logits stay within ``budget_bytes`` (a 262k vocabulary makes 16 blocks of 256 tokens 4.3 GB, several
+    copies of which an evaluation holds at once)."""
+    if not len(heldout):
+        return max(1, batch)
+    seq = int(heldout[0]["input_ids"].shape[-1])
+    return max(1, min(batch, int(budget_bytes // (seq * target.config.vocab_size * 4))))
+
+
 def evaluate_draft(draft, target, heldout, batch: int = 8, temperature: float = 1.0) -> dict:
     """Held-out CE, top-1 agreement with the target, expected tau for K = 1..8 (greedy and T=1)."""
     import torch
     import torch.nn.functional as F
 
     ces, agree, greedy, sampled = [], [], [], []
+    batch = eval_batch(batch, heldout, target)
     with torch.no_grad():
         for i in range(0, len(heldout), batch):
             ids = heldout[i : i + batch]["input_ids"].to(target.get_input_embeddings().weight.device)

@@ -22,6 +22,9 @@ def evaluate_heads(heads, target, heldout, k: int, batch: int = 8, top_k: int = 
     agree = torch.zeros(k)
     count = torch.zeros(k)
     matches = []
+    from specdec.train.draft import eval_batch
+
+    batch = eval_batch(batch, heldout, target, budget_bytes=1e9 / max(k, 1))
     with torch.no_grad():
         for i in range(0, len(heldout), batch):
             ids = heldout[i : i + batch]["input_ids"].to(target.get_input_embeddings().weight.device)

@@ -237,7 +237,8 @@ def run_pretrained(cfg: RecipeConfig, corpus, fam: Path, want: set, force: bool,
             results[name] = {"cached": True}
             continue
         minutes = shares[name] * cfg.shares.get("drafters", 1.0) * budget_s / 60
-        train = config_from_dict({"seq_len": 256, "heldout": 0.02, "seed": cfg.seed, "checkpoint_every": 100,
+        # the budget decides when a drafter stops: the step cap is only a safety net
+        train = config_from_dict({"seq_len": 256, "heldout": 0.02, "seed": cfg.seed, "checkpoint_every": 100, "steps": 100000,
                                   "budget_minutes": minutes, "clock_schedule": True, "progress": console is not None,
                                   **cfg.training, **spec.get("training", {})})
         log(console, f"[bold]{name}[/bold]: training for {minutes:.0f} minutes")
@@ -255,6 +256,9 @@ def run_pretrained(cfg: RecipeConfig, corpus, fam: Path, want: set, force: bool,
                 hp.setdefault("feature_layers", "eagle3")
             results[name] = train_heads(kind, target, files, dest, train, placement=placement, draft_vocab=vocab,
                                         teacher_cache=cache, teacher_topk=topk, charge_teacher=not cache.exists(), **hp)
+        import gc
+
+        gc.collect()  # the teacher cache a trainer read (GBs) goes before the next reads it again
         summary = {k: results[name].get(k) for k in ("expected_tau", "top1_agreement", "top1_agreement_with_target", "steps",
                                                     "train_tokens", "vocab_coverage_heldout") if k in results[name]}
         log(console, f"{name}: {summary}")

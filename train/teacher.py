@@ -37,6 +37,7 @@ def teacher_key(target, dataset, top_k: int, layers: list[int], vocab) -> dict:
 
     key = teacher_cache_key(target, dataset, top_k)
     key["layers"] = ",".join(map(str, layers))
+    key["hidden_dtype"] = "bfloat16"
     key["vocab"] = "full" if vocab is None else hashlib.sha256(vocab.d2t.cpu().numpy().tobytes()).hexdigest()[:16]
     return key
 
@@ -80,8 +81,8 @@ def build(target, dataset, path: Path, layers: list[int], vocab, top_k: int, bat
             ids = dataset[i : i + batch]["input_ids"].to(device)
             res = base(input_ids=ids, output_hidden_states=True)
             hs = res.hidden_states
-            for j in layers:
-                out[f"h{j}"].append(hs[j].half().cpu())
+            for j in layers:  # bf16: Gemma's residual stream reaches past fp16's 65504 in its middle layers
+                out[f"h{j}"].append(hs[j].to(torch.bfloat16).cpu())
             logits = F.linear(hs[-1], rows).float()
             v, ix = logits.topk(top_k, dim=-1)
             out["values"].append(v.half().cpu())
