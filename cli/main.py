@@ -108,9 +108,9 @@ def decode(
     prefill_chunk: Annotated[int, typer.Option("--prefill-chunk", min=0, help="Continuous batching: an admitted record's prompt is prefilled N tokens a round inside the running batch's verify forwards (SARATHI; more when the verify forward is wider) instead of in a forward of its own (0).")] = 0,
 ) -> None:
     """Decode a JSONL file of prompts: one output line per input line, in order, resumable."""
-    from specdec.decode.job import print_summary, run_decode_job, validate_paths
+    from specdec.decode.jobs.job import print_summary, run_decode_job, validate_paths
     from specdec.decode.options import DecodeOptions
-    from specdec.decode.validate import validate_options
+    from specdec.decode.jobs.validate import validate_options
 
     console = _console()
     opts = DecodeOptions(
@@ -124,7 +124,7 @@ def decode(
     )
     validate_options(opts)
     if max_memory is not None:
-        from specdec.decode.memory import parse_size
+        from specdec.decode.jobs.memory import parse_size
 
         parse_size(max_memory)  # a bad size is a usage error before any model loads
     opts.placement  # validates device, dtype and attention before anything loads
@@ -160,10 +160,10 @@ def bench(
     compile: o.Compile = False,
 ) -> None:
     """Benchmark methods against plain decoding (and transformers' own) in one process, on the same prompts."""
-    from specdec.decode.bench import BenchConfig, render, run_bench
-    from specdec.decode.job import validate_output_path
+    from specdec.bench.bench import BenchConfig, render, run_bench
+    from specdec.decode.jobs.job import validate_output_path
     from specdec.decode.options import DecodeOptions
-    from specdec.decode.report import cli_command
+    from specdec.bench.report import cli_command
     from specdec.examples import example_path
 
     console = _console()
@@ -208,7 +208,7 @@ def recipe_run(
     """Build a model family into $SPECDEC_HOME/<name>/ (cached members are kept)."""
     import json
 
-    from specdec.decode.report import cli_command
+    from specdec.bench.report import cli_command
     from specdec.train.recipe import STAGES, run_recipe
 
     bad = sorted(set(only or []) - set(STAGES))
@@ -227,7 +227,7 @@ def recipe_export(
     members: Annotated[Optional[str], typer.Option("--members", help="Comma-separated members to ship (default: the recipe's export.members).")] = None,
 ) -> None:
     """Ship a built family: bf16 safetensors in files under the recipe's size cap, and a model card (README.md)."""
-    from specdec.decode.report import cli_command
+    from specdec.bench.report import cli_command
     from specdec.train.recipe import export_recipe
 
     shipped = export_recipe(name, out, [m for m in members.split(",") if m] if members else None, command=cli_command())

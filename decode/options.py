@@ -29,20 +29,20 @@ class DecodeOptions:
     # samples per record (T > 0 only), decoded as rows of one job that drafters may share state between
     num_samples: int = 1
     batch_size: int = 8
-    # a memory budget as written ("4GiB"): decode fits batch size and draft width into it (decode/memory.py)
+    # a memory budget as written ("4GiB"): decode fits batch size and draft width into it (decode/jobs/memory.py)
     max_memory: str | None = None
     schedule: str = "auto"  # one of SCHEDULES
     # continuous batching: prompt tokens an admitted record prefills per round inside the verify forwards
     # (SARATHI); 0 prefills it in a forward of its own
     prefill_chunk: int = 0
-    # decode steps compiled against preallocated key/value buffers (decode/compiled.py)
+    # decode steps compiled against preallocated key/value buffers (decode/engine/compiled.py)
     compile: bool = False
     # a prompt prefix every record shares, prefilled once for the job: "auto" (detected), "off", or a file of its text
     shared_prefix: str = "auto"
     stop: list = field(default_factory=list)
     # adaptive draft length (SpecDec++)
     acceptance: str | None = None
-    # None: the acceptance artifact's default policy for the decode mode (decode/adaptive.resolve_policies)
+    # None: the acceptance artifact's default policy for the decode mode (decode/drafters/adaptive.resolve_policies)
     stop_threshold: float | None = None
     min_draft: int | None = None
     max_draft: int | None = None
@@ -51,13 +51,13 @@ class DecodeOptions:
     tree_tokens: int | None = None
     top_k: int | None = None  # children per expanded node (static: per head/depth; dynamic: frontier width)
     # how a draft model's samples are verified: "standard" (a chain), "rsd" or "spectr" (a tree of
-    # --top-k siblings per draft step; decode/verify.verify_tree_drafted)
+    # --top-k siblings per draft step; decode/engine/verify.verify_tree_drafted)
     verify: str = "standard"
-    # online speculative decoding (decode/online.py): distil the draft model on the job's own rounds,
+    # online speculative decoding (decode/drafters/online.py): distil the draft model on the job's own rounds,
     # an update every online_every verification rounds
     online: bool = False
     online_every: int = 8
-    # PEARL (decode/pearl.py): the draft model drafts the next block while the target verifies this one
+    # PEARL (decode/drafters/pearl.py): the draft model drafts the next block while the target verifies this one
     parallel: bool = False
     # with parallel: the target tests the first draft while the draft draws the rest (PEARL's pre-verify)
     pre_verify: bool = False

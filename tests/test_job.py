@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import invoke
 
-from specdec.decode.io import repair_and_scan
+from specdec.decode.jobs.io import repair_and_scan
 
 
 def write_jsonl(path: Path, rows: list) -> Path:

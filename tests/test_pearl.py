@@ -1,4 +1,4 @@
-"""PEARL (decode/pearl.py): the draft drafts the next block in a thread of its own while the target
+"""PEARL (decode/drafters/pearl.py): the draft drafts the next block in a thread of its own while the target
 verifies, optionally the target tests the first draft while the draft draws the rest (pre-verify),
 and decoding stays lossless.
 
@@ -22,14 +22,15 @@ import time
 import pytest
 import torch
 from conftest import ByteTokenizer, invoke, make_prompts, tiny_llama
-from specdec.decode import engine as engine_module
-from specdec.decode import pearl
-from specdec.decode.drafters import ModelDrafter, NoDrafter, Proposal
-from specdec.decode.engine import SpecEngine
+from specdec.decode.engine import loop as engine_module
+from specdec.decode.drafters import pearl
+from specdec.decode.drafters.draft_model import ModelDrafter
+from specdec.decode.drafters.base import NoDrafter, Proposal
+from specdec.decode.engine.loop import SpecEngine
 from specdec.decode.options import DecodeOptions, parse_method
-from specdec.decode.pearl import ParallelDrafter
-from specdec.decode.types import GenRequest
-from specdec.decode.verify import Sampling, Verdict, logits_to_probs
+from specdec.decode.drafters.pearl import ParallelDrafter
+from specdec.decode.engine.types import GenRequest
+from specdec.decode.engine.verify import Sampling, Verdict, logits_to_probs
 from test_sampling import P_FLOOR, chi2_pvalue
 
 
@@ -221,7 +222,7 @@ def test_sampling_follows_the_target_distribution(variant, monkeypatch):
 def test_the_draft_cache_is_never_touched_by_two_threads(target, twin, monkeypatch):
     """Every cache operation holds a lock it must get at once; each forward sleeps a little so an
     overlap, were there one, would be caught."""
-    from specdec.decode.cache import KVState
+    from specdec.decode.engine.cache import KVState
 
     lock, overlaps, threads = threading.Lock(), [], set()
     drafter = ParallelDrafter(twin)
@@ -349,7 +350,7 @@ def test_block_length_follows_the_time_the_target_leaves_the_draft(target, adapt
 def test_method_spec_and_flag_build_the_parallel_drafter(tiny_family, tmp_path):
     import json
 
-    from specdec.decode.registry import build_drafter, check_drafter_options, load_decode_target
+    from specdec.decode.drafters.registry import build_drafter, check_drafter_options, load_decode_target
     from specdec.models.errors import UsageError
 
     head, overrides = parse_method("draft+parallel=1+k=3")
@@ -541,7 +542,7 @@ def test_pre_verify_sampling_follows_the_target_distribution(variant, monkeypatc
 
 
 def test_pre_verify_method_option(tiny_family):
-    from specdec.decode.registry import build_drafter, check_drafter_options, load_decode_target
+    from specdec.decode.drafters.registry import build_drafter, check_drafter_options, load_decode_target
     from specdec.models.errors import UsageError
 
     head, overrides = parse_method("draft+parallel=1+pre-verify=1+k=3")

@@ -10,9 +10,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from specdec.models.artifacts import artifact_kind
-from specdec.decode.diffusion import DiffusionGenerator
+from specdec.decode.diffusion.generator import DiffusionGenerator
 from specdec.models.dllm import load_dllm, load_filter
-from specdec.decode.types import GenRequest
+from specdec.decode.engine.types import GenRequest
 from specdec.train.dllm import (
     CertaintyForcingCollate,
     DllmTrainConfig,
@@ -23,7 +23,7 @@ from specdec.train.dllm import (
 )
 from specdec.train.filter import train_filter
 from specdec.train.prompts import code_prompts
-from specdec.decode.diffusion_bench import first_line_matches
+from specdec.bench.diffusion_bench import first_line_matches
 from specdec.train.listtasks import OPERATIONS, WORDS, list_tasks
 
 TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
@@ -260,8 +260,8 @@ def test_cli_train_dllm_and_errors(tmp_path, ar_dir):
 
 
 def test_bench_reports_every_method(dllm, tmp_path):
-    from specdec.decode.diffusion_bench import bench_diffusion, render_table
-    from specdec.decode.report import plot
+    from specdec.bench.diffusion_bench import bench_diffusion, render_table
+    from specdec.bench.report import plot
 
     out, _ = dllm
     train_filter(out, [t.prompt for t in list_tasks(4, seed=1)], tmp_path / "filter", gen_length=16, block_size=8, max_steps=20)

@@ -31,12 +31,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from specdec.decode.diffusion import DiffusionGenerator
+from specdec.decode.diffusion.generator import DiffusionGenerator
 from specdec.models.artifacts import read_config, tokenizer_fingerprint, write_json
 from specdec.models.dllm import DllmSpec, dllm_attention, encode_prompt, model_mask
 from specdec.models.errors import SpecdecError
 from specdec.train.prompts import code_prompts
-from specdec.decode.types import GenRequest
+from specdec.decode.engine.types import GenRequest
 
 # every linear layer but the output head, whatever the architecture calls them (peft resolves it)
 LORA_TARGETS = "all-linear"

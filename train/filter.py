@@ -18,11 +18,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from specdec.decode.diffusion import DiffusionGenerator
+from specdec.decode.diffusion.generator import DiffusionGenerator
 from specdec.models.artifacts import tokenizer_fingerprint, write_json
 from specdec.models.dllm import ConfidenceFilter, encode_prompt, load_dllm, save_filter
 from specdec.models.errors import SpecdecError
-from specdec.decode.types import GenRequest
+from specdec.decode.engine.types import GenRequest
 from specdec.train.dllm import curve_summary
 
 

@@ -41,8 +41,8 @@ import math
 
 import torch
 
-from specdec.decode.drafters import Drafter, Proposal, Segment, tree_proposal
-from specdec.decode.verify import logits_to_probs
+from specdec.decode.drafters.base import Drafter, Proposal, Segment, tree_proposal
+from specdec.decode.engine.verify import logits_to_probs
 
 
 class StandTable:

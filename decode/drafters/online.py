@@ -10,7 +10,7 @@ the draft's weights mid-job changes speed only. What must stay right is internal
   * training runs on a separate trainable copy made at construction (outside inference mode; the
     decode loop runs under ``torch.inference_mode``, whose tensors autograd refuses), on cloned
     data, and the result is copied into the drafting weights in place;
-  * the lean forward (decode/lean.py) caches fused q/k/v and gate/up weights and rebuilds them when
+  * the lean forward (decode/engine/lean.py) caches fused q/k/v and gate/up weights and rebuilds them when
     a source weight's ``_version`` moved: in-place ``copy_`` bumps it, and a new ``KVState`` asks
     ``lean_step`` again, so the rebuilt cache below runs on the new weights;
   * the draft's KV cache holds keys computed by the old weights: after an update it is dropped and
@@ -25,8 +25,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from specdec.decode.cache import KVState
-from specdec.decode.drafters import ModelDrafter, Segment
+from specdec.decode.engine.cache import KVState
+from specdec.decode.drafters.draft_model import ModelDrafter
+from specdec.decode.drafters.base import Segment
 
 
 @dataclass

@@ -21,9 +21,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specdec.decode.diffusion import generator_from_options
-from specdec.decode.engine import SpecEngine
-from specdec.decode.io import (
+from specdec.decode.diffusion.generator import generator_from_options
+from specdec.decode.engine.loop import SpecEngine
+from specdec.decode.jobs.io import (
     JsonlWriter,
     OutputLock,
     OutputWriteError,
@@ -34,9 +34,9 @@ from specdec.decode.io import (
     read_records,
 )
 from specdec.decode.options import SCHEDULES, DecodeOptions
-from specdec.decode.registry import build_drafter, check_drafter_options, kernel_backend, load_decode_target
-from specdec.decode.types import GenRequest, add_counts
-from specdec.decode.verify import Sampling
+from specdec.decode.drafters.registry import build_drafter, check_drafter_options, kernel_backend, load_decode_target
+from specdec.decode.engine.types import GenRequest, add_counts
+from specdec.decode.engine.verify import Sampling
 from specdec.models.artifacts import artifact_kind, read_config
 from specdec.models.errors import SpecdecError, UsageError
 from specdec.models.loading import input_device, resolve_source
@@ -308,10 +308,10 @@ class Decoder:
 
 
 def _fit_memory(options: DecodeOptions, model, drafter, max_context: int) -> DecodeOptions:
-    """The options with batch size and draft width fitted to ``--max-memory`` (decode/memory.py), the
+    """The options with batch size and draft width fitted to ``--max-memory`` (decode/jobs/memory.py), the
     choice said once on stderr. Rows are costed at the model's whole context: the job has not read
     its prompts yet, and any prompt up to the context is accepted."""
-    from specdec.decode.memory import fit, memory_model, parse_size
+    from specdec.decode.jobs.memory import fit, memory_model, parse_size
 
     budget = parse_size(options.max_memory)
     mm = memory_model(model, drafter, max_context, options.max_new_tokens)
@@ -502,7 +502,7 @@ def run_decode_job(
     the records already decoded are durable; ``StrictStop`` (3) where ``--strict`` stopped;
     ``OutputWriteError`` (1) when the output cannot be written (disk full).
     """
-    from specdec.decode.validate import validate_options
+    from specdec.decode.jobs.validate import validate_options
 
     validate_options(options)
     validate_paths(in_path, out_path)

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from specdec.decode.cache import SlotBook, left_pad
-from specdec.decode.drafters import Drafter, Proposal, Segment, TreeTemplate
+from specdec.decode.engine.cache import SlotBook, left_pad
+from specdec.decode.drafters.base import Drafter, Proposal, Segment, TreeTemplate
 from specdec.models.artifacts import check_fingerprint, read_config, tokenizer_fingerprint
 from specdec.models.errors import SpecdecError
 from specdec.models.heads import load_heads

@@ -27,12 +27,12 @@ from typing import Iterable, Iterator
 import torch
 import torch.nn.functional as F
 
-from specdec.decode import hydragen
-from specdec.decode.cache import KVState, left_pad
-from specdec.decode.length import DraftLength
-from specdec.decode.drafters import Drafter, NoDrafter, Proposal, Segment, admits, tree_attention_from_parents
-from specdec.decode.types import GenRequest, GenResult
-from specdec.decode.verify import Sampling, Verdict, verify_chain, verify_tree, verify_tree_drafted
+from specdec.decode.engine import hydragen
+from specdec.decode.engine.cache import KVState, left_pad
+from specdec.decode.engine.length import DraftLength
+from specdec.decode.drafters.base import Drafter, NoDrafter, Proposal, Segment, admits, tree_attention_from_parents
+from specdec.decode.engine.types import GenRequest, GenResult
+from specdec.decode.engine.verify import Sampling, Verdict, verify_chain, verify_tree, verify_tree_drafted
 from specdec.models import head, threads
 from specdec.models.errors import SpecdecError
 
@@ -48,7 +48,7 @@ class Batch:
     device: torch.device
     num_draft: int
     rows: list[int] = field(default_factory=list)  # original request index of each active row
-    compile: bool = False  # decode steps run compiled (decode.compiled): drafters' own caches too
+    compile: bool = False  # decode steps run compiled (decode.engine.compiled): drafters' own caches too
     groups: list[int | None] = field(default_factory=list)  # each active row's ``GenRequest.group``
     references: list[list[int] | None] = field(default_factory=list)  # each active row's ``GenRequest.reference``
 
@@ -108,7 +108,7 @@ class SpecEngine:
         self.drafter = drafter or NoDrafter()
         self.sampling = sampling or Sampling()
         self.num_draft = self.drafter.default_k if num_draft is None else num_draft
-        # chain lengths chosen each round by measured forward costs and acceptance (decode.length): on a
+        # chain lengths chosen each round by measured forward costs and acceptance (decode.engine.length): on a
         # CPU, where a wider verify forward costs more, and only when the user fixed no --num-draft
         policy = self.drafter.length_policy
         on_cpu = next(target.parameters()).device.type == "cpu"
@@ -251,7 +251,7 @@ class SpecEngine:
         return batch
 
     def _trim(self, proposal: Proposal) -> Proposal | None:
-        """The proposal with each row's chain cut to the length decode.length chooses for it (None when
+        """The proposal with each row's chain cut to the length decode.engine.length chooses for it (None when
         every row is cut to nothing: the round is a plain step)."""
         n = proposal.tokens.shape[1]
         have = proposal.lengths.tolist() if proposal.lengths is not None else [n] * proposal.tokens.shape[0]
@@ -308,7 +308,7 @@ class SpecEngine:
         keep_all = getattr(self.drafter, "needs_prefill_logits", False)
         if prefix:
             # the shared prefix's keys and values are computed once, and held once for every row
-            # (decode.hydragen) or copied to each; each row's suffix follows it (left-padded among the
+            # (decode.engine.hydragen) or copied to each; each row's suffix follows it (left-padded among the
             # suffixes: holes between prefix and suffix)
             head, head_seg = self._prefix_state(prefix, keep_all)
             state = head.share(bsz) if self._hydragen() else head.repeat(bsz)
@@ -377,7 +377,7 @@ class SpecEngine:
         return prompts[0][:n] if n >= self.min_shared else []
 
     def _hydragen(self) -> bool:
-        """Whether rows hold a shared prefix once (decode.hydragen) rather than a copy each: where the
+        """Whether rows hold a shared prefix once (decode.engine.hydragen) rather than a copy each: where the
         target's attention allows it."""
         if self._prefix_held_once is None:
             self._prefix_held_once = hydragen.enable(self.target, self.kernels)

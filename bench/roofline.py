@@ -16,6 +16,8 @@ import time
 
 import torch
 
+from specdec.decode.jobs.memory import kv_bytes_per_token, param_bytes
+
 # nominal HBM bandwidth, bytes/s, of GPUs by their device name (a substring)
 NOMINAL_BANDWIDTH = {
     "H200": 4.8e12,
@@ -59,11 +61,6 @@ def peak_bandwidth(device, megabytes: int = 512, repeats: int = 5) -> float:
     return 2 * n * 4 / statistics.median(times)
 
 
-def param_bytes(model) -> int:
-    """Bytes of the weights the model holds."""
-    return sum(p.numel() * p.element_size() for p in model.parameters())
-
-
 def weight_bytes_read(model) -> int:
     """Bytes of the weights a forward reads: all of them but the input embedding table, of which a
     forward reads only its tokens' rows (a table tied to the output projection is read whole there)."""
@@ -73,17 +70,6 @@ def weight_bytes_read(model) -> int:
     if embed is not None and (out is None or out.weight is not embed.weight):
         total -= embed.weight.numel() * embed.weight.element_size()
     return total
-
-
-def kv_bytes_per_token(model) -> int:
-    """Bytes of keys and values one token adds to the cache, over every layer."""
-    cfg = model.config
-    layers = int(getattr(cfg, "num_hidden_layers", 0) or 0)
-    heads = int(getattr(cfg, "num_attention_heads", 1) or 1)
-    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
-    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
-    element = next(model.parameters()).element_size()
-    return 2 * layers * kv_heads * head_dim * element
 
 
 def bytes_read(stats: list[dict], prompt_lens: list[int], batch_size: int, model, draft=None) -> dict:

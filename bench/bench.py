@@ -1,9 +1,9 @@
 """``specdec bench``: every method on the same prompts, in one process, after warm-up.
 
 Speedup is tokens/s of a method over tokens/s of ``ar`` measured in the same run, timed as every
-bench times (``decode.timing``): each of the ``--repeats R`` passes decodes every prompt with every
+bench times (``bench.timing``): each of the ``--repeats R`` passes decodes every prompt with every
 method, interleaved batch by batch, and the speedup is the median over passes of the ratio to that
-pass's ``ar``. A dLLM target runs the diffusion bench (``decode.diffusion_bench``). tau counts the
+pass's ``ar``. A dLLM target runs the diffusion bench (``bench.diffusion_bench``). tau counts the
 bonus token (tokens per target forward). Beside every speedup: the distinct-4-gram ratio of the
 outputs (repetition inflates speedups) and the ideal speedup S = tau / (c_round + v) from measured
 forward costs, where c_round is the drafting cost of one round and v the cost of the verification
@@ -15,7 +15,7 @@ Memory: on CUDA, ``peak_mib`` is the most memory allocated while the method's ti
 peak counter reset before each chunk, the max over the run; whatever else is resident, the target's
 weights included, counts too). A CPU process's peak RSS cannot be split between interleaved methods,
 so the config holds the run's ``peak_rss_mib`` and ``peak_mib`` is None there. ``kv_estimate_mib``, on
-every device, is an ESTIMATE from ``decode.memory``'s model, not a measurement: the KV caches, verify
+every device, is an ESTIMATE from ``decode.jobs.memory``'s model, not a measurement: the KV caches, verify
 logits and hidden states of one batch of rows at the longest prompt of the run, weights excluded.
 """
 
@@ -33,17 +33,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdec.decode import diffusion_bench
-from specdec.decode.io import read_records
-from specdec.decode.job import is_diffusion_model, shared_prefix_tokens
-from specdec.decode.memory import draft_width, memory_model
+from specdec.bench import diffusion_bench
+from specdec.decode.jobs.io import read_records
+from specdec.decode.jobs.job import is_diffusion_model, shared_prefix_tokens
+from specdec.decode.jobs.memory import draft_width, memory_model
 from specdec.decode.options import DecodeOptions, parse_method
-from specdec.decode.registry import build_drafter, kernel_backend, load_decode_target
-from specdec.decode.roofline import nominal_bandwidth, peak_bandwidth, roofline
-from specdec.decode.report import plot, provenance, shown_path
-from specdec.decode.timing import Run, Runner, run_passes, speedup, tokens_per_s
-from specdec.decode.types import GenRequest, add_counts
-from specdec.decode.validate import check_num_samples
+from specdec.decode.drafters.registry import build_drafter, kernel_backend, load_decode_target
+from specdec.bench.roofline import nominal_bandwidth, peak_bandwidth, roofline
+from specdec.bench.report import plot, provenance, shown_path
+from specdec.bench.timing import Run, Runner, run_passes, speedup, tokens_per_s
+from specdec.decode.engine.types import GenRequest, add_counts
+from specdec.decode.jobs.validate import check_num_samples
 from specdec.models.artifacts import resolve_member
 from specdec.models.errors import SpecdecError, UsageError
 from specdec.models.threads import torch_default
@@ -146,8 +146,8 @@ def _prepare_method(spec: str, model, tok, prompts, base: DecodeOptions, warmup:
     """Build the method and warm it up."""
     if spec.startswith("hf-"):
         return _Prepared(_prepare_peer(spec, model, tok, prompts, base, warmup))
-    from specdec.decode.engine import SpecEngine
-    from specdec.decode.verify import Sampling
+    from specdec.decode.engine.loop import SpecEngine
+    from specdec.decode.engine.verify import Sampling
 
     name, overrides = parse_method(spec)
     opts = base.with_overrides(overrides)
@@ -343,7 +343,7 @@ def time_forward(model, prefix: list[int], t: int, repeats: int, batch_size: int
     holding ``prefix``, run as the engine runs it (``KVState``: compiled steps with ``compile``, a
     draft's lean forward with ``lean``), after three warm-up forwards. The forward is not committed,
     so every repeat writes the same slots."""
-    from specdec.decode.cache import KVState
+    from specdec.decode.engine.cache import KVState
 
     device = next(model.parameters()).device
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)  # time the kernels, not their launch
@@ -475,7 +475,7 @@ def table(report: dict):
             fmt(m.get("peak_mib"), 1), fmt(m.get("kv_estimate_mib"), 2),
         )
     if cfg.get("peak_rss_mib") is not None:
-        main.caption = f"process peak RSS {cfg['peak_rss_mib']} MiB; KV est. = decode.memory's estimate for one batch of rows, not measured"
+        main.caption = f"process peak RSS {cfg['peak_rss_mib']} MiB; KV est. = decode.jobs.memory's estimate for one batch of rows, not measured"
     parts = [main]
     depth = max((len(m.get("acceptance_by_position", [])) for m in report["methods"]), default=0)
     if depth:

@@ -29,14 +29,17 @@ propose (a set new to a running batch starts with ``fed = 0`` and prefills every
 
 from __future__ import annotations
 
+import copy
 import random
 from collections import OrderedDict
 
 import torch
 
-from specdec.decode.cache import KVState
-from specdec.decode.drafters import Drafter, ModelDrafter, Proposal, Segment, layer_skip_view, middle_layers
+from specdec.decode.engine.cache import KVState
+from specdec.decode.drafters.base import Drafter, Proposal, Segment
+from specdec.decode.drafters.draft_model import ModelDrafter
 from specdec.models import arch
+from specdec.models.errors import UsageError
 
 
 class ConfidenceDrafter(ModelDrafter):
@@ -221,8 +224,6 @@ class SwiftDrafter(Drafter):
 
 def build_swift(spec: str, target, tokenizer, options) -> SwiftDrafter:
     """Factory for ``--drafter swift[:CONFIDENCE]`` (the early-stop threshold, default 0.6)."""
-    from specdec.models.errors import UsageError
-
     _, _, arg = spec.partition(":")
     try:
         confidence = float(arg) if arg else 0.6
@@ -230,7 +231,172 @@ def build_swift(spec: str, target, tokenizer, options) -> SwiftDrafter:
         raise UsageError(f"swift:{arg}: the confidence threshold must be a number in [0, 1]") from None
     if not 0.0 <= confidence <= 1.0:
         raise UsageError(f"swift:{arg}: the confidence threshold must be in [0, 1]")
-    from specdec.decode.drafters import search_layerskip
 
     return SwiftDrafter(target, confidence=confidence, seed=getattr(options, "seed", 0) or 0,
                         start=search_layerskip(target, tokenizer))
+
+
+# -- layer-skip views (layerskip, SWIFT's drafts) -----------------------------------------------
+
+
+def layer_skip_view(model, skip: list[int]):
+    """The target with some decoder layers skipped, sharing all weights (SWIFT / Draft&Verify).
+
+    Shallow copies only: the modules from the model down to its layer list, and each kept layer and
+    its attention, which is re-indexed so the view has a cache of its own. The view's config (every
+    copied module's) lists only the kept layers, their layer types included.
+    """
+    parent, name, layers = arch.decoder_layers(model)
+    keep = [i for i in range(len(layers)) if i not in set(skip)]
+    if not keep or len(keep) == len(layers):
+        raise UsageError(f"layerskip must skip some but not all of the {len(layers)} layers (asked to skip {sorted(set(skip))})")
+    config = copy.deepcopy(model.config)
+    config.num_hidden_layers = len(keep)
+    if getattr(config, "layer_types", None):
+        config.layer_types = [config.layer_types[i] for i in keep]
+    index_attr = arch.layer_index_attr(config)
+    new_layers = []
+    for new_idx, old_idx in enumerate(keep):
+        layer = _shallow(layers[old_idx])
+        attn_name, attn = arch.attention_module(layer, config)
+        attn = _shallow(attn)
+        setattr(attn, index_attr, new_idx)
+        setattr(layer, attn_name, attn)
+        if isinstance(getattr(layer, index_attr, None), int):  # some layers carry their index too (Gemma-3)
+            setattr(layer, index_attr, new_idx)
+        new_layers.append(layer)
+    # copy the chain model -> ... -> parent, so the original model keeps its layers and config
+    path = next(q for q, m in model.named_modules() if m is parent)
+    chain = [_shallow(model)]
+    for part in filter(None, path.split(".")):
+        child = _shallow(getattr(chain[-1], part))
+        setattr(chain[-1], part, child)
+        chain.append(child)
+    setattr(chain[-1], name, torch.nn.ModuleList(new_layers))
+    for module in chain:
+        if getattr(module, "config", None) is not None:
+            module.config = config
+    return chain[0]
+
+
+def _shallow(module: torch.nn.Module) -> torch.nn.Module:
+    clone = copy.copy(module)
+    clone._modules = dict(module._modules)
+    clone._parameters = dict(module._parameters)
+    clone._buffers = dict(module._buffers)
+    return clone
+
+
+# what a searched skip set must keep: agreement of the layer-skip draft's greedy token with the target's,
+# teacher-forced on calibration text. Chains of K drafts at agreement a give tau = (1 - a^(K+1)) / (1 - a):
+# 0.6 gives 1.96 at K = 2, 2.2 at K = 3
+SKIP_AGREEMENT = 0.6
+_searched: dict = {}
+
+
+def search_layerskip(model, tokenizer, agreement: float = SKIP_AGREEMENT) -> list[int]:
+    """The layers ``layerskip`` skips by default: the most whose skipping keeps the draft's greedy token
+    the target's on ``agreement`` of the positions of a calibration text (the shipped example prompts:
+    code, data, docstrings). Layers are tried from the least important alone (each skipped on its own)
+    and kept while the set as a whole still agrees; the first and last layers are never skipped. A
+    model's result is remembered for the process and under $SPECDEC_HOME. Which layers a model can lose
+    depends on the model: Gemma 3 270M loses almost nothing without layer 8 or 9, and everything without
+    layer 1 or its first global-attention layer 5 (the middle half, once the default, agreed on 0 of 300
+    code positions)."""
+    n = len(arch.decoder_layers(model)[2])
+    key = _model_key(model)
+    if key in _searched:
+        return _searched[key]
+    disk = _skip_cache_path()
+    stored = _read_json(disk).get(key)
+    if stored is not None:
+        _searched[key] = stored
+        return stored
+    import json as _json
+
+    from specdec.examples import example_path
+
+    texts = [_json.loads(line)["prompt"] for line in example_path("prompts.jsonl").read_text().splitlines()[:8]]
+    try:
+        ids = tokenizer("".join(texts), return_tensors="pt")["input_ids"][:, :160].to(next(model.parameters()).device)
+    except (TypeError, AttributeError, KeyError):  # no tokenizer to encode the calibration text with
+        return middle_layers(n)
+    with torch.inference_mode():
+        ref = model(ids).logits.argmax(-1)
+
+        def agree(skip) -> float:
+            got = layer_skip_view(model, sorted(skip))(ids).logits.argmax(-1)
+            return float((got == ref).float().mean())
+
+        alone = sorted(range(1, n - 1), key=lambda i: -agree([i]))
+        chosen: list[int] = []
+        for i in alone:
+            if len(chosen) + 1 >= n - 2:
+                break
+            if agree(chosen + [i]) >= agreement:
+                chosen.append(i)
+    chosen = sorted(chosen) or [alone[0]]
+    _searched[key] = chosen
+    try:
+        data = _read_json(disk)
+        data[key] = chosen
+        disk.parent.mkdir(parents=True, exist_ok=True)
+        disk.write_text(_json.dumps(data, indent=1, sort_keys=True))
+    except OSError:
+        pass  # a read-only home searches again next time
+    return chosen
+
+
+def _model_key(model) -> str:
+    """A model's identity for the skip-set cache: its name, depth and a digest of a few weights."""
+    import hashlib
+
+    _, _, layers = arch.decoder_layers(model)
+    digest = hashlib.sha256()
+    for p in (model.get_input_embeddings().weight, *(next(layer.parameters()) for layer in layers)):
+        digest.update(repr(float(p.detach().flatten()[:4096].double().sum())).encode())
+    return f"{getattr(model.config, 'model_type', '?')}-{len(layers)}-{digest.hexdigest()[:16]}"
+
+
+def _skip_cache_path():
+    from specdec.models.artifacts import specdec_home
+
+    return specdec_home() / "layerskip.json"
+
+
+def _read_json(path) -> dict:
+    import json as _json
+
+    try:
+        return _json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def middle_layers(num_layers: int) -> list[int]:
+    """The middle half of the layers (what ``layerskip`` skips when no calibration text can be encoded)."""
+    lo, hi = num_layers // 4, num_layers - num_layers // 4
+    return list(range(max(lo, 1), min(hi, num_layers - 1)))
+
+
+def parse_layerskip(spec: str, num_layers: int) -> list[int]:
+    """``layerskip:2,3`` names the skipped layers (0-based); bare ``layerskip`` (searched, see
+    ``search_layerskip``) returns [] here.
+
+    A draft that skips nothing is the target itself, one that skips everything is no model: both,
+    and targets too shallow to leave a useful draft, are usage errors."""
+    if num_layers < 3:
+        raise UsageError(f"layerskip needs a target with at least 3 decoder layers; this one has {num_layers}")
+    _, _, arg = spec.partition(":")
+    if not arg:
+        return []
+    try:
+        skip = sorted({int(x) for x in arg.split(",") if x.strip()})
+    except ValueError:
+        raise UsageError(f"{spec!r}: layerskip:I,J,... names the layers to skip by integer index") from None
+    bad = [i for i in skip if not 0 <= i < num_layers]
+    if bad:
+        raise UsageError(f"{spec!r}: the target has layers 0..{num_layers - 1}; no layer {bad[0]}")
+    if not skip or len(skip) == num_layers:
+        raise UsageError(f"{spec!r}: layerskip must skip some but not all of the target's {num_layers} layers")
+    return skip

@@ -1,6 +1,6 @@
 """A memory model of speculative decoding, and fitting a decode job into ``--max-memory`` (SpecMemo).
 
-What a job holds, by the model's own arithmetic (``roofline.param_bytes`` / ``kv_bytes_per_token``):
+What a job holds, by the model's own arithmetic (``param_bytes`` / ``kv_bytes_per_token``):
 
 - the weights, once: the target's and the drafter's own modules (a draft model, heads); parameters
   the drafter shares with the target (layer-skip views) are counted once;
@@ -25,7 +25,6 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from specdec.decode.roofline import kv_bytes_per_token
 from specdec.models.errors import SpecdecError, UsageError
 
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -44,6 +43,22 @@ def parse_size(text: str, flag: str = "--max-memory") -> int:
     if size < 1:
         raise UsageError(f"{flag} must be more than 0 bytes, got {text!r}")
     return size
+
+
+def param_bytes(model) -> int:
+    """Bytes of the weights the model holds."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def kv_bytes_per_token(model) -> int:
+    """Bytes of keys and values one token adds to the cache, over every layer."""
+    cfg = model.config
+    layers = int(getattr(cfg, "num_hidden_layers", 0) or 0)
+    heads = int(getattr(cfg, "num_attention_heads", 1) or 1)
+    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+    element = next(model.parameters()).element_size()
+    return 2 * layers * kv_heads * head_dim * element
 
 
 def fmt_size(n: int) -> str:

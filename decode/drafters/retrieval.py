@@ -41,7 +41,8 @@ from pathlib import Path
 
 import torch
 
-from specdec.decode.drafters import Drafter, ModelDrafter, Proposal, Segment, tree_proposal
+from specdec.decode.drafters.base import Drafter, Proposal, Segment, tree_proposal
+from specdec.decode.drafters.draft_model import ModelDrafter
 from specdec.models.artifacts import check_fingerprint, read_config, tokenizer_fingerprint, write_json
 from specdec.models.errors import SpecdecError, UsageError
 

@@ -3,13 +3,13 @@
 A decode step's cost on a GPU at small batch is launch overhead and weight reads, not arithmetic: the
 eager forward launches hundreds of kernels per layer. With ``--compile`` a model's forwards run through
 ``torch.compile`` (CUDA graphs on a GPU: ``mode="reduce-overhead"``) against the preallocated
-``decode.cache.SlotBuffers``, written in place at a write offset held in a tensor and read whole (so a
+``decode.engine.cache.SlotBuffers``, written in place at a write offset held in a tensor and read whole (so a
 step's shapes and addresses do not change from round to round), with the causal/tree/hole mask
 spanning the whole capacity.
 
 Shapes are bucketed so that a handful of graphs serve a job: a segment of ``t`` tokens (the root plus a
 chain of drafts, a tree, one drafted token) is padded with holes to the next power of two up to
-``MAX_BUCKET``, and the buffers' capacity grows in steps (``decode.cache.CAPACITY_STEP``). Longer segments (prefills)
+``MAX_BUCKET``, and the buffers' capacity grows in steps (``decode.engine.cache.CAPACITY_STEP``). Longer segments (prefills)
 run the same modules eagerly against the same buffers: compiling a prompt's shape would cost more than
 it saves. Holes (padding) are masked like every other hole of the slot axis, so outputs are the eager
 forward's up to floating-point reassociation, and the lossless tests run with compiled steps too.

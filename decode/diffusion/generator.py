@@ -4,7 +4,7 @@ A batch is laid out as a *canvas*: left-padded prompts followed by ``gen_length`
 The canvas is decoded segment by segment (semi-autoregressive blocks of ``block_size``); inside a
 segment every step runs one forward, turns the logits into a proposal (token + confidence per
 position) and asks the strategy's ``select`` function which masked positions to commit. Strategies
-differ only in that function (``decode.strategies``); the loop, the caches (``decode.canvas``),
+differ only in that function (``decode.diffusion.strategies``); the loop, the caches (``decode.diffusion.canvas``),
 end-of-text handling and batching are shared.
 
 Invariants every strategy keeps (tests/test_diffusion.py checks them): at least one token is
@@ -21,21 +21,12 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from specdec.decode.canvas import CACHE_MODES, Canvas, SegmentForward, build_canvas
+from specdec.decode.diffusion.canvas import CACHE_MODES, Canvas, SegmentForward, build_canvas
 from specdec.decode.options import DecodeOptions
 from specdec.decode.options import parse_method as parse_spec
-from specdec.decode.registry import kernel_backend
-from specdec.decode.strategies import (
-    NEG_INF,
-    STRATEGIES,
-    Selection,
-    StepContext,
-    StepView,
-    commit_tokens,
-    make_options,
-    propose,
-)
-from specdec.decode.types import GenRequest, GenResult
+from specdec.decode.drafters.registry import kernel_backend
+from specdec.decode.diffusion.strategies import NEG_INF, STRATEGIES, Selection, StepContext, StepView, commit_tokens, make_options, propose
+from specdec.decode.engine.types import GenRequest, GenResult
 from specdec.kernels import backend as pick_backend
 from specdec.kernels.diffusion_select import CreditState, rank_of, select_step
 from specdec.models.artifacts import resolve_member

@@ -36,8 +36,8 @@ class GenResult:
 class BatchGenerator(Protocol):
     """One batch in, one result per request out, in the same order.
 
-    Autoregressive/speculative decoding (decode/engine.py) and diffusion decoding
-    (decode/diffusion.py) both implement this; the job runner does not care which.
+    Autoregressive/speculative decoding (decode/engine/loop.py) and diffusion decoding
+    (decode/diffusion/generator.py) both implement this; the job runner does not care which.
     """
 
     def generate(self, requests: list[GenRequest]) -> list[GenResult]: ...

@@ -1,7 +1,7 @@
 """Micro-benchmark of every kernel against its PyTorch reference.
 
-    python -m specdec.decode.kernel_bench --bs 32 --vocab 32000 --k 8 --json out.json
-    python -m specdec.decode.kernel_bench --prefix 1000 --prefix 4000 --prefix-tokens 8 --prefix-tokens 256
+    python -m specdec.bench.kernel_bench --bs 32 --vocab 32000 --k 8 --json out.json
+    python -m specdec.bench.kernel_bench --prefix 1000 --prefix 4000 --prefix-tokens 8 --prefix-tokens 256
 
 Times are medians of CUDA-event timings after a warm-up, with L2 flushed before every repeat (the
 inputs, ~20 MB of logits, would otherwise sit in an H100's 50 MB L2 and flatter both sides).
@@ -22,7 +22,7 @@ from typing import Annotated, Callable
 import torch
 import typer
 
-from specdec.decode.verify import Sampling, verify_chain_accelerated, verify_chain_core
+from specdec.decode.engine.verify import Sampling, verify_chain_accelerated, verify_chain_core
 from specdec.kernels.diffusion_select import CreditState, select_reference, select_step
 from specdec.kernels.prefix_attention import prefix_attention, prefix_attention_reference
 from specdec.kernels.tree_attention import tree_attention, tree_attention_reference

@@ -26,7 +26,8 @@ from pathlib import Path
 
 import torch
 
-from specdec.decode.drafters import ModelDrafter, Proposal
+from specdec.decode.drafters.draft_model import ModelDrafter
+from specdec.decode.drafters.base import Proposal
 from specdec.models.acceptance import HEAD_MODES, acceptance_features, greedy_features, load_acceptance_heads
 from specdec.models.artifacts import check_fingerprint, read_config, tokenizer_fingerprint
 from specdec.models.errors import SpecdecError

@@ -11,25 +11,30 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from specdec.decode import aded, copying, drafters, retrieval, stand, swift
-from specdec.decode.adaptive import build_adaptive
-from specdec.decode.heads import build_head_drafter
+from specdec.decode.drafters import aded
+from specdec.decode.drafters import copying
+from specdec.decode.drafters import base, draft_model, model_free
+from specdec.decode.drafters import retrieval
+from specdec.decode.drafters import stand
+from specdec.decode.drafters import self_speculation as swift
+from specdec.decode.drafters.adaptive import build_adaptive
+from specdec.decode.drafters.heads import build_head_drafter
 from specdec.decode.options import DecodeOptions
-from specdec.decode.verify import TREE_SCHEMES
+from specdec.decode.engine.verify import TREE_SCHEMES
 from specdec.models.artifacts import FAMILY_MEMBERS, artifact_kind, check_fingerprint, read_config, resolve_member, tokenizer_fingerprint
 from specdec.models.errors import SpecdecError, UsageError
 from specdec.models.loading import input_device, load_draft, load_model_config, load_target, load_tokenizer, resolve_source
 
 def _layerskip(spec: str, target, tokenizer, options: DecodeOptions):
-    skip = drafters.parse_layerskip(spec, target.config.num_hidden_layers) or drafters.search_layerskip(target, tokenizer)
-    return drafters.ModelDrafter(drafters.layer_skip_view(target, skip))
+    skip = swift.parse_layerskip(spec, target.config.num_hidden_layers) or swift.search_layerskip(target, tokenizer)
+    return draft_model.ModelDrafter(swift.layer_skip_view(target, skip))
 
 
 # drafters that need no artifact: name -> factory(spec, target, tokenizer, options), as DRAFTER_KINDS' factories
 MODEL_FREE_DRAFTERS: dict[str, Callable] = {
-    "ar": lambda spec, target, tokenizer, options: drafters.NoDrafter(),
-    "ngram": lambda spec, target, tokenizer, options: drafters.NgramDrafter(max_ngram=options.max_ngram),
-    "recycle": lambda spec, target, tokenizer, options: drafters.RecycleDrafter(),
+    "ar": lambda spec, target, tokenizer, options: base.NoDrafter(),
+    "ngram": lambda spec, target, tokenizer, options: model_free.NgramDrafter(max_ngram=options.max_ngram),
+    "recycle": lambda spec, target, tokenizer, options: model_free.RecycleDrafter(),
     "layerskip": _layerskip,
     "copy": lambda spec, target, tokenizer, options: copying.CopyDrafter(),
     "input-copy": lambda spec, target, tokenizer, options: copying.InputCopyDrafter(),
@@ -89,7 +94,7 @@ def _build_draft(path: Path | str, target, tokenizer, options: DecodeOptions):
         model = draft_vocab.MappedVocabLM(model, reduced)
     if options.verify not in ("standard", *TREE_SCHEMES):
         raise UsageError(f"verify must be one of standard, {', '.join(TREE_SCHEMES)}; not {options.verify!r}")
-    if options.retrieval:  # RASD: the draft's chain fused with retrieval drafts (decode/retrieval.py)
+    if options.retrieval:  # RASD: the draft's chain fused with retrieval drafts (decode/drafters/retrieval.py)
         if options.acceptance or options.online or options.verify != "standard":
             raise UsageError("--retrieval fuses a retrieval tree with the draft's greedy chain: it does not combine with --acceptance, online=1 or verify=rsd|spectr")
         return retrieval.RasdDrafter(model, retrieval.open_datastore(options.retrieval, tokenizer))
@@ -102,15 +107,15 @@ def _build_draft(path: Path | str, target, tokenizer, options: DecodeOptions):
     # two siblings per step unless --top-k says otherwise: each level of siblings costs the target a
     # wider forward, not the draft another call
     width = options.top_k or 2
-    if options.parallel:  # PEARL: drafts while the target verifies (decode/pearl.py)
-        from specdec.decode.pearl import ParallelDrafter
+    if options.parallel:  # PEARL: drafts while the target verifies (decode/drafters/pearl.py)
+        from specdec.decode.drafters.pearl import ParallelDrafter
 
         return ParallelDrafter(model, pre_verify=options.pre_verify)
-    if options.online:  # the draft learns from the job's own verification rounds (decode/online.py)
-        from specdec.decode.online import OnlineDrafter
+    if options.online:  # the draft learns from the job's own verification rounds (decode/drafters/online.py)
+        from specdec.decode.drafters.online import OnlineDrafter
 
         return OnlineDrafter(model, every=options.online_every, scheme=options.verify, width=width)
-    return drafters.ModelDrafter(model, scheme=options.verify, width=width)
+    return draft_model.ModelDrafter(model, scheme=options.verify, width=width)
 
 
 # kind (config.json "specdec_kind"/"kind") -> factory(path, target, tokenizer, options)

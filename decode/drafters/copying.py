@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from specdec.decode.drafters import Drafter, Proposal, Segment, chain_proposal
+from specdec.decode.drafters.base import Drafter, Proposal, Segment, chain_proposal
 
 
 class CopyDrafter(Drafter):

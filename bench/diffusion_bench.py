@@ -1,7 +1,7 @@
 """Benchmark diffusion decoding strategies against static one-token-per-step decoding.
 
 Every method runs in the same process on the same records, timed as every bench times
-(``decode.timing``: interleaved passes, the median of per-pass ratios to the reference). Per method:
+(``bench.timing``: interleaved passes, the median of per-pass ratios to the reference). Per method:
 steps per generated token, forwards per token, tokens/s, speedup over the reference (static, one
 token per step), agreement with the reference (exact-match rate, token accuracy) and, for records
 carrying an ``answer`` (list tasks), task accuracy. The speedup is a ratio of wall times, not of
@@ -19,11 +19,11 @@ import dataclasses
 import time
 from pathlib import Path
 
-from specdec.decode.diffusion import Method, build_generator, load_for_decoding, parse_method
+from specdec.decode.diffusion.generator import Method, build_generator, load_for_decoding, parse_method
 from specdec.decode.options import DecodeOptions
-from specdec.decode.report import provenance
-from specdec.decode.timing import Run, Runner, run_passes, speedup, tokens_per_s
-from specdec.decode.types import GenRequest
+from specdec.bench.report import provenance
+from specdec.bench.timing import Run, Runner, run_passes, speedup, tokens_per_s
+from specdec.decode.engine.types import GenRequest
 from specdec.models.dllm import encode_prompt
 from specdec.models.errors import SpecdecError
 

@@ -49,8 +49,9 @@ import threading
 
 import torch
 
-from specdec.decode.drafters import ModelDrafter, Proposal, Segment, draw
-from specdec.decode.verify import Sampling
+from specdec.decode.drafters.draft_model import ModelDrafter
+from specdec.decode.drafters.base import Proposal, Segment, draw
+from specdec.decode.engine.verify import Sampling
 
 
 class ParallelDrafter(ModelDrafter):

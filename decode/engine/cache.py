@@ -10,7 +10,7 @@ Keys and values live in preallocated buffers (``SlotBuffers``) written in place:
 without copying the cache (``DynamicCache`` concatenates every layer's keys and values on every
 forward, a fifth of a small model's decode time on a CPU), dropping a tail (rejected drafts) is only
 bookkeeping, and the capacity grows by half when a forward would not fit. Eager forwards read the filled
-slots only; compiled steps (``decode.compiled``) read whole buffers at fixed shapes.
+slots only; compiled steps (``decode.engine.compiled``) read whole buffers at fixed shapes.
 
 Sliding-window layers keep every key too (transformers' sliding cache layers keep only the last
 window-1, which a shared slot axis with holes cannot use); the window lives in the mask instead,
@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import Cache, StaticLayer
 
-from specdec.decode import compiled
-from specdec.decode.lean import lean_output, lean_step
+from specdec.decode.engine import compiled
+from specdec.decode.engine.lean import lean_output, lean_step
 from specdec.models import arch
 
 
@@ -256,9 +256,9 @@ class SlotBuffers(Cache):
 
 class KVState(SlotBook):
     def __init__(self, model, batch_size: int, device: torch.device, lean: bool = False, compile: bool = False):
-        """lean: run the model through ``decode.lean``'s plain-function forward where it reproduces HF's
+        """lean: run the model through ``decode.engine.lean``'s plain-function forward where it reproduces HF's
         (small Llama-architecture drafts; others keep HF's forward). compile: decode steps run compiled
-        against preallocated buffers (``decode.compiled``); on a GPU it takes precedence over lean, on a
+        against preallocated buffers (``decode.engine.compiled``); on a GPU it takes precedence over lean, on a
         CPU lean does (a small draft's plain-function forward costs less per call than a compiled
         graph's guards and dispatch)."""
         super().__init__(batch_size, device)
@@ -267,7 +267,7 @@ class KVState(SlotBook):
         # the window applies where some layer slides; the full mask too where others do not
         self._window = window if window is not None and arch.SLIDING in types else None
         self._mixed = self._window is not None and arch.FULL in types
-        # decode.lean reproduces a forward that takes one mask
+        # decode.engine.lean reproduces a forward that takes one mask
         lean = lean_step(model) if lean and not self._mixed else None
         if lean is not None and torch.device(device).type == "cpu":
             compile = False
@@ -277,7 +277,7 @@ class KVState(SlotBook):
         # allocated at the first forward, when the shapes are known
         self.cache: SlotBuffers | None = None
         self._whole = False  # the last forward read whole buffers (a compiled step)
-        # a prefix every row shares, held once (decode.hydragen): per layer (keys, values) [1, Hkv, P, D]
+        # a prefix every row shares, held once (decode.engine.hydragen): per layer (keys, values) [1, Hkv, P, D]
         # in front of every row's slots, which then hold the rows' own suffixes only
         self.prefix: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         # one row that has only ever been given whole causal segments has no holes: its mask is the plain
@@ -478,7 +478,7 @@ class KVState(SlotBook):
 
     def share(self, n: int) -> "KVState":
         """A state of ``n`` rows that attend to this one-row state's slots as a prefix held once
-        (``decode.hydragen``), each with an empty suffix of its own."""
+        (``decode.engine.hydragen``), each with an empty suffix of its own."""
         out = KVState(self.model, n, self.pos.device, compile=self._compiled is not None)
         out.prefix = self._committed()
         out.pos = self.pos.expand(n).clone()

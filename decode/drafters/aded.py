@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdec.decode.drafters import Drafter, Proposal, Segment, tree_proposal
+from specdec.decode.drafters.base import Drafter, Proposal, Segment, tree_proposal
 
 Context = tuple[int, int]
 
