@@ -11,6 +11,7 @@ from torch import Tensor, nn
 
 from specdec.models.artifacts import load_weights, read_config, write_json
 from specdec.models.errors import SpecdecError
+from specdec.models.masks import additive_mask
 
 
 
@@ -109,8 +110,7 @@ def model_mask(model, allowed: Tensor) -> Tensor:
     if impl == "sdpa":
         return allowed
     if impl == "eager":
-        dtype = model.dtype
-        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
+        return additive_mask(allowed, model.dtype)
     raise SpecdecError(f"diffusion decoding needs sdpa or eager attention (a custom 4-D mask), not {impl}")
 
 def encode_prompt(tokenizer, text: str) -> list[int]:

@@ -26,6 +26,7 @@ from specdec.decode.drafters.base import Drafter, Proposal, Segment, TreeTemplat
 from specdec.models.artifacts import check_fingerprint, read_config, tokenizer_fingerprint
 from specdec.models.errors import SpecdecError
 from specdec.models.heads import load_heads
+from specdec.models.masks import additive_mask
 
 DEFAULTS = {"medusa": (24, 4), "clover": (24, 4), "eagle": (32, 5)}  # (tree tokens, depth)
 # a dynamic tree spends its tokens where acceptance is likely, so it can afford to go deeper
@@ -369,11 +370,6 @@ class CloverDrafter(HeadTreeDrafter):
         return torch.log_softmax(self.heads.head_logits(head, state).float(), -1)
 
 
-def _additive(visible: torch.Tensor, dtype) -> torch.Tensor:
-    """[B, 1, T, S] additive attention mask (CPU attention converts a bool mask on every call)."""
-    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, torch.finfo(dtype).min)[:, None]
-
-
 class _SlotCache(SlotBook):
     """The EAGLE layer's keys/values per row: committed entries on a shared slot axis with per-row
     holes and positions (``SlotBook``, as the target's ``KVState``), then, during a round, scratch
@@ -448,7 +444,7 @@ class EagleDrafter(HeadTreeDrafter):
         pos = c.pos[:, None] + (valid.long().cumsum(-1) - 1).clamp_(min=0)
         own = torch.ones(t, t, dtype=torch.bool, device=dev).tril_() & valid[:, None, :]
         own |= torch.eye(t, dtype=torch.bool, device=dev)  # a hole still sees itself: no empty softmax row
-        mask = _additive(torch.cat([c.valid[:, None, :].expand(b, t, c.length), own], -1), c.k.dtype)
+        mask = additive_mask(torch.cat([c.valid[:, None, :].expand(b, t, c.length), own], -1), c.k.dtype)[:, None]
         c.reserve(t)
         slots = torch.arange(c.length, c.length + t, device=dev)[None].expand(b, t)
         out = self.heads.run(self.heads.entry(tokens, feats), mask, pos, c.write(slots, c.length + t))
@@ -509,7 +505,7 @@ class EagleDrafter(HeadTreeDrafter):
         visible = torch.cat([c.valid[:, None, :].expand(bsz, m, c.length), sees], -1)
         c.reserve(e)
         slots = torch.arange(c.length + first, c.length + e, device=nodes.device)[None].expand(bsz, m)
-        fh = self.heads.run(self.heads.entry(toks, feats), _additive(visible, c.k.dtype), pos, c.write(slots, c.length + e))
+        fh = self.heads.run(self.heads.entry(toks, feats), additive_mask(visible, c.k.dtype)[:, None], pos, c.write(slots, c.length + e))
         self._fh.scatter_(1, nodes[..., None].expand(-1, -1, fh.shape[-1]), fh)
         return torch.log_softmax(self.heads.lm_logits(fh).float(), -1)
 

@@ -27,6 +27,7 @@ from transformers.cache_utils import Cache, StaticLayer
 from specdec.decode.engine import compiled
 from specdec.decode.engine.lean import lean_output, lean_step
 from specdec.models import arch
+from specdec.models.masks import additive_mask
 
 
 class SlotBook:
@@ -418,8 +419,7 @@ class KVState(SlotBook):
         if self._bool_mask:
             return visible.contiguous()
         # additive and materialised: CPU SDPA takes a very slow path for broadcast bool masks
-        dtype = self.model.dtype
-        return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, torch.finfo(dtype).min)
+        return additive_mask(visible, self.model.dtype)
 
     def commit_prefix(self, keep: int, keep_valid: torch.Tensor) -> None:
         """Keep the first ``keep`` slots of the last segment; keep_valid [B, keep] marks holes."""

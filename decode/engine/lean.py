@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
+from specdec.models.masks import additive_mask
+
 # past this size a model's forward is arithmetic, not per-op work, and the fused copies of its weights would cost memory
 LEAN_MAX_PARAMS = 50_000_000
 _CACHE: "weakref.WeakKeyDictionary[torch.nn.Module, LeanStep | None]" = weakref.WeakKeyDictionary()
@@ -163,7 +165,7 @@ class LeanStep:
         dtype = self.embed.dtype
         with torch.no_grad():
             for seg, vis, p in steps:
-                mask = torch.zeros(vis.shape, dtype=dtype, device=dev).masked_fill_(~vis.to(dev), torch.finfo(dtype).min)
+                mask = additive_mask(vis.to(dev), dtype)
                 ref = self.model(input_ids=seg, attention_mask=mask, position_ids=p, past_key_values=caches[0],
                                  use_cache=True, output_hidden_states=True)
                 logits, hidden = self(seg, mask, p, caches[1])

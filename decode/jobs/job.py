@@ -36,6 +36,7 @@ from specdec.decode.jobs.io import (
 from specdec.decode.options import SCHEDULES, DecodeOptions
 from specdec.decode.drafters.registry import build_drafter, check_drafter_options, kernel_backend, load_decode_target
 from specdec.decode.engine.types import GenRequest, add_counts
+from specdec.decode.jobs.progress import ProgressBar
 from specdec.decode.engine.verify import Sampling
 from specdec.models.artifacts import artifact_kind, read_config
 from specdec.models.errors import SpecdecError, UsageError
@@ -548,8 +549,13 @@ def _decode_job(in_path, out_path, target, options, strict, overwrite, console, 
             records = read_records(in_path, warn=_warn if rank == 0 else None)
             if world > 1:
                 records = (r for i, r in enumerate(records) if i % world == rank)
-            with _progress(console, _count_lines(in_path) if world == 1 else None) as advance:
-                summary = decoder.run(records, writer, strict=strict, progress=advance)
+            with ProgressBar("decode", _count_lines(in_path) if world == 1 else None, enabled=console is not None,
+                             console=console) as bar:
+
+                def advance(n: int, summary: JobSummary) -> None:
+                    bar.update(advance=n, status=f"{summary.rate_label()} failed {summary.failed + summary.failed_before}")
+
+                summary = decoder.run(records, writer, strict=strict, progress=advance if console is not None else None)
             writer.finish()
         finally:
             writer.close()
@@ -588,35 +594,6 @@ def _count_lines(path: str) -> int | None:
                     count += not blank
                     blank = True
     return count + (not blank)
-
-
-class _progress:
-    """A rich progress bar on stderr (or nothing without a console)."""
-
-    def __init__(self, console, total):
-        self.console, self.total = console, total
-
-    def __enter__(self):
-        if self.console is None:
-            return None
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-        self.bar = Progress(
-            TextColumn("decode"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("{task.description}"),
-            console=self.console, transient=False,
-        )
-        self.bar.__enter__()
-        task = self.bar.add_task("", total=self.total)
-
-        def advance(n, summary: JobSummary):
-            self.bar.update(task, advance=n, description=f"{summary.rate_label()} failed {summary.failed + summary.failed_before}")
-
-        return advance
-
-    def __exit__(self, *exc):
-        if self.console is not None:
-            self.bar.__exit__(*exc)
-        return False
 
 
 def print_summary(summary: JobSummary, console) -> None:
