@@ -28,22 +28,25 @@ import resource
 import statistics
 import sys
 import time
-from pathlib import Path
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
 
 import torch
 
 from specdec.bench import diffusion_bench
+from specdec.decode.diffusion.generator import parse_method as parse_strategy
+from specdec.decode.diffusion.strategies import PUBLIC_STRATEGIES, STRATEGIES
+from specdec.decode.drafters.registry import DrafterChoice, refuse_what_does_not_apply, resolve_drafter
+from specdec.decode.jobs.build import build_engine, load_decode_target
 from specdec.decode.jobs.io import read_records
-from specdec.decode.jobs.job import is_diffusion_model, shared_prefix_tokens
 from specdec.decode.jobs.memory import draft_width, memory_model
+from specdec.decode.jobs.validate import is_diffusion_model, validate_options
 from specdec.decode.options import DecodeOptions, parse_method
-from specdec.decode.drafters.registry import build_drafter, kernel_backend, load_decode_target
 from specdec.bench.roofline import nominal_bandwidth, peak_bandwidth, roofline
 from specdec.bench.report import plot, provenance, shown_path
 from specdec.bench.timing import Run, Runner, run_passes, speedup, tokens_per_s
 from specdec.decode.engine.types import GenRequest, add_counts
-from specdec.decode.jobs.validate import check_num_samples
 from specdec.models.artifacts import resolve_member
 from specdec.models.errors import SpecdecError, UsageError
 from specdec.models.threads import torch_default
@@ -70,25 +73,91 @@ DEFAULT_METHODS = ("ar", "ngram", "recycle", "layerskip", "hf-generate", "hf-loo
 DEFAULT_DIFFUSION_METHODS = ("static", "threshold", "factor", "credit")
 
 
-def run_bench(cfg: BenchConfig, console=None) -> dict:
-    target_path = resolve_source(cfg.target)
+@dataclass(frozen=True)
+class Method:
+    """A method spec checked before anything loads: the options it decodes with (the base options with
+    the spec's overrides) and the drafter it names (None for a peer, ``hf-*``, or a diffusion strategy)."""
+
+    spec: str
+    options: DecodeOptions
+    drafter: DrafterChoice | None = None
+
+
+@dataclass(frozen=True)
+class BenchPlan:
+    target: str
+    source: str
+    is_diffusion: bool
+    methods: dict  # spec -> Method (the causal bench's, ``ar`` first)
+
+
+def plan_bench(cfg: BenchConfig, default_target: Callable[[], str] | None = None) -> BenchPlan:
+    """Every method spec checked, with the base options, before anything loads (``cfg.target`` None:
+    ``default_target()``, asked for only once the specs are): a spec that names no method, an option
+    that is unknown or out of range, or one that does not apply to the method's drafter, is a
+    ``UsageError``. Specs name drafters for a causal target and strategies for a diffusion LM."""
+    base = cfg.options
+    validate_options(base)
+    parsed, unresolved = {}, {}
+    for spec in cfg.methods:
+        if spec.startswith("hf-"):
+            _check_peer(spec)
+            continue
+        head, overrides = parse_method(spec)
+        try:
+            choice = resolve_drafter(head)
+        except UsageError as exc:
+            if parse_strategy(head).strategy not in STRATEGIES:  # neither a drafter nor a diffusion strategy
+                raise UsageError(f"method {spec!r}: {exc}") from None
+            unresolved[spec] = exc  # a strategy's options are its own (decode.diffusion.strategies)
+            continue
+        opts = base.with_overrides(overrides)
+        validate_options(opts)
+        refuse_what_does_not_apply(choice.factory, opts.drafting)
+        parsed[spec] = (opts, choice)
+    target = cfg.target if cfg.target is not None else default_target()
+    source = resolve_source(target)
+    if is_diffusion_model(source, base):
+        for spec in [*parsed, *unresolved]:
+            strategy = parse_strategy(parse_method(spec)[0]).strategy
+            if strategy not in STRATEGIES:
+                raise UsageError(f"method {spec!r}: {target} is a diffusion LM, and {strategy!r} is not one of its "
+                                 f"strategies ({', '.join(PUBLIC_STRATEGIES)})")
+        return BenchPlan(target, source, True, {spec: Method(spec, base) for spec in cfg.methods or DEFAULT_DIFFUSION_METHODS})
+    for spec, exc in unresolved.items():
+        raise UsageError(f"method {spec!r}: {exc}")
+    specs = list(cfg.methods or DEFAULT_METHODS)
+    if "ar" not in specs:
+        specs.insert(0, "ar")
+    methods = {}
+    for spec in specs:
+        if spec.startswith("hf-"):
+            methods[spec] = Method(spec, base)
+            continue
+        if spec not in parsed:  # a default method
+            choice = resolve_drafter(spec)
+            parsed[spec] = (base, choice)
+            refuse_what_does_not_apply(choice.factory, base.drafting)
+        methods[spec] = Method(spec, *parsed[spec])
+    return BenchPlan(target, source, False, methods)
+
+
+def run_bench(cfg: BenchConfig, console=None, default_target: Callable[[], str] | None = None) -> dict:
+    plan = plan_bench(cfg, default_target)
+    target_path = plan.source
     records = [r for r in read_records(cfg.in_path) if r.error is None and r.prompt is not None]
     if cfg.limit:
         records = records[: cfg.limit]
     if not records:
         raise SpecdecError(f"{cfg.in_path}: no usable prompts")
     base = cfg.options
-    check_num_samples(base.num_samples, base.temperature)
-    if is_diffusion_model(target_path, base):
-        methods = cfg.methods or list(DEFAULT_DIFFUSION_METHODS)
-        return diffusion_bench.bench_diffusion(str(target_path), [r.extra for r in records], methods, base,
+    if plan.is_diffusion:
+        return diffusion_bench.bench_diffusion(str(target_path), [r.extra for r in records], list(plan.methods), base,
                                                repeats=cfg.repeats, warmup=cfg.warmup, command=cfg.command)
     model, tok, _ = load_decode_target(str(target_path), base)  # one thread setting for every method of the run
     prompts = [tok(r.prompt)["input_ids"] for r in records]
     categories = [r.category or "all" for r in records]
-    methods = list(cfg.methods or DEFAULT_METHODS)
-    if "ar" not in methods:
-        methods.insert(0, "ar")
+    methods = list(plan.methods)
     device = input_device(model)
     peak = peak_bandwidth(device)  # before the methods: nothing else holds the memory bus
     prepared = {}
@@ -96,19 +165,19 @@ def run_bench(cfg: BenchConfig, console=None) -> dict:
         for spec in methods:
             if console is not None:
                 console.print(f"[bold]bench[/bold] {spec}")
-            prepared[spec] = _prepare_method(spec, model, tok, prompts, base, cfg.warmup)  # builds and warms up
+            prepared[spec] = _prepare_method(spec, model, tok, prompts, plan.methods[spec], cfg.warmup)  # builds and warms up
         runners = {spec: m.runner for spec, m in prepared.items()}
         peaks = {spec: _PeakMemory(runner, device) for spec, runner in runners.items()}
-        runs = run_passes(runners, len(prompts), base.batch_size, cfg.repeats)
-    costs = _ForwardCosts(model, prompts, greedy=base.temperature == 0)
+        runs = run_passes(runners, len(prompts), base.scheduling.batch_size, cfg.repeats)
+    costs = _ForwardCosts(model, prompts, greedy=base.sampling.temperature == 0)
     entries = [_entry(spec, runs[spec], runs["ar"], categories, costs, prepared[spec].draft_model, base) for spec in methods]
     lens = [len(p) for p in prompts]
     for spec, entry in zip(methods, entries):
         estimate = prepared[spec].kv_estimate_bytes
         entry.update(peak_mib=peaks[spec].mib(), kv_estimate_mib=None if estimate is None else round(estimate / (1 << 20), 3))
         # transformers' own runs report no forward counts; the model reads a prompt's stats as one row's
-        if not spec.startswith("hf-") and base.num_samples == 1:
-            entry.update(roofline(runs[spec].stats, lens, base.batch_size, statistics.median(runs[spec].walls), peak, model,
+        if not spec.startswith("hf-") and base.sampling.num_samples == 1:
+            entry.update(roofline(runs[spec].stats, lens, base.scheduling.batch_size, statistics.median(runs[spec].walls), peak, model,
                                   prepared[spec].draft_model))
     nominal = nominal_bandwidth(device)
     return {
@@ -125,7 +194,7 @@ def _config(cfg: BenchConfig) -> dict:
     """The bench's settings and the resolved decode options, flat (the methods name the drafters)."""
     bench = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in ("options", "command")}
     bench["in_path"] = shown_path(cfg.in_path)
-    options = {k: v for k, v in dataclasses.asdict(cfg.options).items() if k not in ("drafter", "strategy")}
+    options = {k: v for k, v in cfg.options.values().items() if k not in ("drafter", "strategy")}
     return bench | options
 
 
@@ -142,24 +211,17 @@ class _Prepared:
     kv_estimate_bytes: int | None = None
 
 
-def _prepare_method(spec: str, model, tok, prompts, base: DecodeOptions, warmup: int) -> _Prepared:
+def _prepare_method(spec: str, model, tok, prompts, method: Method, warmup: int) -> _Prepared:
     """Build the method and warm it up."""
-    if spec.startswith("hf-"):
-        return _Prepared(_prepare_peer(spec, model, tok, prompts, base, warmup))
-    from specdec.decode.engine.loop import SpecEngine
-    from specdec.decode.engine.verify import Sampling
-
-    name, overrides = parse_method(spec)
-    opts = base.with_overrides(overrides)
+    if method.drafter is None:
+        return _Prepared(_prepare_peer(spec, model, tok, prompts, method.options, warmup))
+    opts = method.options
 
     def build():
-        drafter = build_drafter(name, model, tok, opts)
+        drafter = method.drafter.build(model, tok, opts)
         timed = _TimedPropose(drafter)
-        engine = SpecEngine(model, tok, drafter, Sampling(opts.temperature, opts.top_p), num_draft=opts.num_draft, seed=opts.seed,
-                            kernels=kernel_backend(opts, next(model.parameters()).device),
-                            shared_prefix=shared_prefix_tokens(opts.shared_prefix, tok), compile=opts.compile)
         drafter.propose = timed  # instance attribute: the engine calls it like the method
-        return engine, drafter, timed
+        return build_engine(model, tok, opts, drafter), drafter, timed
 
     # every timed pass starts from a drafter (and engine) that has seen nothing: not the warm-up, not an
     # earlier pass (copying and retrieval from the job's outputs, learned tables, online updates and
@@ -172,13 +234,13 @@ def _prepare_method(spec: str, model, tok, prompts, base: DecodeOptions, warmup:
 
     fresh()
     engine, drafter = built["engine"], built["drafter"]
-    bs, n = max(1, opts.batch_size), opts.num_samples
+    bs, n, new_tokens, compiled = max(1, opts.scheduling.batch_size), opts.sampling.num_samples, opts.sampling.max_new_tokens, opts.scheduling.compile
     warm = prompts[:warmup]
     # compiled steps compile once per shape (segment bucket, buffer capacity, batch size): warming up at
     # the full length on prompts from the shortest to the longest meets the capacities the timed passes
     # will (a dimension seen at two sizes is compiled as dynamic), so compilation is not timed
-    warm_tokens = opts.max_new_tokens if opts.compile else min(16, opts.max_new_tokens)
-    if opts.compile and warmup:
+    warm_tokens = new_tokens if compiled else min(16, new_tokens)
+    if compiled and warmup:
         warm = spread_by_length(prompts, warmup)
     for i in range(0, len(warm), bs):
         engine.generate(_sample_requests(warm, i, min(i + bs, len(warm)), warm_tokens, n))
@@ -187,15 +249,15 @@ def _prepare_method(spec: str, model, tok, prompts, base: DecodeOptions, warmup:
         out = []
         for i in range(lo, hi, bs):
             t0 = time.perf_counter()
-            res = built["engine"].generate(_sample_requests(prompts, i, min(i + bs, hi), opts.max_new_tokens, n))
+            res = built["engine"].generate(_sample_requests(prompts, i, min(i + bs, hi), new_tokens, n))
             wall = time.perf_counter() - t0
             out += [_joined(res[j : j + n], wall * n / len(res)) for j in range(0, len(res), n)]
         return out
 
     # the model's estimate for one batch of rows at the run's longest prompt (weights excluded: they are shared)
-    mm = memory_model(model, drafter, max(map(len, prompts)), opts.max_new_tokens)
+    mm = memory_model(model, drafter, max(map(len, prompts)), new_tokens)
     estimate = min(bs, len(prompts)) * n * mm.row_bytes(draft_width(drafter, engine.num_draft))
-    return _Prepared(Runner(decode, len(prompts), fresh=fresh), getattr(drafter, "model", None), estimate)
+    return _Prepared(Runner(decode, len(prompts), fresh=fresh), drafter.model, estimate)
 
 
 def spread_by_length(prompts: list, k: int) -> list:
@@ -271,26 +333,39 @@ class _TimedPropose:
         return out
 
 
-def _prepare_peer(spec: str, model, tok, prompts, base: DecodeOptions, warmup: int) -> Runner:
-    """transformers' own generate: hf-generate (plain), hf-lookup (prompt lookup), hf-assisted:DRAFT. A peer
-    runs with torch's own intra-op thread count, as a transformers user gets it (``+threads=N`` sets it)."""
+PEERS = ("hf-generate", "hf-lookup", "hf-assisted")
+
+
+def _check_peer(spec: str) -> tuple[str, str, int]:
+    """(peer, its argument, threads) of a peer spec; a ``UsageError`` for one that names none."""
     head, overrides = parse_method(spec)
     unknown = set(overrides) - {"threads"}
     if unknown:
         raise UsageError(f"{spec}: transformers' peers take only +threads=N, not {', '.join(sorted(unknown))}")
-    peer_threads = int(overrides.get("threads", 0)) or torch_default()
+    try:
+        threads = int(overrides.get("threads", 0))
+    except ValueError:
+        raise UsageError(f"{spec}: +threads=N takes a number of threads") from None
     name, _, arg = head.partition(":")
+    if name not in PEERS:
+        raise UsageError(f"unknown peer {spec!r} (hf-generate, hf-lookup, hf-assisted:DIR)")
+    if name == "hf-assisted" and not arg:
+        raise UsageError("hf-assisted needs a draft: hf-assisted:DIR")
+    return name, arg, threads
+
+
+def _prepare_peer(spec: str, model, tok, prompts, base: DecodeOptions, warmup: int) -> Runner:
+    """transformers' own generate: hf-generate (plain), hf-lookup (prompt lookup), hf-assisted:DRAFT. A peer
+    runs with torch's own intra-op thread count, as a transformers user gets it (``+threads=N`` sets it)."""
+    name, arg, threads = _check_peer(spec)
+    peer_threads = threads or torch_default()
     kwargs = {"do_sample": False, "pad_token_id": tok.pad_token_id, "eos_token_id": model.generation_config.eos_token_id}
-    if base.temperature > 0:
-        kwargs.update(do_sample=True, temperature=base.temperature)
+    if base.sampling.temperature > 0:
+        kwargs.update(do_sample=True, temperature=base.sampling.temperature)
     if name == "hf-lookup":
         kwargs["prompt_lookup_num_tokens"] = 10
     elif name == "hf-assisted":
-        if not arg:
-            raise SpecdecError("hf-assisted needs a draft: hf-assisted:DIR")
         kwargs["assistant_model"] = load_draft(resolve_member(arg), base.placement, device=input_device(model), dtype=model.dtype)
-    elif name != "hf-generate":
-        raise SpecdecError(f"unknown peer {spec!r} (hf-generate, hf-lookup, hf-assisted:DIR)")
 
     def one(p, n):
         ids = torch.tensor([p], device=model.device)
@@ -308,7 +383,7 @@ def _prepare_peer(spec: str, model, tok, prompts, base: DecodeOptions, warmup: i
         try:
             for p in prompts[lo:hi]:
                 t0 = time.perf_counter()
-                toks = one(p, base.max_new_tokens)
+                toks = one(p, base.sampling.max_new_tokens)
                 out.append((toks, {"new_tokens": len(toks), "wall_s": time.perf_counter() - t0}))
         finally:
             torch.set_num_threads(ours)
@@ -384,7 +459,7 @@ def _entry(spec, run: Run, ar: Run, categories, costs, draft_model, base: Decode
             "tokens_per_s": round(tokens_per_s(run, idx), 2),
             "speedup": None if ratio is None else round(ratio, 3),
             "identical_to_ar": round(sum(run.outputs[i] == ar.outputs[i] for i in idx) / len(idx), 4)
-            if base.temperature == 0 else None,
+            if base.sampling.temperature == 0 else None,
             "distinct4": round(distinct_ngram_ratio([run.outputs[i] for i in idx]), 4),
         }
         if all(c is not None for c in calls):

@@ -15,7 +15,6 @@ options: ``threshold+tau=0.8``, ``static+cache=dual``, ``learn2pd+filter=DIR``,
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from pathlib import Path
 
@@ -37,8 +36,8 @@ def is_reference(method: Method) -> bool:
 def method_options(method: Method, options: DecodeOptions) -> DecodeOptions:
     """The decode options of one method; the reference is exact whatever the bench's options say."""
     if is_reference(method):
-        return dataclasses.replace(options, strategy=REFERENCE, steps=None, cache="none", adablock=False, filter=None)
-    return dataclasses.replace(options, strategy=method.label)
+        return options.with_overrides({"strategy": REFERENCE, "steps": None, "cache": "none", "adablock": False, "filter": None})
+    return options.with_overrides({"strategy": method.label})
 
 
 def prepare_method(generator, prompts: list[list[int]], batch_size: int, warmup: int) -> Runner:
@@ -119,26 +118,26 @@ def bench_diffusion(
     options = (options or DecodeOptions()).with_overrides(overrides)
     parsed = [parse_method(m) for m in methods]
     for method in parsed:  # other options belong to the strategy, which validates them
-        if method.strategy == "learn2pd" and "filter" not in method.options and options.filter is None:
+        if method.strategy == "learn2pd" and "filter" not in method.options and options.diffusion.filter is None:
             raise SpecdecError(f"method {method.label!r}: learn2pd needs +filter=DIR")
     if not any(is_reference(m) for m in parsed):
         parsed.insert(0, Method(REFERENCE, REFERENCE))
     model, tokenizer, spec = load_for_decoding(model_dir, options)
     prompts = [encode_prompt(tokenizer, r["prompt"]) for r in records]
-    batch_size = max(1, options.batch_size)
+    batch_size = max(1, options.scheduling.batch_size)
     generators = {m.label: build_generator(model, tokenizer, spec, method_options(m, options)) for m in parsed}
     runners = {label: prepare_method(gen, prompts, batch_size, warmup) for label, gen in generators.items()}
     runs = run_passes(runners, len(prompts), batch_size, repeats)
     reference_label = next(m.label for m in parsed if is_reference(m))
     reference = runs[reference_label]
-    resolved = {k: v for k, v in dataclasses.asdict(options).items() if k not in ("drafter", "strategy", "max_new_tokens")}
+    resolved = {k: v for k, v in options.values().items() if k not in ("drafter", "strategy", "max_new_tokens")}
     return {
         "kind": "diffusion",
         "config": resolved | {
             "model": str(model_dir),
             "records": len(records),
             "gen_length": generators[reference_label].gen_length,
-            "block_size": options.block_size,
+            "block_size": options.diffusion.block_size,
             "batch_size": batch_size,
             "repeats": repeats,
             "warmup": warmup,

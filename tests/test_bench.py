@@ -13,7 +13,7 @@ from specdec.decode.options import DecodeOptions, parse_method
 def test_method_specs_parse_into_decode_options():
     name, overrides = parse_method("draft+k=4+tree-tokens=32+acceptance=acceptance")
     opts = DecodeOptions().with_overrides(overrides)
-    assert name == "draft" and opts.num_draft == 4 and opts.tree_tokens == 32 and opts.acceptance == "acceptance"
+    assert name == "draft" and opts.drafting.num_draft == 4 and opts.drafting.tree_tokens == 32 and opts.drafting.acceptance == "acceptance"
 
 
 def test_bench_report(tiny_family, tmp_path):

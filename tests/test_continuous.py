@@ -13,6 +13,7 @@ from conftest import ByteTokenizer, invoke, make_prompts, tiny_llama
 from test_sampling import P_FLOOR, chi2_pvalue, exact_two_token_distribution
 
 from specdec.decode.engine import loop as engine_module
+from specdec.decode.engine.ride import Ride
 from specdec.decode.drafters.adaptive import AdaptiveDrafter
 from specdec.decode.engine.cache import KVState
 from specdec.decode.drafters.base import Drafter, NoDrafter
@@ -333,13 +334,13 @@ def test_sampling_with_rows_joining_by_chunks_draws_the_target_joint_distributio
 
 
 def test_a_joining_row_drawing_its_first_token_at_the_wrong_position_fails_the_same_test(monkeypatch):
-    split = engine_module._Ride.split
+    split = Ride.split
 
     def off_by_one(self, out, bsz):  # the bug: each chunk token's logits stand for the next one's
         out.logits[bsz:, 1:] = out.logits[bsz:, :-1].clone()
         return split(self, out, bsz)
 
-    monkeypatch.setattr(engine_module._Ride, "split", off_by_one)
+    monkeypatch.setattr(Ride, "split", off_by_one)
     counts, exact, _ = _sampled_pairs(False, monkeypatch, chunk=5)
     assert chi2_pvalue(counts, exact) < P_FLOOR
 
@@ -412,7 +413,7 @@ def test_continuous_job_resumes_and_flushes_every_batch(tiny_family, tmp_path, m
 
 
 def test_schedule_is_static_for_diffusion_lms_and_an_explicit_continuous_is_refused(tmp_path):
-    from specdec.decode.jobs.job import resolve_schedule
+    from specdec.decode.jobs.validate import resolve_schedule
 
     assert resolve_schedule("auto", False, "t") == "continuous" and resolve_schedule("static", False, "t") == "static"
     assert resolve_schedule("auto", True, "t") == "static" and resolve_schedule("static", True, "t") == "static"

@@ -24,7 +24,8 @@ def _generate_reference(model, tok, prompts, n):
 def test_cuda_bf16_decoding_is_identical_to_generate_in_the_same_dtype(tiny_family, drafter):
     from specdec.decode.engine.loop import SpecEngine
     from specdec.decode.options import DecodeOptions
-    from specdec.decode.drafters.registry import build_drafter, load_decode_target
+    from specdec.decode.drafters.registry import build_drafter
+    from specdec.decode.jobs.build import load_decode_target
     from specdec.decode.engine.types import GenRequest
 
     opts = DecodeOptions(device="cuda", dtype="bfloat16")
@@ -81,7 +82,7 @@ def test_cuda_device_map_spreads_a_target_and_decodes_the_same(tiny_family):
 
 def _cuda_float32(tiny_family):
     from specdec.decode.options import DecodeOptions
-    from specdec.decode.drafters.registry import load_decode_target
+    from specdec.decode.jobs.build import load_decode_target
 
     opts = DecodeOptions(device="cuda", dtype="float32")  # float32: eager and compiled kernels agree token for token
     model, tok, _ = load_decode_target(str(tiny_family / "target"), opts)

@@ -255,7 +255,7 @@ def test_unwritable_or_unsearchable_output_folder_is_a_usage_error(tmp_path):
     import shutil
     import tempfile
 
-    from specdec.decode.jobs.job import validate_paths
+    from specdec.decode.jobs.validate import validate_paths
 
     root = Path(tempfile.mkdtemp(dir="/tmp"))  # pytest's own tmp folders are private to their owner
     try:

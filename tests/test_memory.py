@@ -7,6 +7,7 @@ import json
 import pytest
 from conftest import invoke
 
+from specdec.decode.drafters.base import Drafter
 from specdec.decode.jobs.memory import draft_width, fit, memory_model, parse_size, weight_bytes
 from specdec.bench.roofline import kv_bytes_per_token, param_bytes
 from specdec.models.errors import SpecdecError, UsageError
@@ -70,7 +71,7 @@ def test_fit_shrinks_k_then_refuses(target, draft_model):
 
 
 def test_fit_shrinks_tree_tokens(target):
-    class Tree:  # what fit reads of a head-tree drafter
+    class Tree(Drafter):  # what fit reads of a head-tree drafter
         tree_tokens, default_k, needs_hidden = 32, 5, True
 
     mm = memory_model(target, Tree(), 512, 32)

@@ -152,11 +152,12 @@ def test_tau_rises_as_a_poor_draft_learns_online():
 def test_method_spec_builds_online_options():
     _, overrides = parse_method("draft+online=1+online-every=4")
     opts = DecodeOptions().with_overrides(overrides)
-    assert opts.online is True and opts.online_every == 4
+    assert opts.drafting.online is True and opts.drafting.online_every == 4
 
 
 def test_registry_builds_online_drafter_and_saves_it(tiny_family, tmp_path):
-    from specdec.decode.drafters.registry import build_drafter, load_decode_target
+    from specdec.decode.drafters.registry import build_drafter
+    from specdec.decode.jobs.build import load_decode_target
     from specdec.models.loading import load_draft
 
     opts = DecodeOptions().with_overrides(parse_method("draft+online=1+online-every=2")[1])
@@ -167,7 +168,7 @@ def test_registry_builds_online_drafter_and_saves_it(tiny_family, tmp_path):
     ar = SpecEngine(target, tok).generate(requests(prompts, [24, 24]))
     spec = SpecEngine(target, tok, drafter).generate(requests(prompts, [24, 24]))
     assert [r.token_ids for r in spec] == [r.token_ids for r in ar] and drafter.updates > 0
-    drafter.save_to(tmp_path / "online-draft")
+    drafter.model.save_pretrained(tmp_path / "online-draft", safe_serialization=True)
     saved = load_draft(tmp_path / "online-draft", opts.placement, device=torch.device("cpu"), dtype=drafter.model.dtype)
     for a, b in zip(saved.parameters(), drafter.model.parameters()):
         torch.testing.assert_close(a, b)

@@ -255,7 +255,7 @@ def index(tmp_path_factory):
 
 
 def test_registry_builds_both_methods_and_refuses_what_does_not_apply(tiny_family, index):
-    from specdec.decode.drafters.registry import load_decode_target
+    from specdec.decode.jobs.build import load_decode_target
 
     opts = DecodeOptions()
     target, tok, _ = load_decode_target(str(tiny_family / "target"), opts)

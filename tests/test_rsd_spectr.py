@@ -140,12 +140,13 @@ def test_greedy_with_rows_joining_a_running_batch(target, draft_model, scheme):
 
 
 def test_method_option_selects_the_scheme(tiny_family):
-    from specdec.decode.drafters.registry import build_drafter, load_decode_target
+    from specdec.decode.drafters.registry import build_drafter
+    from specdec.decode.jobs.build import load_decode_target
     from specdec.models.errors import UsageError
 
     head, overrides = parse_method("draft+verify=spectr+k=3+top-k=3")
     opts = DecodeOptions(device="cpu").with_overrides(overrides)
-    assert (head, opts.verify, opts.num_draft) == ("draft", "spectr", 3)
+    assert (head, opts.drafting.verify, opts.drafting.num_draft) == ("draft", "spectr", 3)
     target, tokenizer, _ = load_decode_target(str(tiny_family / "target"), opts)
     drafter = build_drafter(str(tiny_family / "draft"), target, tokenizer, opts)
     assert isinstance(drafter, ModelDrafter) and (drafter.scheme, drafter.width) == ("spectr", 3)

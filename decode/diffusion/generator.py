@@ -24,7 +24,6 @@ from torch import Tensor
 from specdec.decode.diffusion.canvas import CACHE_MODES, Canvas, SegmentForward, build_canvas
 from specdec.decode.options import DecodeOptions
 from specdec.decode.options import parse_method as parse_spec
-from specdec.decode.drafters.registry import kernel_backend
 from specdec.decode.diffusion.strategies import NEG_INF, STRATEGIES, Selection, StepContext, StepView, commit_tokens, make_options, propose
 from specdec.decode.engine.types import GenRequest, GenResult
 from specdec.kernels import backend as pick_backend
@@ -63,7 +62,8 @@ class _Window:
 
 
 class DiffusionGenerator:
-    """Masked-diffusion decoding behind the ``BatchGenerator`` contract.
+    """Masked-diffusion decoding: ``generate`` takes one batch of requests and returns one result per
+    request in the same order, as ``SpecEngine.generate`` does.
 
     ``cache="prefix"|"dual"`` are approximate (Fast-dLLM style, see ``SegmentForward``) and every
     result they produce carries ``"approximate": true`` in its stats. ``freedave`` reproduces greedy
@@ -303,26 +303,28 @@ def load_for_decoding(path: str | Path, options: DecodeOptions):
     device = resolve_device(placement.device)
     # auto: as saved on a GPU, float32 on a CPU (the same rule as causal LMs)
     dtype = placement.dtype if placement.dtype != "auto" else (None if device.type == "cuda" else "float32")
-    model, tokenizer, spec = load_dllm(path, trust_remote_code=options.trust_remote_code, dtype=dtype)
+    model, tokenizer, spec = load_dllm(path, trust_remote_code=placement.trust_remote_code, dtype=dtype)
     model.to(device)
-    apply_threads(placement.threads, model, rows=options.batch_size * options.max_new_tokens)  # every forward reads the whole canvas
+    # every forward reads the whole canvas
+    apply_threads(placement.threads, model, rows=options.scheduling.batch_size * options.sampling.max_new_tokens)
     return model, tokenizer, spec
 
 
 def build_generator(model, tokenizer, spec: DllmSpec, options: DecodeOptions) -> DiffusionGenerator:
-    """The generator ``options`` describe; ``options.strategy`` is a method spec (``threshold+tau=0.8``)
+    """The generator ``options`` describe; ``options.diffusion.strategy`` is a method spec (``threshold+tau=0.8``)
     whose options override the others (``static+cache=dual``)."""
-    method = parse_method(options.strategy)
+    diffusion, sampling = options.diffusion, options.sampling
+    method = parse_method(diffusion.strategy)
     kwargs = {
-        "gen_length": options.gen_length or options.max_new_tokens,
-        "block_size": options.block_size,
-        "steps": options.steps,
-        "temperature": options.temperature,
-        "cache": options.cache,
-        "filter_dir": None if options.filter is None else resolve_member(options.filter),
-        "seed": options.seed,
-        "adablock": options.adablock,
-        "kernels": kernel_backend(options, model.device),
+        "gen_length": diffusion.gen_length or sampling.max_new_tokens,
+        "block_size": diffusion.block_size,
+        "steps": diffusion.steps,
+        "temperature": sampling.temperature,
+        "cache": diffusion.cache,
+        "filter_dir": None if diffusion.filter is None else resolve_member(diffusion.filter),
+        "seed": sampling.seed,
+        "adablock": diffusion.adablock,
+        "kernels": pick_backend(options.scheduling.kernels, model.device),
     }
     return DiffusionGenerator(model, tokenizer, spec, method.strategy, **(kwargs | method.generator_kwargs()))
 

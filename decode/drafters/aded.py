@@ -118,6 +118,7 @@ class AdedDrafter(Drafter):
     """ADED: a per-row adaptive tri-gram table and a UCB-guided token tree (see the module docstring)."""
 
     default_k = 20  # tree nodes
+    proposes_trees = True
 
     def __init__(self, max_depth: int = 6, top_k: int = 4, explore: float = 0.3, prior: float = 2.0,
                  decay: float = 0.9, min_count: float = 0.02, backoff: float = 0.4):

@@ -1,4 +1,4 @@
-"""Drafters: everything that proposes tokens for the one decode loop to verify.
+"""The drafter contract: everything that proposes tokens for the one decode loop to verify.
 
 A drafter implements five steps, all batched over the active rows:
   begin(batch, seg)      after the target's prefill (seg holds its inputs, logits, hidden states)
@@ -7,12 +7,13 @@ A drafter implements five steps, all batched over the active rows:
   select_rows(rows)      rows that finished leave the batch
   admit(batch, seg)      continuous batching: new rows join after the running ones; batch and seg
                          are the new rows' own prefill, exactly as ``begin`` would get them
+and declares what it needs and what its proposals hold as attributes of ``Drafter`` (its
+capabilities), which the engine, the memory model and the bench read and nothing probes for.
 A drafter with per-row state that does not implement ``admit`` refuses it (``admits`` is False), so
 a running batch never goes on with state that lacks the new rows.
-The registry maps a kind (as written in an artifact's config.json, or a model-free name) to a
-factory; the CLI never branches on names.
+The registry (``decode.drafters.registry``) maps a drafter spec to the factory that builds it and
+the options that factory takes; the CLI never branches on names.
 """
-
 from __future__ import annotations
 
 import heapq
@@ -21,6 +22,7 @@ from typing import Callable
 
 import torch
 
+from specdec.decode.engine.types import Scheme
 from specdec.decode.engine.verify import logits_to_probs
 from specdec.models.errors import SpecdecError
 
@@ -32,9 +34,9 @@ class Proposal:
     lengths: torch.Tensor | None = None  # chain only: valid drafts per row (default N)
     # [B, N, V] tempered draft distribution each draft was sampled from (chain; or a tree's, per node)
     draft_probs: torch.Tensor | None = None
-    # how a tree's sampled siblings are verified: "standard" (one-hot q, verify_tree) or one of
-    # verify.TREE_SCHEMES ("rsd": siblings drawn without replacement, "spectr": i.i.d.), with draft_probs
-    scheme: str = "standard"
+    # how a tree's sampled siblings are verified: standard (one-hot q, verify_tree) or one of
+    # verify.TREE_SCHEMES (rsd: siblings drawn without replacement, spectr: i.i.d.), with draft_probs
+    scheme: Scheme = Scheme.standard
     tree_attn: torch.Tensor | None = None  # [B or 1, N+1, N+1] ancestor matrix incl. the root (derived if None)
     depth: torch.Tensor | None = None  # [B or 1, N+1] depth of the root (0) and of each node
     max_depth: int = 0
@@ -64,13 +66,37 @@ class Segment:
 
 
 class Drafter:
-    needs_hidden = False
+    """The base of every drafter: the five steps as no-ops (``admit`` refuses) and the capabilities as
+    class attributes, each drafter overriding what differs (as a class attribute, or per instance where
+    its options decide it)."""
+
+    # -- what it needs from the engine
+    needs_hidden = False  # the target's last hidden states in every segment (Medusa, Clover, EAGLE)
     hidden_layers: tuple[int, ...] | None = None  # extra hidden-state layers the drafter reads (EAGLE-3)
-    default_k = 4
+    needs_prefill_logits = False  # every prompt token's logits in begin/admit segments (else the last one's)
+    # -- what its proposals hold
+    default_k = 4  # drafted tokens (or tree nodes) per round when the user fixes no --num-draft
+    proposes_trees = False  # token trees (else chains)
+    has_draft_probs = False  # at T > 0, the distribution each draft was sampled from (Proposal.draft_probs)
+    scheme: Scheme = Scheme.standard  # how its sampled trees are verified (Scheme.rsd, Scheme.spectr: siblings)
+    width = 1  # with scheme rsd/spectr: siblings per draft step
+    tree_tokens: int | None = None  # trees of a fixed size: nodes per tree, whatever num_draft (the verify width)
+    pre_verify = False  # a proposal may hold each row's first draft and a ``rest`` (PEARL: decode.engine.split)
     # how decode.engine.length may choose a round's chain length on a CPU: "after" (the engine trims a proposal:
     # drafting cost nothing), "before" (the engine sets batch.num_draft before a draft model drafts) or
     # None (the drafter decides its lengths itself)
     length_policy: str | None = None
+    # -- what it holds: the draft model it runs, if any (memory and draft-cost estimates)
+    model = None
+
+    @property
+    def admits(self) -> bool:
+        """Whether it can take new rows into a running batch (continuous batching): it implements ``admit``."""
+        return type(self).admit is not Drafter.admit
+
+    def modules(self) -> list:
+        """The modules it holds beside the target (a draft model, heads), for the memory model."""
+        return [self.model] if isinstance(self.model, torch.nn.Module) else []
 
     def begin(self, batch, seg: Segment) -> None:
         pass
@@ -129,11 +155,6 @@ def draw(logits: torch.Tensor, sampling, generator: torch.Generator | None) -> t
         return logits.argmax(-1), None
     q = logits_to_probs(logits, sampling)
     return torch.multinomial(q, 1, generator=generator).squeeze(-1), q
-
-
-def admits(drafter: Drafter) -> bool:
-    """Whether the drafter can take new rows into a running batch (continuous batching)."""
-    return type(drafter).admit is not Drafter.admit
 
 
 class NoDrafter(Drafter):

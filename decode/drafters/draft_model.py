@@ -7,6 +7,7 @@ import torch
 
 from specdec.decode.drafters.base import Drafter, Proposal, Segment, TreeTemplate, draw
 from specdec.decode.engine.cache import KVState
+from specdec.decode.engine.types import Scheme
 from specdec.decode.engine.verify import logits_to_probs
 
 
@@ -17,20 +18,25 @@ class ModelDrafter(Drafter):
 
     default_k = 4
     length_policy = "before"
+    has_draft_probs = True
 
-    def __init__(self, model, scheme: str = "standard", width: int = 2):
-        """scheme "rsd": each of the K draft steps proposes ``width`` siblings drawn from q without
-        replacement; only the first is extended, so the draft still runs one chain. scheme "spectr":
+    def __init__(self, model, scheme: Scheme | str = Scheme.standard, width: int = 2):
+        """scheme rsd: each of the K draft steps proposes ``width`` siblings drawn from q without
+        replacement; only the first is extended, so the draft still runs one chain. scheme spectr:
         ``width`` i.i.d. chains of K drafts (the draft runs them as width x B rows). Either way the
         target verifies a K x width tree (``verify.verify_tree_drafted``)."""
         self.model = model
-        self.scheme, self.width = scheme, width
+        self.scheme, self.width = Scheme(scheme), width
         self.state: KVState | None = None
         self.fed: list[int] = []
         self._drafted = 0
         self._spine_width = 0  # siblings per level of the last RSD proposal (0: none)
         self._chains = 0  # chains of the last SpecTr proposal, the draft's rows widened to B x chains (0: none)
         self._templates: dict = {}
+
+    @property
+    def proposes_trees(self) -> bool:
+        return self.scheme != Scheme.standard
 
     def begin(self, batch, seg: Segment) -> None:
         # a draft is called once per drafted token: its per-call cost is what decode.engine.lean trims
@@ -56,9 +62,9 @@ class ModelDrafter(Drafter):
         return draw(logits, batch.sampling, batch.generator)
 
     def propose(self, batch) -> Proposal | None:
-        if self.scheme == "rsd":
+        if self.scheme == Scheme.rsd:
             return self._propose_siblings(batch, batch.num_draft)
-        if self.scheme == "spectr":
+        if self.scheme == Scheme.spectr:
             return self._propose_chains(batch, batch.num_draft)
         return self._propose_fixed(batch, batch.num_draft)
 
@@ -67,7 +73,7 @@ class ModelDrafter(Drafter):
         if batch.sampling.greedy:
             return logits.topk(width, dim=-1).indices, None  # the limit of either scheme as T -> 0
         q = logits_to_probs(logits, batch.sampling)
-        if self.scheme == "spectr":
+        if self.scheme == Scheme.spectr:
             return torch.multinomial(q, width, replacement=True, generator=batch.generator), q
         # Gumbel-top-k over log q: the top tokens in order are successive draws without replacement
         u = torch.rand(q.shape, generator=batch.generator, device=q.device).clamp_(min=1e-20)

@@ -86,6 +86,7 @@ class HeadTreeDrafter(Drafter):
     """Shared tree growth; subclasses implement ``_root_state`` bookkeeping and ``_child_logprobs``."""
 
     needs_hidden = True
+    proposes_trees = True
 
     def __init__(self, heads, target, tree: str = "static", tree_tokens: int | None = None, depth: int | None = None, top_k: int | None = None):
         if tree not in ("static", "dynamic"):
@@ -105,6 +106,9 @@ class HeadTreeDrafter(Drafter):
         self._tpl = None
         self.calibration = AcceptanceCalibration()
         self._last_tree: Tree | None = None  # the dynamic tree under verification, for calibration
+
+    def modules(self) -> list:
+        return [self.heads] if isinstance(self.heads, torch.nn.Module) else []
 
     # -- engine hooks --------------------------------------------------------------------------
 

@@ -57,6 +57,7 @@ class RecycleDrafter(Drafter):
 
     default_k = 24  # tree nodes
     needs_prefill_logits = True
+    proposes_trees = True
 
     def __init__(self, top_k: int = 8, max_depth: int = 6):
         self.top_k, self.max_depth = top_k, max_depth

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from specdec.decode.engine.cache import KVState
 from specdec.decode.drafters.draft_model import ModelDrafter
 from specdec.decode.drafters.base import Segment
+from specdec.decode.engine.types import Scheme
 
 
 @dataclass
@@ -48,7 +49,7 @@ class OnlineDrafter(ModelDrafter):
         buffer: int = 64,
         max_context: int = 512,
         rebuild_cache: bool = True,
-        scheme: str = "standard",
+        scheme: Scheme | str = Scheme.standard,
         width: int = 2,
     ):
         # the drafting copy is updated in place as the job learns: a model shared with anything else (a
@@ -146,7 +147,3 @@ class OnlineDrafter(ModelDrafter):
             for dst, src in zip(self.model.parameters(), self.student.parameters()):
                 dst.copy_(src.detach().to(dst.dtype))
         self.updates += 1
-
-    def save_to(self, path) -> None:
-        """The updated draft, as a loadable artifact (safetensors)."""
-        self.model.save_pretrained(path, safe_serialization=True)

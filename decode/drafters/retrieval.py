@@ -175,13 +175,18 @@ def check_output_dir(out: Path, overwrite: bool) -> None:
             raise UsageError(f"--out {out} is not a retrieval index: refusing to overwrite it")
 
 
+def _index_folder(path: str | os.PathLike) -> Path:
+    path = Path(path)
+    if not path.is_dir() or not (path / DATA_FILE).exists():
+        raise UsageError(f"{path}: not a retrieval index folder (build one with specdec index build)")
+    return path
+
+
 def open_datastore(path: str | os.PathLike, tokenizer=None) -> Datastore:
     """Load an index folder, checked against the target's tokenizer when one is given."""
     from safetensors.torch import load_file
 
-    path = Path(path)
-    if not path.is_dir() or not (path / DATA_FILE).exists():
-        raise UsageError(f"{path}: not a retrieval index folder (build one with specdec index build)")
+    path = _index_folder(path)
     config = read_config(path)
     if config.get("kind") != INDEX_KIND:
         raise SpecdecError(f"{path}/config.json: kind {config.get('kind')!r}, expected {INDEX_KIND!r}")
@@ -244,6 +249,7 @@ class RetrievalDrafter(Drafter):
     lookup reads only the row's text, so rows join and leave freely."""
 
     default_k = 16  # tree nodes: each widens the verify forward, which a CPU pays for in full
+    proposes_trees = True
 
     def __init__(self, store: Datastore, max_suffix: int = 16, min_suffix: int = 2, max_occurrences: int = 64, max_depth: int = 12):
         self.store = store
@@ -273,12 +279,19 @@ class RetrievalDrafter(Drafter):
         return tree_proposal([self.tree(seq, batch.num_draft) for seq in batch.seqs], batch.device)
 
 
-def build_retrieval(spec: str, target, tokenizer, options) -> RetrievalDrafter:
-    """``retrieval:INDEX``: the registry's factory; an index holds token ids of the tokenizer it was
-    built with, so it must be the target's."""
+def check_retrieval_spec(spec: str) -> str:
+    """The index folder ``retrieval:INDEX`` names; a ``UsageError`` when it names none."""
     _, _, path = spec.partition(":")
     if not path:
         raise UsageError("retrieval:INDEX names an index folder (build one with specdec index build)")
+    _index_folder(path)
+    return path
+
+
+def build_retrieval(spec: str, target, tokenizer, options) -> RetrievalDrafter:
+    """``retrieval:INDEX``: the registry's factory; an index holds token ids of the tokenizer it was
+    built with, so it must be the target's."""
+    path = check_retrieval_spec(spec)
     store = open_datastore(path, tokenizer)
     _check_vocab(store, target, path)
     return RetrievalDrafter(store)
@@ -297,6 +310,8 @@ class RasdDrafter(ModelDrafter):
     up to ``retrieval_tokens`` retrieval nodes, ``retrieval_depth`` deep (or K when deeper), join it."""
 
     length_policy = None  # it decides each round's length itself
+    proposes_trees = True  # the draft's chain with retrieval branches
+    has_draft_probs = False  # its trees are verified as the draft took them (one-hot q)
 
     def __init__(self, model, store: Datastore, retrieval_tokens: int = 8, retrieval_depth: int = 8, prune_top_k: int = 8,
                  keep_share: float = 0.5):

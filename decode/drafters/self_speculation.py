@@ -222,8 +222,8 @@ class SwiftDrafter(Drafter):
                 member.fed += [0] * len(batch.seqs)
 
 
-def build_swift(spec: str, target, tokenizer, options) -> SwiftDrafter:
-    """Factory for ``--drafter swift[:CONFIDENCE]`` (the early-stop threshold, default 0.6)."""
+def check_swift_spec(spec: str) -> float:
+    """The early-stop threshold ``swift[:CONFIDENCE]`` names (default 0.6); a ``UsageError`` for another value."""
     _, _, arg = spec.partition(":")
     try:
         confidence = float(arg) if arg else 0.6
@@ -231,8 +231,12 @@ def build_swift(spec: str, target, tokenizer, options) -> SwiftDrafter:
         raise UsageError(f"swift:{arg}: the confidence threshold must be a number in [0, 1]") from None
     if not 0.0 <= confidence <= 1.0:
         raise UsageError(f"swift:{arg}: the confidence threshold must be in [0, 1]")
+    return confidence
 
-    return SwiftDrafter(target, confidence=confidence, seed=getattr(options, "seed", 0) or 0,
+
+def build_swift(spec: str, target, tokenizer, options) -> SwiftDrafter:
+    """Factory for ``--drafter swift[:CONFIDENCE]``: the search order is seeded by ``--seed``."""
+    return SwiftDrafter(target, confidence=check_swift_spec(spec), seed=options.sampling.seed,
                         start=search_layerskip(target, tokenizer))
 
 
@@ -379,6 +383,18 @@ def middle_layers(num_layers: int) -> list[int]:
     return list(range(max(lo, 1), min(hi, num_layers - 1)))
 
 
+def check_layerskip_spec(spec: str) -> list[int]:
+    """The layers ``layerskip:2,3`` names (sorted, distinct; [] for bare ``layerskip``), before the target
+    is known; ``parse_layerskip`` checks them against it."""
+    _, _, arg = spec.partition(":")
+    if not arg:
+        return []
+    try:
+        return sorted({int(x) for x in arg.split(",") if x.strip()})
+    except ValueError:
+        raise UsageError(f"{spec!r}: layerskip:I,J,... names the layers to skip by integer index") from None
+
+
 def parse_layerskip(spec: str, num_layers: int) -> list[int]:
     """``layerskip:2,3`` names the skipped layers (0-based); bare ``layerskip`` (searched, see
     ``search_layerskip``) returns [] here.
@@ -387,13 +403,9 @@ def parse_layerskip(spec: str, num_layers: int) -> list[int]:
     and targets too shallow to leave a useful draft, are usage errors."""
     if num_layers < 3:
         raise UsageError(f"layerskip needs a target with at least 3 decoder layers; this one has {num_layers}")
-    _, _, arg = spec.partition(":")
-    if not arg:
+    if not spec.partition(":")[2]:
         return []
-    try:
-        skip = sorted({int(x) for x in arg.split(",") if x.strip()})
-    except ValueError:
-        raise UsageError(f"{spec!r}: layerskip:I,J,... names the layers to skip by integer index") from None
+    skip = check_layerskip_spec(spec)
     bad = [i for i in skip if not 0 <= i < num_layers]
     if bad:
         raise UsageError(f"{spec!r}: the target has layers 0..{num_layers - 1}; no layer {bad[0]}")

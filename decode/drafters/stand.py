@@ -4,7 +4,7 @@ An n-gram drafter proposes tokens with a one-hot q, which at T > 0 is accepted o
 target happens to sample that very token. STAND's tables store, per context, a compact copy of the
 distribution the target itself produced there, so a draft has a real q close to p and exact
 speculative sampling accepts far more. The draft is a token tree verified with recursive rejection
-sampling (``verify.verify_tree_drafted``, scheme "rsd"), so sampled output keeps the target's
+sampling (``verify.verify_tree_drafted``, scheme rsd), so sampled output keeps the target's
 distribution; at T = 0 the tree holds the stored argmax tokens and the usual greedy check keeps the
 output identical to plain greedy decoding.
 
@@ -42,6 +42,7 @@ import math
 import torch
 
 from specdec.decode.drafters.base import Drafter, Proposal, Segment, tree_proposal
+from specdec.decode.engine.types import Scheme
 from specdec.decode.engine.verify import logits_to_probs
 
 
@@ -102,6 +103,8 @@ class StandDrafter(Drafter):
 
     default_k = 6  # tree depth
     needs_prefill_logits = True
+    proposes_trees = True
+    has_draft_probs = True
 
     def __init__(self, top_k: int = 8, max_ngram: int = 3, nodes: int = 8, min_q: float = 1e-3,
                  min_reach: float = 0.02, prior: float = 4.0):
@@ -233,7 +236,7 @@ class StandDrafter(Drafter):
             self._grow(self.tables[key], seq, depth, None if greedy else u[r]) for r, (key, seq) in enumerate(zip(self.row_keys, batch.seqs))
         ]
         width = max(map(len, self.trees))
-        sampled = {} if greedy or width == 0 else {"draft_probs": self._draft_probs(batch, width), "scheme": "rsd"}
+        sampled = {} if greedy or width == 0 else {"draft_probs": self._draft_probs(batch, width), "scheme": Scheme.rsd}
         return tree_proposal([([nd.token for nd in tree], [nd.parent for nd in tree]) for tree in self.trees], batch.device, **sampled)
 
     def _draft_probs(self, batch, width: int) -> torch.Tensor:

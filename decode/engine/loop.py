@@ -13,7 +13,15 @@ the verify forwards, a chunk a round (SARATHI): where a decode forward is bound 
 weights (a GPU at small batch), it computes a prompt's chunk for little more, and no forward is spent
 on the prompt alone; on a CPU every padded token costs compute, and the prefill of its own is
 cheaper. A joining row is not yet a row of the batch the drafter sees: its chunks' outputs are kept
-and handed over as one prefill segment when its prompt is complete.
+and handed over as one prefill segment when its prompt is complete (``decode.engine.ride``).
+
+Reading order: ``_run`` admits requests while places are free (``_admit``: ``_prefill``, a shared prompt
+prefix computed once, ``decode.engine.hydragen``) and runs one ``_round`` at a time; a round is
+propose (``Drafter.propose``, its chain cut by ``decode.engine.length``: ``_trim``), verify (``_verify``:
+one target forward and ``decode.engine.verify``; PEARL's pre-verified rounds split it in two,
+``decode.engine.split``), accept (``_accept``), let the drafter observe, drop finished rows
+(``_drop_finished``) and let complete joining rows in (``_joined``). The engine reads the drafter only
+through the contract in ``decode.drafters.base`` (its steps and declared capabilities).
 """
 
 from __future__ import annotations
@@ -25,13 +33,13 @@ from dataclasses import dataclass, field
 from typing import Iterable, Iterator
 
 import torch
-import torch.nn.functional as F
 
-from specdec.decode.engine import hydragen
-from specdec.decode.engine.cache import KVState, left_pad
+from specdec.decode.engine import hydragen, split
+from specdec.decode.engine.cache import KVState
 from specdec.decode.engine.length import DraftLength
-from specdec.decode.drafters.base import Drafter, NoDrafter, Proposal, Segment, admits, tree_attention_from_parents
-from specdec.decode.engine.types import GenRequest, GenResult
+from specdec.decode.engine.ride import Joining, Ride, stack
+from specdec.decode.drafters.base import Drafter, NoDrafter, Proposal, Segment, tree_attention_from_parents
+from specdec.decode.engine.types import GenRequest, GenResult, Scheme
 from specdec.decode.engine.verify import Sampling, Verdict, verify_chain, verify_tree, verify_tree_drafted
 from specdec.models import head, threads
 from specdec.models.errors import SpecdecError
@@ -54,21 +62,6 @@ class Batch:
 
 
 @dataclass
-class _Joining:
-    """A request whose prompt is being prefilled a chunk a round in the verify forwards; its row of the
-    target's state follows the batch's rows, in the order of the joining list."""
-
-    request: GenRequest
-    index: int  # the request's index in the job
-    done: int = 0  # prompt tokens in the cache
-    pieces: list = field(default_factory=list)  # per chunk: (logits, hidden, hidden layers) of its tokens
-
-    @property
-    def complete(self) -> bool:
-        return self.done == len(self.request.prompt_ids)
-
-
-@dataclass
 class _Row:
     max_new: int
     start: float = 0.0  # when the row was admitted (perf_counter)
@@ -82,7 +75,9 @@ class _Row:
 
 
 class SpecEngine:
-    """A ``BatchGenerator`` for causal LMs: speculative decoding with any drafter (or none)."""
+    """Decoding causal LMs: speculative decoding with any drafter (or none). ``generate`` takes one batch of
+    requests and returns one result per request in the same order, as ``DiffusionGenerator.generate``
+    does for diffusion LMs (the job runner does not care which); ``stream`` batches continuously."""
 
     def __init__(
         self,
@@ -151,7 +146,7 @@ class SpecEngine:
         (index of the request in ``requests``, its result) as each row finishes."""
         if batch_size < 1:
             raise ValueError("batch_size must be at least 1")
-        if not admits(self.drafter):
+        if not self.drafter.admits:
             raise SpecdecError(
                 f"the {type(self.drafter).__name__} drafter cannot take new rows into a running batch "
                 "(it implements no admit): decode with --schedule static"
@@ -175,7 +170,7 @@ class SpecEngine:
         """Whether new rows can join the running state with their prompts riding its verify forwards:
         a split verification (PEARL's pre-verify) has no one forward to ride."""
         running = joining > 0 or (batch is not None and bool(batch.rows))
-        return bool(self.prefill_chunk) and running and not getattr(self.drafter, "pre_verify", False)
+        return bool(self.prefill_chunk) and running and not self.drafter.pre_verify
 
     @torch.inference_mode()
     def _run(self, requests: Iterator[GenRequest], batch_size: int) -> Iterator[tuple[int, GenResult]]:
@@ -183,7 +178,7 @@ class SpecEngine:
         rows: dict[int, _Row] = {}  # in flight, by request index
         batch: Batch | None = None
         state: KVState | None = None
-        joining: list[_Joining] = []
+        joining: list[Joining] = []
         taken = 0
         exhausted = False
         while True:
@@ -199,7 +194,7 @@ class SpecEngine:
                     rows[i] = _Row(max_new=r.max_new_tokens, start=time.perf_counter())
                 if self._may_ride(batch, len(joining)) and state.prefix is None and not self._shared_prefix(new):
                     state.admit(KVState(self.target, len(new), self.device, compile=self.compile))
-                    joining += [_Joining(r, i) for i, r in zip(index, new)]
+                    joining += [Joining(r, i) for i, r in zip(index, new)]
                 elif joining:
                     # a prompt with the shared prefix is prefilled on its own once the joining rows are rows
                     # of the batch (their state's row order is the batch's, then theirs)
@@ -219,7 +214,7 @@ class SpecEngine:
                 batch = self._round(batch, state, joining, rows, generator)
             yield from self._finished(rows)
 
-    def _round(self, batch: Batch, state: KVState, joining: list[_Joining], rows: dict[int, "_Row"], generator) -> Batch:
+    def _round(self, batch: Batch, state: KVState, joining: list[Joining], rows: dict[int, "_Row"], generator) -> Batch:
         """One round: propose, verify in one target forward, accept, let the drafter observe; finished
         rows leave and joining rows whose prompts are complete join. Returns the batch."""
         proposal = None
@@ -235,7 +230,7 @@ class SpecEngine:
                 if self.drafter.length_policy == "after":
                     proposal = self._trim(proposal)
         if proposal is not None and proposal.rest is not None:
-            seg, verdict, proposal = self._verify_split(state, batch, proposal)
+            seg, verdict, proposal = split.verify(self, state, batch, proposal)
         else:
             seg, verdict = self._verify(state, batch, proposal, joining)
         if batch.rows:
@@ -305,7 +300,7 @@ class SpecEngine:
             ids[i, width - len(suffix) :] = torch.tensor(suffix, dtype=torch.long)
             valid[i, width - len(suffix) :] = True
         ids, valid = ids.to(self.device), valid.to(self.device)
-        keep_all = getattr(self.drafter, "needs_prefill_logits", False)
+        keep_all = self.drafter.needs_prefill_logits
         if prefix:
             # the shared prefix's keys and values are computed once, and held once for every row
             # (decode.engine.hydragen) or copied to each; each row's suffix follows it (left-padded among the
@@ -315,9 +310,9 @@ class SpecEngine:
         else:
             state = KVState(self.target, bsz, self.device, compile=self.compile)
         # one prompt has no padding: no validity given keeps the state's mask-free causal path open
-        out = state.forward(ids, valid if bsz > 1 else None, hidden=self._wants_hidden, **({} if keep_all else {"logits_to_keep": 1}))
+        out = state.forward(ids, valid if bsz > 1 else None, hidden=self.wants_hidden, **({} if keep_all else {"logits_to_keep": 1}))
         state.commit_prefix(width, valid)
-        seg = Segment(ids, valid, out.logits, *self._hidden(out))
+        seg = Segment(ids, valid, out.logits, *self.hidden_of(out))
         if prefix:
             seg = _join(head_seg, seg, bsz, keep_all)
             ids, valid = seg.input_ids, seg.input_valid
@@ -390,17 +385,17 @@ class SpecEngine:
             ids = torch.tensor([prefix], dtype=torch.long, device=self.device)
             valid = torch.ones_like(ids, dtype=torch.bool)
             state = KVState(self.target, 1, self.device, compile=self.compile)
-            out = state.forward(ids, None, hidden=self._wants_hidden, **({} if keep_all else {"logits_to_keep": 1}))
+            out = state.forward(ids, None, hidden=self.wants_hidden, **({} if keep_all else {"logits_to_keep": 1}))
             state.commit_prefix(ids.shape[1], valid)
-            self._prefix = (key[0], keep_all, state, Segment(ids, valid, out.logits, *self._hidden(out)))
+            self._prefix = (key[0], keep_all, state, Segment(ids, valid, out.logits, *self.hidden_of(out)))
         return self._prefix[2], self._prefix[3]
 
-    def _verify(self, state: KVState, batch: Batch, proposal: Proposal | None, joining: list[_Joining] = ()) -> tuple[Segment, Verdict]:
+    def _verify(self, state: KVState, batch: Batch, proposal: Proposal | None, joining: list[Joining] = ()) -> tuple[Segment, Verdict]:
         """One target forward over [root, drafts...] and the shared verification routine. The prompts of
         ``joining`` rows ride along, a chunk each, in rows of their own after the batch's."""
         bsz = len(batch.seqs)
         root = batch.root[:, None]
-        hidden = self._wants_hidden
+        hidden = self.wants_hidden
         if proposal is None or proposal.tokens.shape[1] == 0:
             proposal = Proposal(tokens=torch.zeros(bsz, 0, dtype=torch.long, device=self.device))
         n = proposal.tokens.shape[1]
@@ -417,13 +412,13 @@ class SpecEngine:
             steps = torch.arange(n, device=self.device)[None]
             valid = torch.cat([ones, steps < lengths[:, None]] if lengths is not None else [ones, ones.expand(bsz, n)], dim=1)
         tree = (attn.expand(bsz, -1, -1), depth.expand(bsz, -1)) if proposal.is_tree else (None, None)
-        ride = _Ride(self, joining, 1 + n) if joining else None
+        ride = Ride(self, joining, 1 + n) if joining else None
         if ride is None:
             start = time.perf_counter()
             out = state.forward(input_ids, valid if proposal.is_tree or proposal.lengths is not None else None, *tree, hidden=hidden)
             if self.length is not None:  # a CPU forward is done when it returns
                 self.length.record_forward(bsz, input_ids.shape[1], time.perf_counter() - start)
-            logits, (last_hidden, layers) = out.logits, self._hidden(out)
+            logits, (last_hidden, layers) = out.logits, self.hidden_of(out)
         else:
             out = state.forward(*ride.inputs(input_ids, valid, *tree), hidden=hidden, **ride.model_kwargs)
             logits, last_hidden, layers = ride.split(out, bsz)
@@ -433,7 +428,7 @@ class SpecEngine:
             keep_valid = torch.zeros(0, 0, dtype=torch.bool, device=self.device)
         elif proposal.is_tree:
             max_depth = proposal.max_depth or int(depth.max().item())
-            if proposal.scheme == "standard":
+            if proposal.scheme == Scheme.standard:
                 verdict = verify_tree(
                     logits, proposal.tokens, proposal.parents, batch.sampling, batch.generator, max_depth, attn, depth
                 )
@@ -460,61 +455,13 @@ class SpecEngine:
         seg = Segment(input_ids, valid, logits, last_hidden, layers, keep_index=index, keep_valid=keep_valid)
         return seg, verdict
 
-    def _verify_split(self, state: KVState, batch: Batch, first: Proposal) -> tuple[Segment, Verdict, Proposal]:
-        """PEARL's pre-verify: ``first`` holds each row's first draft d1 and the drafter draws d2..dK
-        meanwhile. A forward over [root] alone tests d1; a row that rejects it is done (the correction
-        token drawn from the root's residual), and when every row does, the round ends without waiting
-        for the rest. Otherwise a second forward over [d1..dK] (the root is in the cache now) tests
-        d2..dK for the rows that accepted d1, the others holes. These are the tests one forward over
-        [root, d1..dK] makes, in the same order, split in two: greedy output and the sampled
-        distribution are those of ``_verify``. Whether any row goes on is a second host sync. Returns
-        the proposal the verdict refers to."""
-        bsz = len(batch.seqs)
-        root = batch.root[:, None]
-        ones = torch.ones(bsz, 1, dtype=torch.bool, device=self.device)
-        out = state.forward(root, None, hidden=self._wants_hidden)
-        state.commit_prefix(1, ones)
-        # the token after an accepted d1 needs d1's logits, which only the second forward has: the root's
-        # stand in for them, and what is drawn from them is never used
-        first_verdict = verify_chain(out.logits.expand(-1, 2, -1), first.tokens, first.draft_probs, batch.sampling, batch.generator)
-        seg = Segment(root, ones, out.logits, *self._hidden(out), keep_index=torch.zeros_like(root), keep_valid=ones)
-        ok = first_verdict.accepted > 0
-        if not bool(ok.any()):
-            return seg, first_verdict, first
-        proposal = first.rest()
-        n = proposal.tokens.shape[1]
-        all_ok = bool(ok.all())
-        valid = ok[:, None].expand(bsz, n)
-        # every row going on: no validity given keeps a single row's mask-free causal path open
-        out2 = state.forward(proposal.tokens, None if all_ok else valid, hidden=self._wants_hidden)
-        probs = None if proposal.draft_probs is None else proposal.draft_probs[:, 1:]
-        rest = verify_chain(out2.logits, proposal.tokens[:, 1:], probs, batch.sampling, batch.generator, None, self.kernels)
-        accepted = torch.where(ok, rest.accepted + 1, 0)
-        next_token = torch.where(ok, rest.next_token, first_verdict.next_token)
-        keep = int(accepted.max().item())
-        steps = torch.arange(n, device=self.device)[None]
-        state.commit_prefix(keep, (steps < accepted[:, None])[:, :keep])
-        path = torch.where(steps < accepted[:, None], steps, -1)
-        index = torch.arange(keep + 1, device=self.device)[None].expand(bsz, keep + 1)
-        (hidden, layers), (hidden2, layers2) = (seg.hidden, seg.hidden_layers), self._hidden(out2)
-        seg = Segment(
-            torch.cat([root, proposal.tokens], 1),
-            torch.cat([ones, valid], 1),
-            torch.cat([out.logits, out2.logits], 1),
-            None if hidden is None else torch.cat([hidden, hidden2], 1),
-            None if layers is None else tuple(torch.cat(pair, 1) for pair in zip(layers, layers2)),
-            keep_index=index,
-            keep_valid=index <= accepted[:, None],
-        )
-        return seg, Verdict(accepted=accepted, path=path, next_token=next_token), proposal
-
     @property
-    def _wants_hidden(self) -> bool:
+    def wants_hidden(self) -> bool:
         return bool(self.drafter.needs_hidden or self.drafter.hidden_layers)
 
-    def _hidden(self, out) -> tuple:
+    def hidden_of(self, out) -> tuple:
         """(last hidden state, the drafter's extra layers) of a forward, as the drafter asked."""
-        if not self._wants_hidden:
+        if not self.wants_hidden:
             return None, None
         layers = self.drafter.hidden_layers
         return out.hidden_states[-1], tuple(out.hidden_states[i] for i in layers) if layers else None
@@ -585,7 +532,7 @@ class SpecEngine:
         if keep:
             self.drafter.select_rows(idx)
 
-    def _joined(self, batch: Batch, state: KVState, joining: list[_Joining], rows: dict[int, _Row], generator) -> Batch:
+    def _joined(self, batch: Batch, state: KVState, joining: list[Joining], rows: dict[int, _Row], generator) -> Batch:
         """Joining rows whose prompts are complete become rows of the batch: their first token is drawn
         from their last prompt token's logits, and the drafter takes them as it takes a prefill
         (``admit``, or ``begin`` when the batch has no rows left). Returns the batch."""
@@ -596,8 +543,8 @@ class SpecEngine:
             state.select_rows(torch.tensor(list(range(active)) + [active + k for k in done + later], device=self.device))
         joined = [joining[k] for k in done]
         joining[:] = [j for j in joining if not j.complete]
-        keep_all = getattr(self.drafter, "needs_prefill_logits", False)
-        seg = _stack([j.pieces for j in joined], [j.request.prompt_ids for j in joined], self.device, keep_all)
+        keep_all = self.drafter.needs_prefill_logits
+        seg = stack([j.pieces for j in joined], [j.request.prompt_ids for j in joined], self.device, keep_all)
         requests = [j.request for j in joined]
         new = self._new_batch(requests, [j.index for j in joined], seg.logits[:, -1:], rows, generator)
         if not batch.rows:
@@ -628,75 +575,6 @@ class SpecEngine:
         return GenResult(token_ids=row.tokens, finish_reason=row.finish or "length", stats=stats)
 
 
-class _Ride:
-    """One verify forward's rows for the joining requests: each takes the next chunk of its prompt
-    (``prefill_chunk`` tokens, or the verify width when that is wider), causal within the chunk, left
-    aligned like the batch's rows, the rest of the row holes."""
-
-    def __init__(self, engine: SpecEngine, joining: list[_Joining], width: int):
-        self.engine, self.joining = engine, joining
-        chunk = max(engine.prefill_chunk, width)
-        self.lengths = [min(chunk, len(j.request.prompt_ids) - j.done) for j in joining]
-        self.width = max(width, *self.lengths)
-        self.verify_width = width
-        self.keep_all = getattr(engine.drafter, "needs_prefill_logits", False)
-        # logits are kept at the batch's verify positions and at the last token of each chunk that ends
-        # a prompt (its first new token), not for every prompt token of every chunk
-        ends = sorted({n - 1 for j, n in zip(joining, self.lengths) if j.done + n == len(j.request.prompt_ids)} - set(range(width)))
-        self.kept = list(range(width)) + ends
-        self.model_kwargs = {} if self.keep_all else {"logits_to_keep": torch.tensor(self.kept, device=engine.device)}
-
-    def inputs(self, input_ids, valid, tree_attn, depth) -> tuple:
-        """The forward's (input_ids, input_valid, tree_attn, depth): the batch's rows padded with holes to
-        the ride's width, then one row per joining request."""
-        device, w = self.engine.device, self.width
-        bsz, t = input_ids.shape
-        pad = w - t
-        ids = torch.zeros(len(self.joining), w, dtype=torch.long)
-        for i, (j, n) in enumerate(zip(self.joining, self.lengths)):
-            ids[i, :n] = torch.tensor(j.request.prompt_ids[j.done : j.done + n], dtype=torch.long)
-        own = torch.arange(w)[None] < torch.tensor(self.lengths)[:, None]
-        input_ids = torch.cat([F.pad(input_ids, (0, pad)), ids.to(device)])
-        valid = torch.cat([F.pad(valid, (0, pad), value=False), own.to(device)])
-        if tree_attn is None:  # causal rows: depths follow from the holes
-            return input_ids, valid, None, None
-        causal = torch.ones(w, w, dtype=torch.bool, device=device).tril_()
-        tree_attn = torch.cat([F.pad(tree_attn, (0, pad, 0, pad), value=False), causal.expand(len(self.joining), w, w)])
-        steps = torch.arange(w, device=device)
-        depth = torch.cat([F.pad(depth, (0, pad)), steps.expand(len(self.joining), w)])
-        return input_ids, valid, tree_attn, depth
-
-    def split(self, out, bsz: int) -> tuple:
-        """The batch's rows' (logits, last hidden, hidden layers) at the verify positions; each joining
-        request's chunk outputs go to its pieces."""
-        hidden, layers = self.engine._hidden(out)
-        t = self.verify_width
-        logits = out.logits
-        for i, (j, n) in enumerate(zip(self.joining, self.lengths)):
-            row = bsz + i
-            ends = j.done + n == len(j.request.prompt_ids)
-            if self.keep_all:
-                piece = logits[row, :n]
-            else:
-                piece = logits[row, self.kept.index(n - 1)][None] if ends else None
-            j.pieces.append((piece, None if hidden is None else hidden[row, :n],
-                             None if layers is None else tuple(h[row, :n] for h in layers)))
-            j.done += n
-        cut = (lambda x: None if x is None else x[:bsz, :t])
-        return logits[:bsz, :t], cut(hidden), None if layers is None else tuple(cut(h) for h in layers)
-
-    def keep(self, index: torch.Tensor, keep_valid: torch.Tensor) -> tuple:
-        """The slots every row keeps: the batch's rows' (index [B, M] into the segment, validity), padded,
-        then each joining row's whole chunk."""
-        m = max(index.shape[1], *self.lengths)
-        device = self.engine.device
-        steps = torch.arange(m, device=device)
-        pad = m - index.shape[1]
-        index = torch.cat([F.pad(index, (0, pad)), steps.expand(len(self.joining), m)])
-        own = steps[None] < torch.tensor(self.lengths, device=device)[:, None]
-        return index, torch.cat([F.pad(keep_valid, (0, pad), value=False), own])
-
-
 def _count_positions(row: _Row, accepted: int, drafted: int) -> None:
     """Per-position acceptance: position i counts when every earlier position was accepted."""
     reach = min(drafted, accepted + 1)
@@ -716,28 +594,6 @@ def _eos_ids(model, tokenizer) -> list[int]:
     if ids is None:
         return []
     return list(ids) if isinstance(ids, (list, tuple)) else [int(ids)]
-
-
-def _stack(pieces: list[list[tuple]], prompts: list[list[int]], device, keep_all: bool) -> Segment:
-    """The prefill segment of requests whose prompts were prefilled in chunks (each request's chunks'
-    (logits, hidden, hidden layers)), left-padded among themselves as one prefill pads them. Logits are
-    every prompt token's with ``keep_all``, else the last token's (the one piece its chunks kept)."""
-    width = max(map(len, prompts))
-
-    def rows(parts: list) -> torch.Tensor:  # one [T_i, ...] tensor per request -> [B, width, ...]
-        return torch.stack([left_pad(p, width, 0, dim=0) for p in parts])
-
-    ids = rows([torch.tensor(p, dtype=torch.long, device=device) for p in prompts])
-    valid = rows([torch.ones(len(p), dtype=torch.bool, device=device) for p in prompts])
-    logits = [torch.cat([c[0] for c in chunks if c[0] is not None]) for chunks in pieces]
-    logits = rows(logits) if keep_all else torch.stack(logits)
-    hidden = layers = None
-    if pieces[0][0][1] is not None:
-        hidden = rows([torch.cat([c[1] for c in chunks]) for chunks in pieces])
-    if pieces[0][0][2] is not None:
-        count = len(pieces[0][0][2])
-        layers = tuple(rows([torch.cat([c[2][i] for c in chunks]) for chunks in pieces]) for i in range(count))
-    return Segment(ids, valid, logits, hidden, layers)
 
 
 def _join(head: Segment, tail: Segment, bsz: int, keep_all: bool) -> Segment:

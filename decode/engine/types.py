@@ -1,9 +1,23 @@
-"""The contract between the JSONL job runner and whatever generates tokens for a batch."""
+"""Requests and results: what the job runner hands a generator (the engine, or a diffusion generator)
+and gets back; and the verification schemes a proposal names. Imports nothing heavy (the CLI reads
+``Scheme``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from enum import StrEnum
+
+
+class Scheme(StrEnum):
+    """How drafted tokens are verified (``decode.engine.verify``): ``standard``, a chain, or a tree of
+    candidates the draft took as they are (greedy, or one-hot q: ``verify_chain`` / ``verify_tree``); or a
+    tree of siblings sampled from the draft's q, each level tested so the target's distribution stays
+    exact (``verify_tree_drafted``): ``rsd``, siblings drawn without replacement (recursive rejection),
+    or ``spectr``, i.i.d. chains (k-sequential selection)."""
+
+    standard = "standard"
+    rsd = "rsd"
+    spectr = "spectr"
 
 
 @dataclass
@@ -32,12 +46,3 @@ class GenResult:
     finish_reason: str  # "stop" or "length"
     stats: dict = field(default_factory=dict)  # per-record counters: target_calls, drafted_tokens, ...
 
-
-class BatchGenerator(Protocol):
-    """One batch in, one result per request out, in the same order.
-
-    Autoregressive/speculative decoding (decode/engine/loop.py) and diffusion decoding
-    (decode/diffusion/generator.py) both implement this; the job runner does not care which.
-    """
-
-    def generate(self, requests: list[GenRequest]) -> list[GenResult]: ...

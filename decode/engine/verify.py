@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.decode.engine.types import Scheme
 from specdec.kernels import backend as pick_backend
 from specdec.kernels.verify import verify_chain_triton
 
@@ -225,8 +226,8 @@ def verify_tree(
     return Verdict(accepted=accepted, path=path, next_token=next_token)
 
 
-# how the sampled siblings of a drafted tree are verified (Proposal.scheme); "standard" is a chain
-TREE_SCHEMES = ("rsd", "spectr")
+# how the sampled siblings of a drafted tree are verified (Proposal.scheme); Scheme.standard is a chain
+TREE_SCHEMES = (Scheme.rsd, Scheme.spectr)
 
 
 def verify_tree_drafted(
@@ -234,7 +235,7 @@ def verify_tree_drafted(
     tokens: torch.Tensor,
     parents: torch.Tensor,
     draft_probs: torch.Tensor | None,
-    scheme: str,
+    scheme: Scheme,
     sampling: Sampling,
     generator: torch.Generator | None,
     max_depth: int,
@@ -244,7 +245,7 @@ def verify_tree_drafted(
     """Tree verification where the children of a node were sampled from the draft distribution there.
 
     draft_probs [B, N, V]: the tempered q each node was drawn from (its parent's; siblings share it).
-    scheme "rsd": siblings are draws without replacement from q (Gumbel-top-k), "spectr": i.i.d. draws.
+    scheme rsd: siblings are draws without replacement from q (Gumbel-top-k), spectr: i.i.d. draws.
     At each node the siblings are tested in order (``_rsd_node`` / ``_spectr_node``); an accepted one
     becomes the next node, else the token after the path is drawn from the scheme's residual. Greedy
     needs no q: the drafts are the draft's top tokens and the tree reduces to prefix match.
@@ -252,8 +253,8 @@ def verify_tree_drafted(
     if sampling.greedy:
         return verify_tree(logits, tokens, parents, sampling, generator, max_depth, ancestors, depth)
     if scheme not in TREE_SCHEMES:
-        raise ValueError(f"tree verification scheme must be one of {TREE_SCHEMES}, not {scheme!r}")
-    node_test = _rsd_node if scheme == "rsd" else _spectr_node
+        raise ValueError(f"tree verification scheme must be one of {', '.join(TREE_SCHEMES)}, not {scheme!r}")
+    node_test = _rsd_node if scheme == Scheme.rsd else _spectr_node
     bsz = tokens.shape[0]
     dev = tokens.device
     rows = torch.arange(bsz, device=dev)

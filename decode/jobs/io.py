@@ -373,12 +373,6 @@ def read_jsonl_objects(path: str | os.PathLike) -> Iterator[dict]:
                 yield obj
 
 
-def repair_and_scan(path: str | os.PathLike) -> set[str]:
-    """Repair ``path`` as ``scan_output`` does and return the ids it holds records for."""
-    scan = scan_output(path)
-    return set(scan.ids.values()) | set(scan.legacy_ids)
-
-
 def sort_output(path: str | os.PathLike) -> None:
     """Rewrite ``path`` in input-line order (after a resume filled holes left by moved-aside lines)."""
     rows = []

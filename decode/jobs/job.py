@@ -20,9 +20,9 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from specdec.decode.diffusion.generator import generator_from_options
-from specdec.decode.engine.loop import SpecEngine
 from specdec.decode.jobs.io import (
     JsonlWriter,
     OutputLock,
@@ -33,14 +33,12 @@ from specdec.decode.jobs.io import (
     read_jsonl_objects,
     read_records,
 )
-from specdec.decode.options import SCHEDULES, DecodeOptions
-from specdec.decode.drafters.registry import build_drafter, check_drafter_options, kernel_backend, load_decode_target
 from specdec.decode.engine.types import GenRequest, add_counts
+from specdec.decode.jobs.build import build_engine, load_decode_target
 from specdec.decode.jobs.progress import ProgressBar
-from specdec.decode.engine.verify import Sampling
-from specdec.models.artifacts import artifact_kind, read_config
+from specdec.decode.jobs.validate import DecodePlan, plan_decode
+from specdec.decode.options import DecodeOptions
 from specdec.models.errors import SpecdecError, UsageError
-from specdec.models.loading import input_device, resolve_source
 
 
 @dataclass
@@ -89,44 +87,26 @@ class JobSummary:
 
 
 class Decoder:
-    """Loads the target and the generator once; ``run`` decodes a stream of records."""
+    """Loads the target and the generator once; ``run`` decodes a stream of records.
 
-    def __init__(self, target: str, options: DecodeOptions, console=None):
-        self.options = options
+    ``plan``: the decode as ``decode.jobs.validate.plan_decode`` checked it (made here from ``target``
+    and ``options`` when not given); nothing is checked again."""
+
+    def __init__(self, target: str | None, options: DecodeOptions, console=None, plan: DecodePlan | None = None):
+        plan = plan or plan_decode(target, options)
+        self.options = options = plan.options
         self.console = console
-        path = resolve_source(target)
-        self.is_diffusion = is_diffusion_model(path, options)
-        self.schedule = resolve_schedule(options.schedule, self.is_diffusion, target)
+        self.is_diffusion = plan.is_diffusion
+        self.schedule = plan.schedule
         if self.is_diffusion:
-            if options.max_memory is not None:
-                raise UsageError(f"{target} is a diffusion LM: --max-memory applies to causal LMs only")
-            if options.drafter != "ar" or options.acceptance:
-                raise UsageError(f"{target} is a diffusion LM: --drafter and --acceptance apply to causal LMs only")
-            if options.prefill_chunk:
-                raise UsageError(f"{target} is a diffusion LM: --prefill-chunk applies to continuous batching of causal LMs only")
-            self.generator, self.tokenizer, self.max_context = generator_from_options(path, options)
+            self.generator, self.tokenizer, self.max_context = generator_from_options(plan.source, options)
             return
-        if options.strategy != "static" or options.cache != "none" or options.filter or options.adablock:
-            raise UsageError(f"{target} is a causal LM: --strategy, --cache, --filter and --adablock apply to diffusion LMs only")
-        check_drafter_options(options.drafter, options)
-        model, self.tokenizer, _ = load_decode_target(str(path), options)
-        drafter = build_drafter(options.drafter, model, self.tokenizer, options)
+        model, self.tokenizer, _ = load_decode_target(plan.source, options)
+        drafter = plan.drafter.build(model, self.tokenizer, options)
         self.max_context = getattr(model.config, "max_position_embeddings", None) or 1 << 30
-        if options.max_memory is not None:
+        if options.scheduling.max_memory is not None:
             options = self.options = _fit_memory(options, model, drafter, self.max_context)
-        self.generator = SpecEngine(
-            model,
-            self.tokenizer,
-            drafter,
-            Sampling(options.temperature, options.top_p),
-            num_draft=options.num_draft,
-            seed=options.seed,
-            stop=options.stop,
-            kernels=kernel_backend(options, input_device(model)),
-            shared_prefix=shared_prefix_tokens(options.shared_prefix, self.tokenizer),
-            compile=options.compile,
-            prefill_chunk=options.prefill_chunk,
-        )
+        self.generator = build_engine(model, self.tokenizer, options, drafter)
 
     def encode(self, rec: Record) -> list[int]:
         return encode_record(self.tokenizer, rec)
@@ -151,12 +131,12 @@ class Decoder:
         if source is not None and not isinstance(source, str):
             return "source must be a string"
         reference = self.tokenizer(source, add_special_tokens=False)["input_ids"] if source else None
-        return GenRequest(ids, min(rec.max_new_tokens or self.options.max_new_tokens, room), reference=reference)
+        return GenRequest(ids, min(rec.max_new_tokens or self.options.sampling.max_new_tokens, room), reference=reference)
 
     def output(self, rec: Record, req: GenRequest, result, wall: float) -> dict:
         text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
         finish = result.finish_reason
-        for s in self.options.stop:
+        for s in self.options.sampling.stop:
             if s and s in text:
                 text, finish = text[: text.index(s)], "stop"
         out = {"id": rec.id, "line": rec.line}
@@ -183,7 +163,7 @@ class Decoder:
 
     def samples(self, rec: Record, req: GenRequest) -> list[GenRequest]:
         """The ``num_samples`` requests a record is decoded as: one group, named by its input line."""
-        n = self.options.num_samples
+        n = self.options.sampling.num_samples
         return [req] if n == 1 else [dataclasses.replace(req, group=rec.line) for _ in range(n)]
 
     def run(self, records, writer: JsonlWriter, strict: bool = False, progress=None) -> JobSummary:
@@ -237,7 +217,7 @@ class Decoder:
         """Batches of ``batch_size`` rows in input order (a record's samples in the same batch); a batch
         ends when its longest row does, and is written and flushed before the next starts."""
         pending: list[tuple[Record, GenRequest | str]] = []
-        n = self.options.num_samples
+        n = self.options.sampling.num_samples
 
         def flush_batch():
             reqs = [(r, q) for r, q in pending if isinstance(q, GenRequest)]
@@ -256,7 +236,7 @@ class Decoder:
 
         for rec, req in todo:
             pending.append((rec, req))
-            if n * sum(isinstance(q, GenRequest) for _, q in pending) >= self.options.batch_size:
+            if n * sum(isinstance(q, GenRequest) for _, q in pending) >= self.options.scheduling.batch_size:
                 flush_batch()
         if pending:
             flush_batch()
@@ -268,7 +248,7 @@ class Decoder:
         # [record, request or error, output record once known, (stream index, result) per finished sample]
         queue: deque[list] = deque()  # input order
         waiting: dict[int, list] = {}  # stream index -> its queue entry
-        n = self.options.num_samples
+        n = self.options.sampling.num_samples
         unflushed, last_flush = 0, time.perf_counter()
 
         def write_ready():
@@ -278,7 +258,7 @@ class Decoder:
                 self._write(writer, summary, queue.popleft()[2])
                 done += 1
             unflushed += done
-            if unflushed and (unflushed >= self.options.batch_size or time.perf_counter() - last_flush >= FLUSH_EVERY_S):
+            if unflushed and (unflushed >= self.options.scheduling.batch_size or time.perf_counter() - last_flush >= FLUSH_EVERY_S):
                 writer.flush()
                 unflushed, last_flush = 0, time.perf_counter()
             if done and progress is not None:
@@ -296,7 +276,7 @@ class Decoder:
                     yield sample
 
         handed = itertools.count()  # the stream numbers requests in the order they are handed to it
-        for i, result in self.generator.stream(requests(), self.options.batch_size):
+        for i, result in self.generator.stream(requests(), self.options.scheduling.batch_size):
             entry = waiting.pop(i)
             entry[3].append((i, result))
             if len(entry[3]) < n:
@@ -314,57 +294,20 @@ def _fit_memory(options: DecodeOptions, model, drafter, max_context: int) -> Dec
     its prompts yet, and any prompt up to the context is accepted."""
     from specdec.decode.jobs.memory import fit, memory_model, parse_size
 
-    budget = parse_size(options.max_memory)
-    mm = memory_model(model, drafter, max_context, options.max_new_tokens)
-    plan = fit(budget, mm, drafter, options.batch_size, options.num_draft, options.max_memory)
+    scheduling, drafting = options.scheduling, options.drafting
+    budget = parse_size(scheduling.max_memory)
+    mm = memory_model(model, drafter, max_context, options.sampling.max_new_tokens)
+    plan = fit(budget, mm, drafter, scheduling.batch_size, drafting.num_draft, scheduling.max_memory)
     print(plan.note, file=sys.stderr, flush=True)
     if plan.tree_tokens is not None:  # the heads are loaded already: resize the tree in place rather than reload them
         drafter.tree_tokens = plan.tree_tokens
-    return dataclasses.replace(options, batch_size=plan.batch_size, num_draft=plan.num_draft,
-                               tree_tokens=plan.tree_tokens if plan.tree_tokens is not None else options.tree_tokens)
+    return options.with_overrides({"batch_size": plan.batch_size, "num_draft": plan.num_draft,
+                                   "tree_tokens": plan.tree_tokens if plan.tree_tokens is not None else drafting.tree_tokens})
 
 
 # a continuous job flushes at least this often while records are being written (a batch's worth of
 # records can take long when the rows in flight are long ones)
 FLUSH_EVERY_S = 10.0
-
-
-def resolve_schedule(schedule: str, is_diffusion: bool, target: str) -> str:
-    """``continuous`` or ``static``: auto is continuous for causal LMs, static for diffusion LMs, whose
-    canvas decodes a batch's rows in lockstep (an explicit ``continuous`` there is a usage error)."""
-    if schedule not in SCHEDULES:
-        raise UsageError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
-    if is_diffusion:
-        if schedule == "continuous":
-            raise UsageError(f"{target} is a diffusion LM: its records decode in static batches (--schedule continuous applies to causal LMs)")
-        return "static"
-    return "static" if schedule == "static" else "continuous"
-
-
-def shared_prefix_tokens(spec: str, tokenizer):
-    """The engine's shared-prefix setting for ``--shared-prefix``: None (off), "auto", or the token ids
-    of a file's text, tokenized as a prompt is (special tokens included, so a BOS matches)."""
-    if spec == "off":
-        return None
-    if spec == "auto":
-        return "auto"
-    path = Path(spec)
-    if not path.is_file():
-        raise UsageError(f"--shared-prefix {spec}: no such file (or use auto / off)")
-    text = path.read_text(encoding="utf-8")
-    if not text:
-        raise UsageError(f"--shared-prefix {spec}: the file is empty")
-    return tokenizer(text, add_special_tokens=True)["input_ids"]
-
-
-def is_diffusion_model(path: Path, options: DecodeOptions) -> bool:
-    """specdec's dLLMs say so in config.json; third-party ones (LLaDA, Dream) carry a mask token id
-    and run their own code, so they are recognised only with --trust-remote-code."""
-    if not Path(path).is_dir():  # a hub id: a causal LM (diffusion checkpoints load from folders)
-        return False
-    if artifact_kind(path) == "dllm":
-        return True
-    return options.trust_remote_code and read_config(path).get("mask_token_id") is not None
 
 
 # -- sharding under accelerate launch -----------------------------------------------------------
@@ -390,57 +333,7 @@ def merge_shards(out: str, world: int) -> None:
         ) from None
 
 
-# -- paths, signals and the job -----------------------------------------------------------------
-
-
-def validate_paths(in_path: str, out_path: str) -> None:
-    """Refuse an unusable ``--in`` or ``--out`` with one ``UsageError`` before any model loads.
-
-    Creates nothing. ``-`` is stdin / stdout. The output's nearest existing ancestor must be a
-    writable directory (the output, its lock file and missing parent folders are created there).
-    """
-    try:
-        _validate_paths(in_path, out_path)
-    except OSError as exc:  # e.g. a folder on the way that may not be searched
-        flag = "--out" if exc.filename and in_path not in (exc.filename, "-") else "--in"
-        raise UsageError(f"{flag} {exc.filename or ''}: {exc.strerror or exc}".replace(" :", ":")) from None
-
-
-def _validate_paths(in_path: str, out_path: str) -> None:
-    if in_path != "-":
-        src = Path(in_path)
-        if not src.exists():
-            raise UsageError(f"--in {in_path}: no such file")
-        if src.is_dir():
-            raise UsageError(f"--in {in_path} is a directory, not a JSONL file")
-        if not os.access(src, os.R_OK):
-            raise UsageError(f"--in {in_path}: permission denied")
-    if out_path == "-":
-        return
-    validate_output_path(out_path, "--out", stdout_hint=" (or - for stdout)")
-    if Path(out_path).exists() and in_path != "-" and os.path.samefile(in_path, out_path):
-        raise UsageError(f"--in and --out are the same file ({out_path})")
-
-
-def validate_output_path(path: str, flag: str, stdout_hint: str = "") -> None:
-    """Refuse an output file that could not be written (a folder, not a regular file, not writable, a
-    file on the way) with one ``UsageError`` naming ``flag``; creates nothing. The nearest existing
-    ancestor must be a writable folder (missing parent folders are created there when writing)."""
-    out = Path(path)
-    if path.endswith(os.sep) or out.is_dir():
-        raise UsageError(f"{flag} {path} is a directory; give a file path{stdout_hint}")
-    if out.exists():
-        if not out.is_file():
-            raise UsageError(f"{flag} {path} is not a regular file{stdout_hint}")
-        if not os.access(out, os.W_OK):
-            raise UsageError(f"{flag} {path}: permission denied")
-    parent = out.absolute().parent
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
-    if not parent.is_dir():
-        raise UsageError(f"{flag} {path}: {parent} is a file, not a directory")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise UsageError(f"{flag} {path}: cannot create files in {parent} (permission denied)")
+# -- signals and the job -----------------------------------------------------------------
 
 
 class Interrupted(SpecdecError):
@@ -494,23 +387,23 @@ def run_decode_job(
     strict: bool = False,
     overwrite: bool = False,
     console=None,
+    default_target: Callable[[], str] | None = None,
 ) -> tuple[JobSummary, int]:
     """Returns (summary, exit code): 0 when every record in the output succeeded, 3 when some are
-    error records (written now or by the run this one resumes).
+    error records (written now or by the run this one resumes). ``target`` None: ``default_target()``,
+    asked for once the options are checked.
 
-    Raises ``UsageError`` (exit 2) for bad options and paths before any model loads, and when
-    another process writes the same output; ``Interrupted`` (130 / 143) on SIGINT / SIGTERM once
-    the records already decoded are durable; ``StrictStop`` (3) where ``--strict`` stopped;
-    ``OutputWriteError`` (1) when the output cannot be written (disk full).
+    Raises ``UsageError`` (exit 2) for bad options and paths before any model loads (``plan_decode``,
+    ``validate_paths``: the one check), and when another process writes the same output;
+    ``Interrupted`` (130 / 143) on SIGINT / SIGTERM once the records already decoded are durable;
+    ``StrictStop`` (3) where ``--strict`` stopped; ``OutputWriteError`` (1) when the output cannot be
+    written (disk full).
     """
-    from specdec.decode.jobs.validate import validate_options
-
-    validate_options(options)
-    validate_paths(in_path, out_path)
+    plan = plan_decode(target, options, default_target, paths=(in_path, out_path))
     held: list[JsonlWriter] = []
     with _signals_raise():
         try:
-            return _decode_job(in_path, out_path, target, options, strict, overwrite, console, held)
+            return _decode_job(in_path, out_path, plan, strict, overwrite, console, held)
         except _Signal as sig:
             name = signal.Signals(sig.signum).name
             if not held:
@@ -525,17 +418,18 @@ def run_decode_job(
             raise Interrupted(f"interrupted ({name}): {writer.records} records written to {where}{resume}", sig.signum) from None
 
 
-def _decode_job(in_path, out_path, target, options, strict, overwrite, console, held) -> tuple[JobSummary, int]:
+def _decode_job(in_path, out_path, plan: DecodePlan, strict, overwrite, console, held) -> tuple[JobSummary, int]:
     from accelerate import PartialState
 
     state = None
+    placement = plan.options.placement
     if os.environ.get("WORLD_SIZE", "1") != "1":
         # one process per GPU where there are GPUs (accelerate gives each rank its own), CPU processes elsewhere
         import torch
 
-        state = PartialState(cpu=options.device == "cpu" or not torch.cuda.is_available())
-        if options.device == "auto" and not options.device_map:
-            options = dataclasses.replace(options, device=str(state.device))
+        state = PartialState(cpu=placement.device == "cpu" or not torch.cuda.is_available())
+        if placement.device == "auto" and not placement.device_map:
+            plan = dataclasses.replace(plan, options=plan.options.with_overrides({"device": str(state.device)}))
     world, rank = (state.num_processes, state.process_index) if state else (1, 0)
     if world > 1 and out_path == "-":
         raise UsageError("multi-process decoding needs --out FILE (shards are merged into it)")
@@ -545,7 +439,7 @@ def _decode_job(in_path, out_path, target, options, strict, overwrite, console, 
         writer = JsonlWriter(shard_path(out_path, rank, world) if world > 1 else out_path, overwrite=overwrite)
         held.append(writer)
         try:
-            decoder = Decoder(target, options, console)
+            decoder = Decoder(plan.target, plan.options, console, plan=plan)
             records = read_records(in_path, warn=_warn if rank == 0 else None)
             if world > 1:
                 records = (r for i, r in enumerate(records) if i % world == rank)

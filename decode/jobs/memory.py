@@ -25,6 +25,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from specdec.decode.engine.types import Scheme
 from specdec.models.errors import SpecdecError, UsageError
 
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -68,16 +69,10 @@ def fmt_size(n: int) -> str:
     return f"{n} B"
 
 
-def _modules(drafter) -> list:
-    import torch
-
-    return [m for m in (getattr(drafter, "model", None), getattr(drafter, "heads", None)) if isinstance(m, torch.nn.Module)]
-
-
 def weight_bytes(model, drafter=None) -> int:
     """Target + drafter parameters, each tensor once (a layer-skip view shares the target's)."""
     seen, total = set(), 0
-    for module in [model, *_modules(drafter)]:
+    for module in [model, *(drafter.modules() if drafter is not None else [])]:
         for p in module.parameters():
             key = (p.data_ptr(), p.numel())
             if key not in seen:
@@ -90,11 +85,11 @@ def draft_width(drafter, num_draft: int | None, tree_tokens: int | None = None) 
     """Tokens in one verify forward (root included) for the drafter at ``num_draft`` / ``tree_tokens``."""
     if drafter is None:
         return 1
-    if hasattr(drafter, "tree_tokens"):  # head trees: the tree's size, whatever the depth
+    if drafter.tree_tokens is not None:  # head trees: the tree's size, whatever the depth
         return 1 + int(tree_tokens if tree_tokens is not None else drafter.tree_tokens)
     k = drafter.default_k if num_draft is None else num_draft
-    if getattr(drafter, "scheme", "standard") != "standard":  # RSD/SpecTr: K levels of ``width`` siblings
-        return 1 + k * max(1, int(getattr(drafter, "width", 1)))
+    if drafter.scheme != Scheme.standard:  # RSD/SpecTr: K levels of ``width`` siblings
+        return 1 + k * max(1, int(drafter.width))
     return 1 + k
 
 
@@ -118,11 +113,11 @@ class MemoryModel:
 
 def memory_model(model, drafter, prompt_tokens: int, max_new_tokens: int) -> MemoryModel:
     cfg = model.config
-    draft = getattr(drafter, "model", None)
+    draft = drafter.model
     kv_draft = kv_bytes_per_token(draft) if draft is not None and draft is not model else 0
     hidden = 0
-    if getattr(drafter, "needs_hidden", False) or getattr(drafter, "hidden_layers", None):
-        layers = 1 + len(getattr(drafter, "hidden_layers", None) or ())
+    if drafter.needs_hidden or drafter.hidden_layers:
+        layers = 1 + len(drafter.hidden_layers or ())
         hidden = layers * cfg.hidden_size * next(model.parameters()).element_size()
     context = int(getattr(cfg, "max_position_embeddings", None) or 1 << 30)
     return MemoryModel(weight_bytes(model, drafter), kv_bytes_per_token(model), kv_draft, prompt_tokens + max_new_tokens,
@@ -142,7 +137,7 @@ def fit(budget: int, mm: MemoryModel, drafter, batch_size: int, num_draft: int |
     """The largest batch size <= ``batch_size`` whose rows fit ``budget`` at the drafter's draft width;
     when not even one row fits, the tree tokens (head trees) or K (other drafters) shrink, down to 1,
     until one does. Raises ``SpecdecError`` when nothing fits, saying what is needed."""
-    tree = hasattr(drafter, "tree_tokens")
+    tree = drafter.tree_tokens is not None
     k0 = drafter.default_k if num_draft is None else num_draft
     size0 = drafter.tree_tokens if tree else k0
     width = lambda size: draft_width(drafter, size, size) if size else 1  # noqa: E731
