@@ -36,13 +36,15 @@ class DllmSpec:
         return int(self.token_shift)
 
 
-def load_dllm(path: str | Path, trust_remote_code: bool = False, token_shift: bool | None = None, dtype: str | torch.dtype | None = None):
+def load_dllm(path: str | Path, trust_remote_code: bool = False, token_shift: bool | None = None, dtype: str | torch.dtype | None = None,
+              attn_implementation: str | None = None, device_map: str | None = None):
     """Load ``(model, tokenizer, DllmSpec)``.
 
     specdec's own dLLMs are plain Llama checkpoints (safetensors only). Third-party diffusion
     checkpoints (LLaDA, Dream) run their own modeling code and therefore need an explicit
     ``trust_remote_code=True``; their config may say ``token_shift`` (LLaDA: no shift, the default;
-    Dream: shift), which ``token_shift`` overrides. ``dtype``: as saved when None.
+    Dream: shift), which ``token_shift`` overrides. ``dtype``: as saved when None. ``attn_implementation``
+    and ``device_map`` go to ``from_pretrained`` when given.
     """
     from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
@@ -54,6 +56,7 @@ def load_dllm(path: str | Path, trust_remote_code: bool = False, token_shift: bo
             "checkpoints such as LLaDA or Dream load only with --trust-remote-code"
         )
     kwargs = {} if dtype is None else {"dtype": getattr(torch, dtype) if isinstance(dtype, str) else dtype}
+    kwargs |= {k: v for k, v in (("attn_implementation", attn_implementation), ("device_map", device_map)) if v}
     if own:
         model = AutoModelForCausalLM.from_pretrained(path, use_safetensors=True, **kwargs)
     else:

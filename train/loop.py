@@ -184,7 +184,7 @@ class TrainResult:
         return self.accelerator.is_main_process
 
 
-def make_accelerator(cfg: TrainConfig):
+def make_accelerator(cfg: TrainConfig, cpu: bool = False):
     import torch
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, GradientState
@@ -199,7 +199,7 @@ def make_accelerator(cfg: TrainConfig):
     return Accelerator(
         mixed_precision=resolve_precision(cfg.mixed_precision),
         gradient_accumulation_steps=cfg.grad_accum,
-        cpu=not torch.cuda.is_available(),
+        cpu=cpu or not torch.cuda.is_available(),  # cpu: a trainer asked for the CPU (--device cpu)
     )
 
 
@@ -218,7 +218,8 @@ def run_training(
 
     Checkpoints go to ``out_dir/checkpoints/step-N``; with ``resume`` the newest complete one is
     restored, its training seconds included (the budget and a clock schedule go on from there).
-    ``collate_fn`` turns a list of dataset items into the batch ``loss_fn`` takes (default: stacking).
+    ``collate_fn`` turns a list of dataset items into the batch ``loss_fn`` takes (default: stacking); one
+    that draws random numbers does so as a ``StepSeeded``, so a resumed run draws what an uninterrupted one would.
     ``label`` names the progress bar.
     Returns the unwrapped model (main and other processes alike) and the loss curve.
     """
@@ -271,6 +272,8 @@ def run_training(
 
     consumed = step * cfg.grad_accum  # micro-batches per process
     epoch, skip = divmod(consumed, per_epoch)
+    if isinstance(collate_fn, StepSeeded):
+        collate_fn.start(consumed)
     start = time.perf_counter()
     stopped = "steps"
     progress = _Progress(cfg.steps, step, enabled=cfg.progress and accelerator.is_main_process, budget_s=budget_s, label=label,
@@ -521,6 +524,27 @@ def _to_device(batch, device):
     if isinstance(batch, (list, tuple)):
         return type(batch)(_to_device(v, device) for v in batch)
     return batch
+
+
+class StepSeeded:
+    """A collate function whose random draws are a function of the seed and of the micro-batch's index
+    (``draw``), not of the batches drawn before: ``run_training`` tells it which micro-batch comes first
+    (``start``), so a run resumed from a checkpoint draws what the uninterrupted run would have."""
+
+    def __init__(self, seed: int):
+        self.seed, self.index = seed, 0
+
+    def start(self, index: int) -> None:
+        self.index = index
+
+    def draw(self):
+        """(random.Random, torch.Generator) for the next micro-batch."""
+        import random
+
+        import torch
+
+        index, self.index = self.index, self.index + 1
+        return random.Random(f"{self.seed}/{index}"), torch.Generator().manual_seed((self.seed * 1_000_003 + index) % (1 << 62))
 
 
 class _Progress(ProgressBar):

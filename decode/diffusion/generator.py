@@ -303,8 +303,10 @@ def load_for_decoding(path: str | Path, options: DecodeOptions):
     device = resolve_device(placement.device)
     # auto: as saved on a GPU, float32 on a CPU (the same rule as causal LMs)
     dtype = placement.dtype if placement.dtype != "auto" else (None if device.type == "cuda" else "float32")
-    model, tokenizer, spec = load_dllm(path, trust_remote_code=placement.trust_remote_code, dtype=dtype)
-    model.to(device)
+    model, tokenizer, spec = load_dllm(path, trust_remote_code=placement.trust_remote_code, dtype=dtype,
+                                       attn_implementation=placement.attn_implementation, device_map=placement.device_map)
+    if not placement.device_map:
+        model.to(device)
     # every forward reads the whole canvas
     apply_threads(placement.threads, model, rows=options.scheduling.batch_size * options.sampling.max_new_tokens)
     return model, tokenizer, spec

@@ -29,6 +29,7 @@ from specdec.models.loading import Placement, resolve_source
 MAX_NUM_DRAFT = 256  # drafted tokens per round; beyond this a round costs more than it can win
 MAX_TOP_K = 16  # siblings per step / children per node
 MAX_TREE_TOKENS = 1024
+DIFFUSION_ATTENTION = ("sdpa", "eager")  # what takes a dLLM's 4-D masks (models.dllm.model_mask)
 
 
 def validate_options(opts: DecodeOptions) -> None:
@@ -177,6 +178,8 @@ def plan_decode(target: str | None, options: DecodeOptions, default_target: Call
     if diffusion:
         causal_only = [flag(n) for n in options.given("drafting")]
         causal_only += [flag(n) for n in ("max_memory", "prefill_chunk") if n in options.given("scheduling")]
+        if options.placement.attn_implementation not in (None, *DIFFUSION_ATTENTION):
+            causal_only.append(f"--attn-implementation {options.placement.attn_implementation}")
         if causal_only:
             raise UsageError(f"{target} is a diffusion LM: {_listed(causal_only)} to causal LMs only")
         return DecodePlan(target, source, options, True, schedule, None)
