@@ -17,7 +17,7 @@ README = ROOT / "README.md"
 SCRIPT = ROOT / "scripts" / "benchmarks-doc"
 # options of other programs the README shows specdec running under
 FOREIGN_OPTIONS = {"--num_processes", "--multi_gpu"}
-PLACEMENT_USERS = ("decode", "bench", "train-draft", "train-acceptance", "train-heads")
+PLACEMENT_USERS = ("decode", "bench", "train-draft", "train-acceptance", "train-heads", "train-dllm", "train-filter")
 TRAINERS_WITH_RECIPES = ("train-draft", "train-acceptance", "train-heads")
 OPTION = re.compile(r"(?<![\w-])--[a-z][\w-]*")
 
