@@ -99,6 +99,7 @@ class SwiftDrafter(Drafter):
     """Layer-skip self-speculation with the skip set searched online (see the module docstring)."""
 
     default_k = 8  # the most a round drafts; confidence usually stops it sooner
+    has_draft_probs = True  # its members are draft models
 
     def __init__(self, target, confidence: float = 0.6, search_rounds: int = 32, trial_rounds: int = 2,
                  reeval_every: int = 48, max_live: int = 3, seed: int = 0, start: list[int] | None = None):
