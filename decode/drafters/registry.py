@@ -172,7 +172,7 @@ DRAFTER_KINDS: dict[str, Factory] = {
 
 def _factories() -> list[tuple[Factory, Factory]]:
     """(kind's factory, mode) for every factory there is."""
-    kinds = [*MODEL_FREE_DRAFTERS.values(), *DRAFTER_KINDS.values()]
+    kinds = [k for k in (*MODEL_FREE_DRAFTERS.values(), *DRAFTER_KINDS.values()) if isinstance(k, Factory)]
     return [(k, m) for k in kinds for m in (k.modes or (k,))]
 
 
@@ -238,7 +238,10 @@ def resolve_drafter(spec: str) -> DrafterChoice:
     path = resolve_member(spec)
     if kind not in DRAFTER_KINDS:
         raise SpecdecError(f"{path}: artifact kind {kind!r} is not a drafter (known: {', '.join(DRAFTER_KINDS)})")
-    return DrafterChoice(spec, kind, path, DRAFTER_KINDS[kind])
+    factory = DRAFTER_KINDS[kind]
+    if not isinstance(factory, Factory):  # a bare factory(path, target, tokenizer, options) takes no drafting option
+        factory = Factory(factory, label=f"{kind} drafters")
+    return DrafterChoice(spec, kind, path, factory)
 
 
 def drafter_kind(spec: str) -> str:
