@@ -92,7 +92,7 @@ class Decoder:
     ``plan``: the decode as ``decode.jobs.validate.plan_decode`` checked it (made here from ``target``
     and ``options`` when not given); nothing is checked again."""
 
-    def __init__(self, target: str | None, options: DecodeOptions, console=None, plan: DecodePlan | None = None):
+    def __init__(self, target: str, options: DecodeOptions, console=None, plan: DecodePlan | None = None):
         plan = plan or plan_decode(target, options)
         self.options = options = plan.options
         self.console = console
