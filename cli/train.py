@@ -35,6 +35,13 @@ class CeLabels(str, Enum):
 class ExportTo(str, Enum):
     hf = "hf"
     vllm = "vllm"
+    speculators = "speculators"
+    eagle = "eagle"
+
+
+class HeadLayout(str, Enum):
+    specdec = "specdec"
+    published = "published"
 
 
 def _config(recipe: Path | None, default: str, section: str, **overrides):
@@ -181,6 +188,8 @@ def train_heads_cmd(
     unroll: Annotated[Optional[int], typer.Option("--unroll", help="EAGLE: unrolled training-time steps (1 = EAGLE-1).")] = None,
     draft_vocab: o.DraftVocab = None,
     teacher_cache: Annotated[Optional[Path], typer.Option("--teacher-cache", help="File for the target's features and top-k logits over the training blocks, computed once (used whenever --draft-vocab is given).")] = None,
+    layout: Annotated[HeadLayout, typer.Option("--layout", help="EAGLE: specdec (its own architecture) or published (EAGLE-1, or "
+                      "EAGLE-3 with --eagle3, as vLLM / SGLang / speculators run them: exportable --to speculators|eagle).")] = HeadLayout.specdec,
     recipe: o.Recipe = None,
     max_steps: o.MaxSteps = None,
     budget_minutes: o.Budget = None,
@@ -209,6 +218,12 @@ def train_heads_cmd(
     hp = {"num_heads": num_heads, "unroll": unroll}
     if eagle3:
         hp.update(eagle3=True, feature_layers="eagle3")
+    if layout is HeadLayout.published:
+        if kind != "eagle":
+            from specdec.models.errors import UsageError
+
+            raise UsageError("--layout published applies to --kind eagle")
+        hp["layout"] = "published"
     metrics = train_heads(kind, target, data, out, cfg, resume=resume, placement=place, draft_vocab=draft_vocab,
                           teacher_cache=teacher_cache, **hp)
     _report(metrics, out, ("top1_accuracy", "expected_tau", "steps", "stopped"))
@@ -216,10 +231,12 @@ def train_heads_cmd(
 
 def export_cmd(
     src: Annotated[Path, typer.Argument(help="A medusa or eagle artifact directory.")],
-    to: Annotated[ExportTo, typer.Option("--to", help="hf (the method's own checkpoint layout) or vllm.")],
+    to: Annotated[ExportTo, typer.Option("--to", help="hf (the method's own checkpoint layout), vllm, speculators (EAGLE-3 "
+                  "heads: the format vLLM loads) or eagle (EAGLE-1 / EAGLE-3 as SafeAILab EAGLE and SpecForge write them); "
+                  "speculators and eagle take heads trained with --layout published.")],
     out: Annotated[Optional[Path], typer.Option("--out", help="Where to write (default SRC-TO).")] = None,
 ) -> None:
-    """Export a head artifact in the Medusa / EAGLE checkpoint conventions."""
+    """Export a head artifact in the Medusa / EAGLE / speculators checkpoint conventions."""
     from specdec.train.heads import export_artifact
 
     dst = export_artifact(src, out or src.with_name(f"{src.name}-{to.value}"), to.value)

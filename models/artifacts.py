@@ -135,7 +135,12 @@ def read_config(path: str | os.PathLike) -> dict:
 def artifact_kind(path: str | os.PathLike) -> str:
     """The specdec kind of an artifact dir; a plain HF causal LM directory is kind ``draft``."""
     cfg = read_config(path)
-    return cfg.get("specdec_kind") or cfg.get("kind") or "draft"
+    kind = cfg.get("specdec_kind") or cfg.get("kind")
+    if kind:
+        return kind
+    from specdec.models.interop import foreign_kind  # a draft in a published layout (EAGLE, speculators, Medusa)
+
+    return foreign_kind(path, cfg) or "draft"
 
 
 def tokenizer_fingerprint(tokenizer) -> dict:

@@ -484,6 +484,10 @@ def build_heads(kind: str, target, hp: dict):
     elif kind == "clover":
         m = CloverHeads(cfg.hidden_size, cfg.vocab_size, int(hp.get("num_heads", 4)), int(hp.get("attn_heads", cfg.num_attention_heads)),
                         int(hp.get("window", 64)))
+    elif kind == "eagle" and hp.get("layout"):  # EAGLE-1 / EAGLE-3 as published (models/interop.py)
+        from specdec.models.interop import build_published_eagle
+
+        m = build_published_eagle(target, hp)
     elif kind == "eagle":
         layers = hp.get("feature_layers")
         if layers == "eagle3" or (hp.get("eagle3") and not layers):

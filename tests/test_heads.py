@@ -307,3 +307,22 @@ def test_heads_with_a_reduced_draft_vocabulary(workdir, kind):
     drafter._grow_static = spy
     SpecEngine(target, tok, drafter).generate([GenRequest(prompt_ids=prompt, max_new_tokens=8)])
     assert seen and set(seen) <= allowed
+
+
+def test_published_eagle3_with_a_reduced_vocabulary_trains_on_the_teacher_cache(workdir):
+    """The published EAGLE-3 (models.interop) with --draft-vocab: its own output layer over the draft's
+    tokens, learned from the cached teacher's top-k; decodes exactly as ar."""
+    from specdec.models.loading import load_target
+
+    out = workdir / "eagle3-published-vocab"
+    m = train_heads("eagle", workdir / "target", [workdir / "data.jsonl"], out, tiny_cfg(steps=12, lr=3e-3),
+                    draft_vocab=40, teacher_topk=8, eagle3=True, feature_layers="eagle3", unroll=2, layout="published")
+    curve = m["loss_curve"]
+    assert sum(curve[-3:]) / 3 < sum(curve[:3]) / 3
+    target, tok, _ = load_target(workdir / "target")
+    drafter = build_drafter(out, target, tok, SimpleNamespace(num_draft=None, tree="static", tree_tokens=10))
+    assert drafter.heads.draft_ids is not None and drafter.heads.lm_head.out_features == 39
+    prompt = tok("the cat sat on the mat and the dog")["input_ids"]
+    res = SpecEngine(target, tok, drafter).generate([GenRequest(prompt_ids=prompt, max_new_tokens=16)])
+    ar = SpecEngine(target, tok, None).generate([GenRequest(prompt_ids=prompt, max_new_tokens=16)])
+    assert res[0].token_ids == ar[0].token_ids and res[0].stats["drafted_tokens"] > 0

@@ -93,9 +93,13 @@ def train_heads(
     torch.manual_seed(cfg.seed)
     if draft_vocab and kind == "medusa":
         hp.setdefault("shared_head", True)  # a head's own output layer would have the target's vocabulary
-    heads = build_heads(kind, target, hp).attach(target, init_from_lm_head=bool(hp.get("init_from_lm_head", True)))
     vocab = training_vocab(train, tokenizer, draft_vocab, target.config.vocab_size) if draft_vocab else None
-    if vocab is not None:
+    published = kind == "eagle" and bool(hp.get("layout"))
+    if vocab is not None and published:  # the published EAGLE-3 trains its own output layer over the draft's tokens
+        hp["draft_ids"] = vocab.d2t[:-1]
+    heads = build_heads(kind, target, hp).attach(target, init_from_lm_head=bool(hp.get("init_from_lm_head", True)))
+    hp.pop("draft_ids", None)
+    if vocab is not None and not published:
         heads.set_vocab(vocab)
     cache = None
     if draft_vocab or teacher_cache:
@@ -125,7 +129,7 @@ def train_heads(
     if not result.is_main:
         return {}
     heads = result.model.float().attach(target)
-    if vocab is not None:
+    if vocab is not None and not published:
         heads.set_vocab(vocab)
     k = heads.num_heads if kind != "eagle" else int(hp.get("eval_depth", 5))
     metrics = evaluate_heads(heads, target, held, min(k, cfg.seq_len - 3), batch=cfg.batch)
@@ -177,17 +181,25 @@ def export_artifact(src: Path, dst: Path, to: str) -> Path:
     medusa --to hf: the Medusa repo layout (config.json with medusa_num_heads/medusa_num_layers,
       medusa_lm_head.safetensors with keys ``{head}.{layer}.linear.{weight,bias}`` and ``{head}.{L}.weight``).
     medusa --to vllm: vLLM's MedusaModel layout (``blocks.{head}.layers.{layer}.{weight,bias}``,
-      ``lm_heads.{head}.weight``; config num_heads / num_hidden_layers).
+      ``lm_heads.{head}.weight``; config num_heads / num_hidden_layers, medusa_fc_bias so vLLM reads the biases).
+    eagle --to speculators|eagle: heads trained with ``--layout published`` in the speculators eagle3 format, or
+      EAGLE-1 / EAGLE-3 (SpecForge) layouts: models/interop.py.
     eagle --to hf|vllm: the EAGLE-1 layout (``fc.*``, ``layers.0.*`` of one Llama decoder layer, a
       Llama config with num_hidden_layers 1); multi-layer (EAGLE-3) artifacts add ``fuse.weight``.
     """
     from safetensors.torch import save_file
 
     src, dst = Path(src), Path(dst)
+    if to in ("speculators", "eagle"):  # published EAGLE layouts (models/interop.py)
+        from specdec.models import interop
+
+        return interop.export_speculators(src, dst) if to == "speculators" else interop.export_eagle(src, dst)
     if to not in ("hf", "vllm"):
-        raise UsageError(f"--to must be hf or vllm, not {to!r}")
+        raise UsageError(f"--to must be hf, vllm, speculators or eagle, not {to!r}")
     cfg = read_config(src)
     kind = cfg.get("kind")
+    if cfg.get("layout"):
+        raise UsageError(f"{src} is an EAGLE head of the published architecture: export it --to speculators or --to eagle")
     weights = load_weights(src)
     dst.mkdir(parents=True, exist_ok=True)
     if kind == "medusa":
@@ -204,7 +216,7 @@ def export_artifact(src: Path, dst: Path, to: str) -> Path:
             conf = {"medusa_num_heads": n, "medusa_num_layers": layers, "hidden_size": cfg["hidden_size"], "vocab_size": cfg["vocab_size"]}
         else:
             save_file(out, str(dst / "model.safetensors"))
-            conf = {"architectures": ["MedusaModel"], "model_type": "medusa", "num_heads": n, "num_hidden_layers": layers,
+            conf = {"architectures": ["MedusaModel"], "model_type": "medusa", "num_heads": n, "num_hidden_layers": layers, "medusa_fc_bias": True,
                     "hidden_size": cfg["hidden_size"], "vocab_size": cfg["vocab_size"], "truncated_vocab_size": cfg["vocab_size"]}
     elif kind == "eagle":
         out = {}

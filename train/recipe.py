@@ -329,7 +329,8 @@ def export_recipe(name: str | os.PathLike, out: Path, members: list[str] | None 
     from specdec.train.ship import ExportPlan, ship_family
 
     cfg = load_recipe(name)
-    return ship_family(built_dir(cfg.name), Path(out), ExportPlan.from_recipe(cfg.export, members), command or "")
+    plan = ExportPlan.from_recipe(cfg.export, members, pretrained=bool(cfg.target.get("package")))
+    return ship_family(built_dir(cfg.name), Path(out), plan, command or "")
 
 
 def _stage(name, fam: Path, force: bool, console, build, members) -> dict:

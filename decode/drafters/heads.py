@@ -526,10 +526,16 @@ def build_head_drafter(artifact_dir: Path, target, tokenizer, options) -> Drafte
     """
     cfg = read_config(artifact_dir)
     kind = cfg.get("kind")
-    if kind not in DRAFTERS:
-        raise SpecdecError(f"{artifact_dir} is not a medusa/clover/eagle artifact (kind {kind!r})")
-    check_fingerprint(cfg["target"], tokenizer_fingerprint(tokenizer), f"{kind} artifact {artifact_dir}")
-    heads, _ = load_heads(artifact_dir, target)
+    if kind is None:  # a draft in a published layout, converted on load (models/interop.py)
+        from specdec.models.interop import load_foreign_heads
+
+        heads, cfg = load_foreign_heads(artifact_dir, target, tokenizer)
+        kind = cfg["kind"]
+    else:
+        if kind not in DRAFTERS:
+            raise SpecdecError(f"{artifact_dir} is not a medusa/clover/eagle artifact (kind {kind!r})")
+        check_fingerprint(cfg["target"], tokenizer_fingerprint(tokenizer), f"{kind} artifact {artifact_dir}")
+        heads, _ = load_heads(artifact_dir, target)
     return DRAFTERS[kind](
         heads, target,
         tree=getattr(options, "tree", None) or ("dynamic" if kind == "eagle" else "static"),
