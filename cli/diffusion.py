@@ -27,6 +27,10 @@ class LabelCache(str, Enum):
     prefix = "prefix"
 
 
+# the shared --checkpoint-every with a trainer's own default (the recipes set theirs)
+CkptEvery = Annotated[int, typer.Option("--checkpoint-every", min=0, help="Checkpoint every N optimizer steps under OUT/checkpoints (0 = only at the end); --resume goes on from the newest complete one.")]
+
+
 def register(app: typer.Typer) -> None:
     app.command("train-dllm", help="Turn an AR checkpoint into a masked-diffusion LM (or train one from a config).")(train_dllm_command)
     app.command("train-filter", help="Train a Learn2PD filter for a dLLM (used by --strategy learn2pd --filter DIR).")(train_filter_command)
@@ -53,20 +57,30 @@ def train_dllm_command(
     seq_len: o.SeqLen = None,
     mixed_precision: o.MixedPrecision = None,
     seed: Annotated[int, typer.Option(help="Random seed.")] = 0,
+    resume: o.Resume = False,
+    checkpoint_every: CkptEvery = 100,
+    device: o.Device = "auto",
+    dtype: o.DtypeOpt = o.Dtype.auto,
+    device_map: o.DeviceMapOpt = None,
+    attn_implementation: o.AttnImpl = None,
+    trust_remote_code: o.TrustRemoteCode = False,
+    threads: o.Threads = 0,
 ) -> None:
     from specdec.train.dllm import train_dllm
     from specdec.train.listtasks import list_tasks as make_list_tasks
 
     if (from_dir is None) == (config is None):
         raise UsageError("give exactly one of --target DIR or --config FILE")
+    place = o.placement(device, dtype, device_map, attn_implementation, trust_remote_code, threads)
     try:
         model_config = json.loads(config.read_text()) if config is not None else None
         extra = [(t.prompt, t.completion) for t in make_list_tasks(list_tasks, seed=seed)]
         metrics = train_dllm(
             from_dir, data, out, block_size=block_size, attention=attention.value, max_steps=max_steps, budget_minutes=budget_minutes,
             seed=seed, certainty_forcing=certainty_forcing, lora=lora, extra_examples=extra, model_config=model_config, tokenizer_dir=tokenizer,
-            cf_prompts=cf_prompts, cf_gen_length=gen_length, cf_cache=cf_cache.value, **training_overrides(lr=lr, batch_size=batch_size, seq_len=seq_len,
-                                                     mixed_precision=mixed_precision.value if mixed_precision else None),
+            cf_prompts=cf_prompts, cf_gen_length=gen_length, cf_cache=cf_cache.value, placement=place, resume=resume,
+            checkpoint_every=checkpoint_every, **training_overrides(lr=lr, batch_size=batch_size, seq_len=seq_len,
+                                                                    mixed_precision=mixed_precision.value if mixed_precision else None),
         )  # fmt: skip
     except json.JSONDecodeError as exc:
         raise UsageError(f"--config {config}: not valid JSON ({exc})") from None
@@ -88,17 +102,25 @@ def train_filter_command(
     code_prompts: Annotated[int, typer.Option(help="Cut this many code prompts (64-256 tokens, as the held-out prompts) from --data's texts instead of using them as prompts.")] = 0,
     cache: Annotated[LabelCache, typer.Option(help="Cache of the labelling decodes (none, or prefix: same result up to rounding under block attention, much faster).")] = LabelCache.none,
     seed: Annotated[int, typer.Option(help="Random seed.")] = 0,
-    trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code", help="Allow LLaDA/Dream-style remote code.")] = False,
+    resume: o.Resume = False,
+    checkpoint_every: CkptEvery = 500,
+    device: o.Device = "auto",
+    dtype: o.DtypeOpt = o.Dtype.auto,
+    device_map: o.DeviceMapOpt = None,
+    attn_implementation: o.AttnImpl = None,
+    trust_remote_code: o.TrustRemoteCode = False,
+    threads: o.Threads = 0,
 ) -> None:
     from specdec.train.prompts import cut_code_prompts
     from specdec.train.filter import train_filter
 
+    place = o.placement(device, dtype, device_map, attn_implementation, trust_remote_code, threads)
     prompts = read_prompts(data)
     if code_prompts:
         prompts = cut_code_prompts(dllm, prompts, code_prompts, seed)
     metrics = train_filter(
         dllm, prompts, out, gen_length=gen_length, block_size=block_size, hidden=hidden, max_steps=max_steps,
-        budget_minutes=budget_minutes, seed=seed, trust_remote_code=trust_remote_code, cache=cache.value,
+        budget_minutes=budget_minutes, seed=seed, cache=cache.value, placement=place, resume=resume, checkpoint_every=checkpoint_every,
     )  # fmt: skip
     held = metrics["heldout"]
     typer.echo(

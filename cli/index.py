@@ -1,7 +1,7 @@
 """``specdec index``: retrieval datastores for ``retrieval:INDEX`` and ``draft+retrieval=INDEX``.
 
 ``index build`` tokenizes JSONL (a ``text`` field, or ``prompt`` + ``completion``) or plain-text files
-with the target's tokenizer and writes an index folder (decode/retrieval.py). Exit codes: 2 for a
+with the target's tokenizer and writes an index folder (decode/drafters/retrieval.py). Exit codes: 2 for a
 missing data file or an --out that exists without --overwrite (or is no index), 1 when the files hold
 no text or the tokenizer cannot load.
 """
@@ -33,7 +33,7 @@ def build(
     trust_remote_code: o.TrustRemoteCode = False,
 ) -> None:
     """Build a suffix-array datastore over a corpus's token ids."""
-    from specdec.decode.retrieval import check_output_dir, save_datastore
+    from specdec.decode.drafters.retrieval import check_output_dir, save_datastore
     from specdec.models.artifacts import tokenizer_fingerprint
     from specdec.models.loading import Placement, load_tokenizer, resolve_source
     from specdec.train.data import load_texts

@@ -22,6 +22,7 @@ from specdec.cli import diffusion as diffusion_cli
 from specdec.cli import index as index_cli
 from specdec.cli import options as o
 from specdec.cli import train as train_cli
+from specdec.decode.engine.types import Scheme
 from specdec.models.errors import SpecdecError, UsageError
 
 app = typer.Typer(
@@ -51,6 +52,14 @@ def default_target(console) -> str:
     return str(gemma_target(announce=say))
 
 
+def placement_options(device: str, dtype: o.Dtype, device_map: o.DeviceMap | None, attn_implementation: str | None,
+                      trust_remote_code: bool, threads: int):
+    """The shared placement options as a piece of the decode options (checked with the others)."""
+    from specdec.decode.options import PlacementOptions
+
+    return PlacementOptions(device, dtype.value, device_map.value if device_map else None, attn_implementation, trust_remote_code, threads)
+
+
 class Schedule(str, Enum):
     auto = "auto"
     continuous = "continuous"
@@ -66,7 +75,7 @@ def decode(
     out_path: Annotated[str, typer.Option("--out", help="Output JSONL ('-' for stdout). Re-running resumes it.")] = "-",
     target: o.Target = None,
     drafter: DrafterOpt = "ar",
-    num_draft: Annotated[Optional[int], typer.Option("--num-draft", "-k", min=1, max=256, help="Drafted tokens per round (tree depth for tree drafters).")] = None,
+    num_draft: Annotated[Optional[int], typer.Option("--num-draft", "-k", help="Drafted tokens per round (tree depth for tree drafters).")] = None,
     max_new_tokens: o.MaxNewTokens = 128,
     temperature: o.Temperature = 0.0,
     top_p: o.TopP = 1.0,
@@ -82,19 +91,19 @@ def decode(
     acceptance: Annotated[Optional[str], typer.Option("--acceptance", help="Acceptance-head artifact: adaptive draft length (SpecDec++).")] = None,
     retrieval: Annotated[Optional[str], typer.Option("--retrieval", help="Retrieval index (specdec index build) fused into a draft model's tree (RASD).")] = None,
     stop_threshold: Annotated[Optional[float], typer.Option("--stop-threshold", help="Adaptive drafting stops when 1 - prod(P_accept) exceeds this (default: the artifact's policy).")] = None,
-    min_draft: Annotated[Optional[int], typer.Option("--min-draft", min=0, help="Adaptive drafting: fewest drafts per round; 0 lets a round draft nothing.")] = None,
-    max_draft: Annotated[Optional[int], typer.Option("--max-draft", min=1, help="Adaptive drafting: most drafts per round.")] = None,
-    verify: Annotated[o.Verify, typer.Option("--verify", help="Draft models at T>0: standard (a chain), rsd (siblings sampled without replacement, recursive rejection) or spectr (k i.i.d. chains, k-sequential selection); --top-k siblings.")] = o.Verify.standard,
-    top_k: Annotated[Optional[int], typer.Option("--top-k", min=1, max=16, help="Siblings per step for --verify rsd|spectr; children per node for tree drafters.")] = None,
+    min_draft: Annotated[Optional[int], typer.Option("--min-draft", help="Adaptive drafting: fewest drafts per round; 0 lets a round draft nothing.")] = None,
+    max_draft: Annotated[Optional[int], typer.Option("--max-draft", help="Adaptive drafting: most drafts per round.")] = None,
+    verify: Annotated[Scheme, typer.Option("--verify", help="Draft models at T>0: standard (a chain), rsd (siblings sampled without replacement, recursive rejection) or spectr (k i.i.d. chains, k-sequential selection); --top-k siblings.")] = Scheme.standard,
+    top_k: Annotated[Optional[int], typer.Option("--top-k", help="Siblings per step for --verify rsd|spectr; children per node for tree drafters.")] = None,
     parallel: Annotated[bool, typer.Option("--parallel", help="Draft models: the draft drafts the next block while the target verifies this one (PEARL; a thread or CUDA stream each).")] = False,
     pre_verify: Annotated[bool, typer.Option("--pre-verify", help="With --parallel: the target tests the first draft while the draft draws the rest, and a round whose first draft every row rejects ends there (PEARL's pre-verify; a second target forward when it is accepted).")] = False,
     tree: Annotated[Optional[o.Tree], typer.Option("--tree", help="Tree drafters: static, or dynamic (EAGLE-2; EAGLE's default).")] = None,
-    tree_tokens: Annotated[Optional[int], typer.Option("--tree-tokens", min=1, max=1024, help="Tree drafters: nodes per tree.")] = None,
+    tree_tokens: Annotated[Optional[int], typer.Option("--tree-tokens", help="Tree drafters: nodes per tree.")] = None,
     strategy: Annotated[str, typer.Option("--strategy", help="Diffusion LMs: static, threshold, factor, localleap, credit, entropy, learn2pd, freedave, with options as in bench specs (threshold+tau=0.8).")] = "static",
     adablock: Annotated[bool, typer.Option("--adablock", help="Diffusion LMs: adaptive block ends at a confident newline (AdaBlock).")] = False,
-    gen_length: Annotated[Optional[int], typer.Option("--gen-length", min=1, help="Diffusion LMs: tokens to generate (default --max-new-tokens).")] = None,
-    block_size: Annotated[int, typer.Option("--block-size", min=1, help="Diffusion LMs: block length.")] = 32,
-    steps: Annotated[Optional[int], typer.Option("--steps", min=1, help="Diffusion LMs: steps for static (default: one token per step).")] = None,
+    gen_length: Annotated[Optional[int], typer.Option("--gen-length", help="Diffusion LMs: tokens to generate (default --max-new-tokens).")] = None,
+    block_size: Annotated[int, typer.Option("--block-size", help="Diffusion LMs: block length.")] = 32,
+    steps: Annotated[Optional[int], typer.Option("--steps", help="Diffusion LMs: steps for static (default: one token per step).")] = None,
     cache: Annotated[o.DiffusionCache, typer.Option("--cache", help="Diffusion LMs: none, prefix or dual (approximate).")] = o.DiffusionCache.none,
     filter_dir: Annotated[Optional[str], typer.Option("--filter", help="Diffusion LMs: Learn2PD filter artifact.")] = None,
     kernels: o.KernelsOpt = o.Kernels.auto,
@@ -105,32 +114,24 @@ def decode(
     trust_remote_code: o.TrustRemoteCode = False,
     threads: o.Threads = 0,
     compile: o.Compile = False,
-    prefill_chunk: Annotated[int, typer.Option("--prefill-chunk", min=0, help="Continuous batching: an admitted record's prompt is prefilled N tokens a round inside the running batch's verify forwards (SARATHI; more when the verify forward is wider) instead of in a forward of its own (0).")] = 0,
+    prefill_chunk: Annotated[int, typer.Option("--prefill-chunk", help="Continuous batching: an admitted record's prompt is prefilled N tokens a round inside the running batch's verify forwards (SARATHI; more when the verify forward is wider) instead of in a forward of its own (0).")] = 0,
 ) -> None:
     """Decode a JSONL file of prompts: one output line per input line, in order, resumable."""
-    from specdec.decode.job import print_summary, run_decode_job, validate_paths
-    from specdec.decode.options import DecodeOptions
-    from specdec.decode.validate import validate_options
+    from specdec.decode.jobs.job import print_summary, run_decode_job
+    from specdec.decode.options import DecodeOptions, DiffusionOptions, DraftingOptions, SamplingOptions, SchedulingOptions
 
     console = _console()
-    opts = DecodeOptions(
-        drafter=drafter, num_draft=num_draft, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-        seed=seed, num_samples=num_samples, batch_size=batch_size, max_memory=max_memory, schedule=schedule.value, shared_prefix=shared_prefix, stop=list(stop or []), acceptance=acceptance, retrieval=retrieval, stop_threshold=stop_threshold,
-        min_draft=min_draft, max_draft=max_draft, verify=verify.value, top_k=top_k, parallel=parallel, pre_verify=pre_verify, tree=tree.value if tree else None, tree_tokens=tree_tokens,
-        strategy=strategy, gen_length=gen_length, block_size=block_size, steps=steps, cache=cache.value, filter=filter_dir,
-        adablock=adablock, kernels=kernels.value, device=device, dtype=dtype.value,
-        device_map=device_map.value if device_map else None, attn_implementation=attn_implementation,
-        trust_remote_code=trust_remote_code, threads=threads, compile=compile, prefill_chunk=prefill_chunk,
+    opts = DecodeOptions(  # checked once, by run_decode_job, before any model loads
+        sampling=SamplingOptions(max_new_tokens, temperature, top_p, seed, num_samples, list(stop or [])),
+        drafting=DraftingOptions(drafter=drafter, num_draft=num_draft, tree=tree.value if tree else None, tree_tokens=tree_tokens,
+                                 top_k=top_k, verify=verify, acceptance=acceptance, stop_threshold=stop_threshold,
+                                 min_draft=min_draft, max_draft=max_draft, parallel=parallel, pre_verify=pre_verify, retrieval=retrieval),
+        scheduling=SchedulingOptions(batch_size, schedule.value, prefill_chunk, shared_prefix, max_memory, compile, kernels.value),
+        placement=placement_options(device, dtype, device_map, attn_implementation, trust_remote_code, threads),
+        diffusion=DiffusionOptions(strategy, gen_length, block_size, steps, cache.value, filter_dir, adablock),
     )
-    validate_options(opts)
-    if max_memory is not None:
-        from specdec.decode.memory import parse_size
-
-        parse_size(max_memory)  # a bad size is a usage error before any model loads
-    opts.placement  # validates device, dtype and attention before anything loads
-    validate_paths(in_path, out_path)
-    summary, code = run_decode_job(in_path, out_path, target or default_target(console), opts, strict=strict,
-                                   overwrite=overwrite, console=console)
+    summary, code = run_decode_job(in_path, out_path, target, opts, strict=strict, overwrite=overwrite, console=console,
+                                   default_target=lambda: default_target(console))
     print_summary(summary, console)
     raise typer.Exit(code)
 
@@ -143,7 +144,7 @@ def bench(
     max_new_tokens: o.MaxNewTokens = 128,
     temperature: o.Temperature = 0.0,
     num_samples: o.NumSamples = 1,
-    batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Batch size for specdec methods (peers run at bs=1).")] = 1,
+    batch_size: Annotated[int, typer.Option("--batch-size", help="Batch size for specdec methods (peers run at bs=1).")] = 1,
     repeats: Annotated[int, typer.Option("--repeats", min=1, help="Timed passes, each decoding every prompt with every method, interleaved batch by batch; speedup is the median of per-pass ratios to ar.")] = 1,
     warmup: Annotated[int, typer.Option("--warmup", min=0, help="Warm-up prompts per method before timing.")] = 2,
     limit: Annotated[Optional[int], typer.Option("--limit", min=1, help="Use only the first N prompts.")] = None,
@@ -160,31 +161,29 @@ def bench(
     compile: o.Compile = False,
 ) -> None:
     """Benchmark methods against plain decoding (and transformers' own) in one process, on the same prompts."""
-    from specdec.decode.bench import BenchConfig, render, run_bench
-    from specdec.decode.job import validate_output_path
-    from specdec.decode.options import DecodeOptions
-    from specdec.decode.report import cli_command
+    from specdec.bench.bench import BenchConfig, render, run_bench
+    from specdec.bench.report import cli_command
+    from specdec.decode.jobs.validate import validate_output_path
+    from specdec.decode.options import DecodeOptions, SamplingOptions, SchedulingOptions
     from specdec.examples import example_path
 
     console = _console()
     in_path = in_path or str(example_path("prompts.jsonl"))
     if not os.path.isfile(in_path):
         raise UsageError(f"--in {in_path}: no such file")
-    o.placement(device, dtype, device_map, attn_implementation, trust_remote_code, threads)
     for flag, path in (("--out", out), ("--plot", plot)):  # a run is not lost to a report that cannot be written at its end
         if path:
             validate_output_path(path, flag)
-    options = DecodeOptions(
-        max_new_tokens=max_new_tokens, temperature=temperature, num_samples=num_samples, batch_size=batch_size, kernels=kernels.value, threads=threads,
-        trust_remote_code=trust_remote_code, device=device, dtype=dtype.value,
-        device_map=device_map.value if device_map else None, attn_implementation=attn_implementation,
-        shared_prefix=shared_prefix, compile=compile,
+    options = DecodeOptions(  # checked once, with every method spec, by run_bench before any model loads
+        sampling=SamplingOptions(max_new_tokens, temperature, num_samples=num_samples),
+        scheduling=SchedulingOptions(batch_size, shared_prefix=shared_prefix, compile=compile, kernels=kernels.value),
+        placement=placement_options(device, dtype, device_map, attn_implementation, trust_remote_code, threads),
     )
     cfg = BenchConfig(
-        in_path=in_path, target=target or default_target(console), methods=[m for m in methods.split(",") if m],
+        in_path=in_path, target=target, methods=[m for m in methods.split(",") if m],
         repeats=repeats, warmup=warmup, limit=limit, command=cli_command(), options=options,
     )
-    report = run_bench(cfg, console)
+    report = run_bench(cfg, console, default_target=lambda: default_target(console))
     render(report, console, out, plot)
 
 
@@ -208,7 +207,7 @@ def recipe_run(
     """Build a model family into $SPECDEC_HOME/<name>/ (cached members are kept)."""
     import json
 
-    from specdec.decode.report import cli_command
+    from specdec.bench.report import cli_command
     from specdec.train.recipe import STAGES, run_recipe
 
     bad = sorted(set(only or []) - set(STAGES))
@@ -227,7 +226,7 @@ def recipe_export(
     members: Annotated[Optional[str], typer.Option("--members", help="Comma-separated members to ship (default: the recipe's export.members).")] = None,
 ) -> None:
     """Ship a built family: bf16 safetensors in files under the recipe's size cap, and a model card (README.md)."""
-    from specdec.decode.report import cli_command
+    from specdec.bench.report import cli_command
     from specdec.train.recipe import export_recipe
 
     shipped = export_recipe(name, out, [m for m in members.split(",") if m] if members else None, command=cli_command())

@@ -1,6 +1,7 @@
 """The command-line options every command shares, declared once: the same name, type and help on
 ``decode``, ``bench`` and every ``train-*`` command. Enumerated options are Enums, so a bad value is
-a usage error (exit 2) before anything loads."""
+a usage error (exit 2) before anything loads. The decode options' values are checked by
+``decode.jobs.validate`` (with the placement's, ``models.loading.Placement``), not here."""
 
 from __future__ import annotations
 
@@ -40,12 +41,6 @@ class Precision(str, Enum):
     fp16 = "fp16"
 
 
-class Verify(str, Enum):
-    standard = "standard"
-    rsd = "rsd"
-    spectr = "spectr"
-
-
 class DiffusionCache(str, Enum):
     none = "none"
     prefix = "prefix"
@@ -60,14 +55,14 @@ DeviceMapOpt = Annotated[Optional[DeviceMap], typer.Option("--device-map", help=
 AttnImpl = Annotated[Optional[str], typer.Option("--attn-implementation", help="sdpa, eager or flex_attention (default: the model's own choice).")]
 TrustRemoteCode = Annotated[bool, typer.Option("--trust-remote-code", help="Allow the checkpoint's own Python code (off by default).")]
 Compile = Annotated[bool, typer.Option("--compile", help="Run decode steps through torch.compile against preallocated key/value buffers (CUDA graphs on a GPU); the first steps of each shape pay the compilation.")]
-Threads = Annotated[int, typer.Option("--threads", min=0, help="CPU intra-op threads (0: all cores once parameters x batch rows reach 1.2M, one below).")]
+Threads = Annotated[int, typer.Option("--threads", help="CPU intra-op threads (0: all cores once parameters x batch rows reach 1.2M, one below).")]
 KernelsOpt = Annotated[Kernels, typer.Option("--kernels", help="Verification and tree-attention kernels: auto (Triton on CUDA), triton or torch.")]
-BatchSize = Annotated[int, typer.Option("--batch-size", min=1, help="Rows decoded together (training: sequences per process per micro-batch).")]
-MaxNewTokens = Annotated[int, typer.Option("--max-new-tokens", min=1, help="New-token budget per record.")]
-Temperature = Annotated[float, typer.Option("--temperature", min=0.0, help="0 = greedy.")]
+BatchSize = Annotated[int, typer.Option("--batch-size", help="Rows decoded together (training: sequences per process per micro-batch).")]
+MaxNewTokens = Annotated[int, typer.Option("--max-new-tokens", help="New-token budget per record.")]
+Temperature = Annotated[float, typer.Option("--temperature", help="0 = greedy.")]
 TopP = Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass, in (0, 1].")]
 Seed = Annotated[int, typer.Option("--seed", help="Seed for sampling (training: init, data order).")]
-NumSamples = Annotated[int, typer.Option("--num-samples", min=1, help="Independent samples per prompt (needs --temperature > 0), decoded as rows of one batch: drafters such as stand share what they learn between them.")]
+NumSamples = Annotated[int, typer.Option("--num-samples", help="Independent samples per prompt (needs --temperature > 0), decoded as rows of one batch: drafters such as stand share what they learn between them.")]
 Data = Annotated[list[Path], typer.Option("--data", help="Training data: JSONL (e.g. the output of specdec decode), Parquet or text; repeat for several files.")]
 OutDir = Annotated[Path, typer.Option("--out", help="Artifact folder to write (checkpoints go under OUT/checkpoints).")]
 DraftVocab = Annotated[Optional[int], typer.Option("--draft-vocab", min=2, help="Draft only the N - 1 most frequent tokens of the training data (a draft-to-target id map in the artifact): the target's output layer is read at N rows; verification stays exact.")]

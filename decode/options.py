@@ -1,15 +1,32 @@
-"""Decode options and method specs.
+"""Decode options in five typed pieces, and method specs.
 
-A method spec is a drafter followed by ``+key=value`` options, e.g. ``draft+k=4``,
-``draft+acceptance=acceptance``, ``eagle+tree=dynamic+tree-tokens=32``. The keys are the
-``DecodeOptions`` fields (dashes or underscores), the same options ``specdec decode`` takes as flags.
+``DecodeOptions`` holds one piece per concern, each read by the code it concerns:
+
+- ``sampling`` (``SamplingOptions``): what is generated: budget, temperature, top-p, seed, samples, stop strings;
+- ``drafting`` (``DraftingOptions``): the drafter spec and what its factory takes (tree shape, draft
+  length, verification scheme, acceptance heads, PEARL, online updates, retrieval); which of these
+  options a drafter takes is declared by its factory (``decode.drafters.registry``);
+- ``scheduling`` (``SchedulingOptions``): how rows run: batch size, static or continuous batching,
+  prefill chunks, shared prefixes, a memory budget, compiled steps, kernels;
+- ``placement`` (``PlacementOptions``, ``models.loading.Placement``): device, dtype, device map,
+  attention, remote code, threads;
+- ``diffusion`` (``DiffusionOptions``): what a masked-diffusion LM decodes with.
+
+Every option has one name across the pieces: the field name, the ``specdec decode`` flag (dashes for
+underscores) and the key of a method spec. ``DecodeOptions(batch_size=4, drafter="ngram")`` routes each
+name to its piece. A method spec is a drafter followed by ``+key=value`` options, e.g. ``draft+k=4``,
+``draft+acceptance=acceptance``, ``eagle+tree=dynamic+tree-tokens=32`` (``with_overrides``).
+
+Nothing here checks values: ``decode.jobs.validate`` checks every option once, before any model loads.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from enum import Enum
 
+from specdec.decode.engine.types import Scheme
 from specdec.models.errors import UsageError
 from specdec.models.loading import Placement
 
@@ -18,89 +35,173 @@ OPTION_ALIASES = {"k": "num_draft", "gamma": "num_draft"}
 SCHEDULES = ("auto", "continuous", "static")
 
 
-@dataclass
-class DecodeOptions:
-    drafter: str = "ar"
-    num_draft: int | None = None
+@dataclass(frozen=True)
+class SamplingOptions:
     max_new_tokens: int = 128
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
     # samples per record (T > 0 only), decoded as rows of one job that drafters may share state between
     num_samples: int = 1
+    stop: list = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class DraftingOptions:
+    """The drafter spec and the options drafter factories take; ``num_draft`` applies to every drafter,
+    the others to the drafters whose factory declares them (``decode.drafters.registry``)."""
+
+    drafter: str = "ar"
+    num_draft: int | None = None
+    # n-gram drafter: the longest suffix matched
+    max_ngram: int = 3
+    # token trees of heads (None: the kind's default, dynamic for EAGLE, static for the others)
+    tree: str | None = None
+    tree_tokens: int | None = None
+    top_k: int | None = None  # children per expanded node (static: per head/depth; dynamic: frontier width); siblings for rsd/spectr
+    # how a draft model's samples are verified: standard (a chain), rsd or spectr (a tree of --top-k
+    # siblings per draft step; decode.engine.verify.verify_tree_drafted)
+    verify: Scheme = Scheme.standard
+    # adaptive draft length (SpecDec++): an acceptance-head artifact; the stop policy's fields (None: the
+    # artifact's default policy for the decode mode, decode.drafters.adaptive.resolve_policies)
+    acceptance: str | None = None
+    stop_threshold: float | None = None
+    min_draft: int | None = None
+    max_draft: int | None = None
+    # online speculative decoding (decode.drafters.online): distil the draft model on the job's own rounds,
+    # an update every online_every verification rounds
+    online: bool = False
+    online_every: int = 8
+    # PEARL (decode.drafters.pearl): the draft model drafts the next block while the target verifies this one;
+    # with pre_verify the target tests the first draft while the draft draws the rest
+    parallel: bool = False
+    pre_verify: bool = False
+    # RASD: a retrieval index (specdec index build) whose drafts are fused into a draft model's tree
+    retrieval: str | None = None
+
+
+@dataclass(frozen=True)
+class SchedulingOptions:
     batch_size: int = 8
-    # a memory budget as written ("4GiB"): decode fits batch size and draft width into it (decode/memory.py)
-    max_memory: str | None = None
     schedule: str = "auto"  # one of SCHEDULES
     # continuous batching: prompt tokens an admitted record prefills per round inside the verify forwards
     # (SARATHI); 0 prefills it in a forward of its own
     prefill_chunk: int = 0
-    # decode steps compiled against preallocated key/value buffers (decode/compiled.py)
-    compile: bool = False
     # a prompt prefix every record shares, prefilled once for the job: "auto" (detected), "off", or a file of its text
     shared_prefix: str = "auto"
-    stop: list = field(default_factory=list)
-    # adaptive draft length (SpecDec++)
-    acceptance: str | None = None
-    # None: the acceptance artifact's default policy for the decode mode (decode/adaptive.resolve_policies)
-    stop_threshold: float | None = None
-    min_draft: int | None = None
-    max_draft: int | None = None
-    # token trees (None: the drafter kind's default, dynamic for EAGLE, static for the others)
-    tree: str | None = None
-    tree_tokens: int | None = None
-    top_k: int | None = None  # children per expanded node (static: per head/depth; dynamic: frontier width)
-    # how a draft model's samples are verified: "standard" (a chain), "rsd" or "spectr" (a tree of
-    # --top-k siblings per draft step; decode/verify.verify_tree_drafted)
-    verify: str = "standard"
-    # online speculative decoding (decode/online.py): distil the draft model on the job's own rounds,
-    # an update every online_every verification rounds
-    online: bool = False
-    online_every: int = 8
-    # PEARL (decode/pearl.py): the draft model drafts the next block while the target verifies this one
-    parallel: bool = False
-    # with parallel: the target tests the first draft while the draft draws the rest (PEARL's pre-verify)
-    pre_verify: bool = False
-    # RASD: a retrieval index (specdec index build) whose drafts are fused into a draft model's tree
-    retrieval: str | None = None
-    # n-gram drafter
-    max_ngram: int = 3
-    # diffusion decoding
-    strategy: str = "static"
+    # a memory budget as written ("4GiB"): decode fits batch size and draft width into it (decode.jobs.memory)
+    max_memory: str | None = None
+    # decode steps compiled against preallocated key/value buffers (decode.engine.compiled)
+    compile: bool = False
+    kernels: str = "auto"  # kernels.BACKENDS
+
+
+@dataclass
+class PlacementOptions(Placement):
+    """``models.loading.Placement`` as a piece of the decode options: the same fields, handed to the
+    loaders as it is, its values checked with the other options (``decode.jobs.validate``) rather than
+    when it is made."""
+
+    def __post_init__(self):
+        pass
+
+
+@dataclass(frozen=True)
+class DiffusionOptions:
+    strategy: str = "static"  # a strategy spec: threshold+tau=0.8
     gen_length: int | None = None
     block_size: int = 32
     steps: int | None = None
     cache: str = "none"
     filter: str | None = None
     adablock: bool = False
-    # execution: kernels, and where the models run (models.loading.Placement)
-    kernels: str = "auto"
-    device: str = "auto"
-    dtype: str = "auto"
-    device_map: str | None = None
-    attn_implementation: str | None = None
-    trust_remote_code: bool = False
-    threads: int = 0
 
-    @property
-    def placement(self) -> Placement:
-        return Placement(self.device, self.dtype, self.device_map, self.attn_implementation, self.trust_remote_code, self.threads)
+
+PIECES = {"sampling": SamplingOptions, "drafting": DraftingOptions, "scheduling": SchedulingOptions,
+          "placement": PlacementOptions, "diffusion": DiffusionOptions}
+# option name -> the piece that holds it
+PIECE_OF = {f.name: piece for piece, cls in PIECES.items() for f in dataclasses.fields(cls)}
+# options a method spec can set that ``specdec decode`` has no flag for
+SPEC_ONLY = ("max_ngram", "online", "online_every")
+
+
+def flag(name: str) -> str:
+    """How messages name an option: its flag (``--tree-tokens``), or for a method-spec-only option its
+    key (``online=1``, ``max-ngram=N``)."""
+    dashed = name.replace("_", "-")
+    if name not in SPEC_ONLY:
+        return f"--{dashed}"
+    return f"{dashed}=1" if _type(name) == "bool" else f"{dashed}=N"
+
+
+@dataclass(frozen=True, init=False)
+class DecodeOptions:
+    """The options of a decode, one piece per concern (see the module docstring)."""
+
+    sampling: SamplingOptions
+    drafting: DraftingOptions
+    scheduling: SchedulingOptions
+    placement: PlacementOptions
+    diffusion: DiffusionOptions
+
+    def __init__(self, sampling: SamplingOptions | None = None, drafting: DraftingOptions | None = None,
+                 scheduling: SchedulingOptions | None = None, placement: Placement | None = None,
+                 diffusion: DiffusionOptions | None = None, **options):
+        """Pieces given whole, and single options by name on top of them (``batch_size=4``)."""
+        given = {"sampling": sampling, "drafting": drafting, "scheduling": scheduling, "placement": placement, "diffusion": diffusion}
+        changes: dict[str, dict] = {}
+        for name, value in options.items():
+            if name not in PIECE_OF:
+                raise TypeError(f"DecodeOptions has no option {name!r}")
+            if _type(name) in ENUMS:
+                value = _convert(value, name, name)
+            changes.setdefault(PIECE_OF[name], {})[name] = value
+        for piece, cls in PIECES.items():
+            value = given[piece] if given[piece] is not None else cls()
+            if piece == "placement" and type(value) is not PlacementOptions:
+                value = PlacementOptions(**{f.name: getattr(value, f.name) for f in dataclasses.fields(Placement)})
+            if piece in changes:
+                value = dataclasses.replace(value, **changes[piece])
+            object.__setattr__(self, piece, value)
+
+    def values(self) -> dict:
+        """Every option by name, flat (what a report records)."""
+        return {name: getattr(getattr(self, piece), name) for name, piece in PIECE_OF.items()}
+
+    def given(self, piece: str) -> list[str]:
+        """The options of ``piece`` that differ from their defaults, in declaration order."""
+        value, default = getattr(self, piece), PIECES[piece]()
+        return [f.name for f in dataclasses.fields(value) if getattr(value, f.name) != getattr(default, f.name)]
 
     def with_overrides(self, overrides: dict) -> "DecodeOptions":
-        types = {f.name: f.type for f in dataclasses.fields(self)}
+        """These options with ``overrides`` (option name, with dashes or underscores, or an alias such as
+        ``k``, to a value: a method spec's strings are converted to the option's type)."""
         changes = {}
         for raw_key, raw in overrides.items():
             key = OPTION_ALIASES.get(raw_key, raw_key).replace("-", "_")
-            if key not in types:
-                raise UsageError(f"unknown option {raw_key!r} (known: {', '.join(sorted(types))})")
-            changes[key] = _convert(raw, types[key], raw_key)
-        return dataclasses.replace(self, **changes)
+            if key not in PIECE_OF:
+                raise UsageError(f"unknown option {raw_key!r} (known: {', '.join(sorted(PIECE_OF))})")
+            changes[key] = _convert(raw, key, raw_key)
+        return DecodeOptions(**{piece: getattr(self, piece) for piece in PIECES}, **changes)
 
 
-def _convert(raw, typ: str, key: str):
+def _type(name: str) -> str:
+    return str(next(f.type for f in dataclasses.fields(PIECES[PIECE_OF[name]]) if f.name == name))
+
+
+ENUMS = {"Scheme": Scheme}
+
+
+def _convert(raw, key: str, raw_key: str):
+    typ = _type(key)
+    if typ in ENUMS:
+        enum: type[Enum] = ENUMS[typ]
+        try:
+            return enum(raw.value if isinstance(raw, Enum) else raw)
+        except ValueError:
+            raise UsageError(f"{raw_key} must be one of {', '.join(e.value for e in enum)}; not {raw!r}") from None
     if not isinstance(raw, str):
         return raw
-    typ = str(typ)
     try:
         if typ.startswith("int"):
             return int(raw)
@@ -111,7 +212,7 @@ def _convert(raw, typ: str, key: str):
         if typ.startswith("list"):
             return raw.split("|")
     except ValueError as exc:
-        raise UsageError(f"option {key}={raw!r}: {exc}") from None
+        raise UsageError(f"option {raw_key}={raw!r}: {exc}") from None
     return raw
 
 

@@ -1,14 +1,14 @@
 """Triton kernels for the decode hot spots, each beside the PyTorch reference it must reproduce.
 
 - ``verify.verify_chain_triton``: chain verification (greedy and exact sampling), two launches, no
-  host sync; reference ``decode.verify.verify_chain_core``.
+  host sync; reference ``decode.engine.verify.verify_chain_core``.
 - ``tree_attention.tree_attention`` and the transformers attention function ``specdec_tree``:
   attention of the tree tokens over the cache under a 4-D boolean mask.
 - ``prefix_attention.prefix_attention``: attention of every row's stacked queries over a prefix the
-  rows share, with its log-sum-exp (Hydragen, ``decode.hydragen``); reference: two bmm's around a
+  rows share, with its log-sum-exp (Hydragen, ``decode.engine.hydragen``); reference: two bmm's around a
   softmax, ``prefix_attention_reference``.
 - ``diffusion_select.select_step``: top-1, confidence and the commit decision of one diffusion step;
-  reference: the rule functions beside it, which ``decode.strategies`` decodes with.
+  reference: the rule functions beside it, which ``decode.diffusion.strategies`` decodes with.
 
 Importing this package never imports triton; the kernel modules get it through ``load_triton``,
 which hands back stand-ins when triton is missing, so CPU-only installs still run every reference.

@@ -11,7 +11,7 @@ the MASK token is never proposed. Rules, each always committing the most confide
   confidence, and positions whose fused confidence > threshold (0.95) commit.
 
 The rule functions (``commit_threshold``, ``commit_factor``, ``commit_credit``, ``update_credit``,
-``fuse_credit``) are the reference: ``decode.strategies`` decodes with them at any temperature, and
+``fuse_credit``) are the reference: ``decode.diffusion.strategies`` decodes with them at any temperature, and
 ``select_step`` runs them fused in Triton for greedy decoding, where it must reproduce them.
 
 Credit is kept in compact form: ``slots`` (token, credit) pairs per position instead of a dense

@@ -1,6 +1,6 @@
 """Attention of many stacked queries over one shared key/value prefix: Hydragen's prefix part.
 
-query [Hkv, M, D] (``decode.hydragen`` stacks every row's queries of a key/value head's group: M =
+query [Hkv, M, D] (``decode.engine.hydragen`` stacks every row's queries of a key/value head's group: M =
 g * B * T), key/value [Hkv, P, D]; returns the softmax attention output [Hkv, M, D] and its
 log-sum-exp [Hkv, M] in float32 (float64 for float64 inputs), which is what merging it with each
 row's suffix attention needs.

@@ -1,5 +1,5 @@
-"""Fused chain verification: ``decode.verify.verify_chain_core`` in two Triton launches (dispatched
-by ``decode.verify.verify_chain_accelerated``, which falls back to the reference where the kernel does
+"""Fused chain verification: ``decode.engine.verify.verify_chain_core`` in two Triton launches (dispatched
+by ``decode.engine.verify.verify_chain_accelerated``, which falls back to the reference where the kernel does
 not apply).
 
 Stage 1 (one program per row b and position j <= K) streams the logits row over V tiles once and

@@ -11,6 +11,7 @@ from torch import Tensor, nn
 
 from specdec.models.artifacts import load_weights, read_config, write_json
 from specdec.models.errors import SpecdecError
+from specdec.models.masks import additive_mask
 
 
 
@@ -35,13 +36,15 @@ class DllmSpec:
         return int(self.token_shift)
 
 
-def load_dllm(path: str | Path, trust_remote_code: bool = False, token_shift: bool | None = None, dtype: str | torch.dtype | None = None):
+def load_dllm(path: str | Path, trust_remote_code: bool = False, token_shift: bool | None = None, dtype: str | torch.dtype | None = None,
+              attn_implementation: str | None = None, device_map: str | None = None):
     """Load ``(model, tokenizer, DllmSpec)``.
 
     specdec's own dLLMs are plain Llama checkpoints (safetensors only). Third-party diffusion
     checkpoints (LLaDA, Dream) run their own modeling code and therefore need an explicit
     ``trust_remote_code=True``; their config may say ``token_shift`` (LLaDA: no shift, the default;
-    Dream: shift), which ``token_shift`` overrides. ``dtype``: as saved when None.
+    Dream: shift), which ``token_shift`` overrides. ``dtype``: as saved when None. ``attn_implementation``
+    and ``device_map`` go to ``from_pretrained`` when given.
     """
     from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
@@ -53,6 +56,7 @@ def load_dllm(path: str | Path, trust_remote_code: bool = False, token_shift: bo
             "checkpoints such as LLaDA or Dream load only with --trust-remote-code"
         )
     kwargs = {} if dtype is None else {"dtype": getattr(torch, dtype) if isinstance(dtype, str) else dtype}
+    kwargs |= {k: v for k, v in (("attn_implementation", attn_implementation), ("device_map", device_map)) if v}
     if own:
         model = AutoModelForCausalLM.from_pretrained(path, use_safetensors=True, **kwargs)
     else:
@@ -109,8 +113,7 @@ def model_mask(model, allowed: Tensor) -> Tensor:
     if impl == "sdpa":
         return allowed
     if impl == "eager":
-        dtype = model.dtype
-        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
+        return additive_mask(allowed, model.dtype)
     raise SpecdecError(f"diffusion decoding needs sdpa or eager attention (a custom 4-D mask), not {impl}")
 
 def encode_prompt(tokenizer, text: str) -> list[int]:

@@ -4,7 +4,7 @@ Every head module exposes the same three things:
   forward(hidden_states, input_ids, target_logits) -> (loss, parts)   training (one call per step)
   chain_logits(hidden_states, input_ids, k) -> [k, B, T, V]            teacher-forced chains for metrics:
       entry k at position t predicts token t+2+k from the target's states up to t
-  plus the decode-side steps decode/heads.py calls (medusa_logits / clover step / eagle step).
+  plus the decode-side steps decode/drafters/heads.py calls (medusa_logits / clover step / eagle step).
 The target's embedding and LM head are used frozen and are not part of the artifact; the artifact
 holds only the trained head weights (model.safetensors) and config.json with the target's
 tokenizer fingerprint.

@@ -72,7 +72,7 @@ def make_prompts(n: int, vocab: int = 96, seed: int = 0, lo: int = 5, hi: int = 
 def staggered_requests(seed: int = 11):
     """Six requests whose prompts (3..40 tokens) and budgets differ: rows of one batch are left-padded
     and finish at different times."""
-    from specdec.decode.types import GenRequest
+    from specdec.decode.engine.types import GenRequest
 
     prompts = make_prompts(6, seed=seed, lo=3, hi=40)
     return [GenRequest(p, n) for p, n in zip(prompts, [24, 7, 31, 12, 18, 3])]

@@ -9,10 +9,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from specdec.decode.adaptive import AdaptiveDrafter, StopPolicy, build_adaptive, resolve_policies
-from specdec.decode.engine import SpecEngine
-from specdec.decode.types import GenRequest
-from specdec.decode.verify import Sampling
+from specdec.decode.drafters.adaptive import AdaptiveDrafter, StopPolicy, build_adaptive, resolve_policies
+from specdec.decode.engine.loop import SpecEngine
+from specdec.decode.engine.types import GenRequest
+from specdec.decode.engine.verify import Sampling
 from specdec.models.artifacts import UsageError
 from conftest import ByteTokenizer, make_prompts, tiny_llama, tiny_tokenizer
 from specdec.models.acceptance import FEATURES, N_STATS, AcceptanceHead, acceptance_features, greedy_features
@@ -350,7 +350,7 @@ def test_choose_policy_prefers_long_drafts_when_drafting_is_cheap_and_right():
 
 
 def test_choose_policy_takes_a_fixed_length_when_the_head_cannot_pay_for_itself():
-    from specdec.decode.adaptive import StopPolicy
+    from specdec.decode.drafters.adaptive import StopPolicy
     from specdec.train.acceptance_policy import choose_policy, simulate_rounds
 
     g = torch.Generator().manual_seed(0)
@@ -379,7 +379,7 @@ def test_choose_policy_takes_a_fixed_length_when_the_head_cannot_pay_for_itself(
 def test_fixed_policy_skips_the_head_and_equals_the_draft_model(target, draft_model):
     """min_draft == max_draft == K: the adaptive drafter proposes exactly what a fixed-K draft model
     proposes (same tokens, same drafts per round) and never calls its head."""
-    from specdec.decode.drafters import ModelDrafter
+    from specdec.decode.drafters.draft_model import ModelDrafter
 
     calls = []
     head = _head(draft_model.config.hidden_size)

@@ -5,12 +5,12 @@ import pytest
 import torch
 from conftest import ByteTokenizer, make_prompts, staggered_requests
 
-from specdec.decode.aded import AdedDrafter, NgramTable
-from specdec.decode.drafters import Segment
-from specdec.decode.engine import SpecEngine
-from specdec.decode.registry import MODEL_FREE_DRAFTERS
-from specdec.decode.types import GenRequest
-from specdec.decode.verify import Sampling
+from specdec.decode.drafters.aded import AdedDrafter, NgramTable
+from specdec.decode.drafters.base import Segment
+from specdec.decode.engine.loop import SpecEngine
+from specdec.decode.drafters.registry import MODEL_FREE_DRAFTERS
+from specdec.decode.engine.types import GenRequest
+from specdec.decode.engine.verify import Sampling
 
 
 class _Batch:

@@ -10,10 +10,13 @@ import torch
 import transformers as tf
 from conftest import ByteTokenizer
 
-from specdec.decode.cache import KVState
-from specdec.decode.drafters import ModelDrafter, NgramDrafter, NoDrafter, RecycleDrafter, layer_skip_view, middle_layers, parse_layerskip
-from specdec.decode.engine import SpecEngine
-from specdec.decode.types import GenRequest
+from specdec.decode.engine.cache import KVState
+from specdec.decode.drafters.draft_model import ModelDrafter
+from specdec.decode.drafters.model_free import NgramDrafter, RecycleDrafter
+from specdec.decode.drafters.base import NoDrafter
+from specdec.decode.drafters.self_speculation import layer_skip_view, middle_layers, parse_layerskip
+from specdec.decode.engine.loop import SpecEngine
+from specdec.decode.engine.types import GenRequest
 from specdec.models import arch
 from specdec.models.errors import SpecdecError, UsageError
 from specdec.train.draft import new_draft

@@ -13,7 +13,7 @@ from specdec.decode.options import DecodeOptions, parse_method
 def test_method_specs_parse_into_decode_options():
     name, overrides = parse_method("draft+k=4+tree-tokens=32+acceptance=acceptance")
     opts = DecodeOptions().with_overrides(overrides)
-    assert name == "draft" and opts.num_draft == 4 and opts.tree_tokens == 32 and opts.acceptance == "acceptance"
+    assert name == "draft" and opts.drafting.num_draft == 4 and opts.drafting.tree_tokens == 32 and opts.drafting.acceptance == "acceptance"
 
 
 def test_bench_report(tiny_family, tmp_path):
@@ -57,8 +57,8 @@ def test_bench_report(tiny_family, tmp_path):
 def test_bench_interleaves_methods_batch_by_batch(tiny_family, tmp_path, monkeypatch):
     """Each pass decodes every chunk of prompts with every method before the next chunk, the order
     rotating, and each method's outputs come back in prompt order."""
-    from specdec.decode import bench
-    from specdec.decode.timing import Runner
+    from specdec.bench import bench
+    from specdec.bench.timing import Runner
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"x = {i}\n"}) + "\n" for i in range(5)))
@@ -86,7 +86,7 @@ def test_bench_reports_carry_their_provenance(tiny_family, tmp_path, monkeypatch
     from datetime import datetime
 
     import specdec
-    from specdec.decode.report import cli_command
+    from specdec.bench.report import cli_command
 
     prompts = tmp_path / "my prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "x = 1\n"}) + "\n")
@@ -108,7 +108,7 @@ def test_bench_reports_carry_their_provenance(tiny_family, tmp_path, monkeypatch
 
 def test_reports_name_the_specdec_home_not_this_machines_folders(tmp_path, monkeypatch):
     """A report's command and paths rerun on another machine: the home folder is ``$SPECDEC_HOME``."""
-    from specdec.decode.report import cli_command, provenance, shown_path
+    from specdec.bench.report import cli_command, provenance, shown_path
 
     home = tmp_path / "home"
     (home / "tiny-stdlib" / "target").mkdir(parents=True)
@@ -129,7 +129,7 @@ def test_roofline_counts_the_bytes_each_forward_must_read():
     context, a draft's weights once per drafted position; achieved bandwidth over wall time."""
     from conftest import tiny_llama
 
-    from specdec.decode.roofline import bytes_read, kv_bytes_per_token, param_bytes, roofline, weight_bytes_read
+    from specdec.bench.roofline import bytes_read, kv_bytes_per_token, param_bytes, roofline, weight_bytes_read
 
     model, draft = tiny_llama(layers=2), tiny_llama(layers=1, hidden=32)
     stats = [{"target_calls": 5, "new_tokens": 8, "drafted_tokens": 12}, {"target_calls": 3, "new_tokens": 4, "drafted_tokens": 6},
@@ -154,8 +154,8 @@ def test_roofline_counts_the_bytes_each_forward_must_read():
 def test_ideal_speedup_charges_a_round_its_drafts_per_row():
     """At batch size 2 the rows share each draft forward: a round of K=4 drafts costs four draft
     forwards, not eight (the verify width is per row too)."""
-    from specdec.decode.bench import _ideal
-    from specdec.decode.timing import Run
+    from specdec.bench.bench import _ideal
+    from specdec.bench.timing import Run
 
     stats = [{"target_calls": 5, "drafted_tokens": 16}, {"target_calls": 5, "drafted_tokens": 16}]  # a prefill + 4 rounds each
     run = Run(outputs=[[], []], stats=stats, walls=[1.0], rounds=4)  # 4 batch rounds
@@ -169,7 +169,7 @@ def test_ideal_speedup_charges_a_round_its_drafts_per_row():
 
 
 def test_compiled_methods_warm_up_on_the_shortest_and_the_longest_prompts():
-    from specdec.decode.bench import spread_by_length
+    from specdec.bench.bench import spread_by_length
 
     prompts = [[0] * n for n in (7, 3, 12, 5, 9)]
     assert [len(p) for p in spread_by_length(prompts, 2)] == [3, 12]

@@ -85,3 +85,34 @@ def test_verify_schemes_apply_to_draft_models_only(tiny_family, prompts, tmp_pat
     res = invoke(["decode", "--in", prompts, "--out", tmp_path / "o.jsonl", "--target", tiny_family / "target", "--drafter",
                   tiny_family / "draft", "--verify", "spectr", "--top-k", "2", "--temperature", "0.7", "--max-new-tokens", "6"])
     assert res.exit_code == 0, res.output
+
+
+def test_an_unknown_method_or_drafter_is_a_usage_error_before_anything_loads(tiny_family, prompts, tmp_path, monkeypatch):
+    """A name that is no drafter, no strategy and no local hub model is refused before the default target is
+    even asked for (no download attempt, no model loaded)."""
+    import specdec.cli.main as cli_main
+    from specdec.models import loading
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(cli_main, "default_target", lambda console: pytest.fail("the default target was asked for"))
+    monkeypatch.setattr(loading, "load_causal_lm", no_load)
+    _assert_usage_error(invoke(["bench", "--in", prompts, "--methods", "ar,nosuchmethod"]), "nosuchmethod")
+    _assert_usage_error(invoke(["bench", "--in", prompts, "--target", tiny_family / "target", "--methods", "ar,nosuchmethod"]),
+                        "nosuchmethod")
+    _assert_usage_error(invoke(["bench", "--in", prompts, "--methods", "ngram+tree-tokens=8"]), "--tree-tokens")
+    _assert_usage_error(invoke(["bench", "--in", prompts, "--methods", "hf-nothing"]), "hf-nothing")
+    _assert_usage_error(invoke(["decode", "--in", prompts, "--out", tmp_path / "o.jsonl", "--drafter", "nosuchdrafter"]),
+                        "nosuchdrafter")
+    assert not (tmp_path / "o.jsonl").exists()
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--drafter", "ngram", "--pre-verify"], "--pre-verify applies to draft models with --parallel"),
+    (["--drafter", "ngram", "--verify", "rsd"], "--verify applies to draft models"),
+    (["--max-draft", "3"], "--max-draft applies to draft models with --acceptance"),
+])
+def test_what_does_not_apply_says_where_it_applies(tiny_family, prompts, tmp_path, args, needle):
+    res = invoke(["decode", "--in", prompts, "--out", tmp_path / "o.jsonl", "--target", tiny_family / "target", *args])
+    _assert_usage_error(res, needle)

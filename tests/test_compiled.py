@@ -17,13 +17,14 @@ from test_architectures import EOS, NEW, PROMPTS, build
 from test_continuous import BATCH, BUDGETS, make_drafter
 from test_sampling import P_FLOOR, two_token_pvalue
 
-from specdec.decode import compiled
-from specdec.decode import cache as cache_module
-from specdec.decode.cache import KVState
-from specdec.decode.drafters import ModelDrafter, RecycleDrafter
-from specdec.decode.engine import SpecEngine
-from specdec.decode.types import GenRequest
-from specdec.decode.verify import Sampling
+from specdec.decode.engine import compiled
+from specdec.decode.engine import cache as cache_module
+from specdec.decode.engine.cache import KVState
+from specdec.decode.drafters.draft_model import ModelDrafter
+from specdec.decode.drafters.model_free import RecycleDrafter
+from specdec.decode.engine.loop import SpecEngine
+from specdec.decode.engine.types import GenRequest
+from specdec.decode.engine.verify import Sampling
 
 
 @pytest.fixture(autouse=True)
@@ -132,7 +133,7 @@ def test_a_prefix_held_once_runs_compiled(target, draft_model, calls, monkeypatc
     forward's attention, and greedy output is that of whole prompts, in static and continuous batches."""
     from test_shared_prefix import _prompts
 
-    from specdec.decode import hydragen
+    from specdec.decode.engine import hydragen
 
     _, prompts = _prompts(5)
     reqs = [GenRequest(p, n) for p, n in zip(prompts, [9, 3, 14, 6, 11])]

@@ -12,14 +12,18 @@ import transformers as tf
 from conftest import ByteTokenizer, invoke, make_prompts, tiny_llama
 from test_sampling import P_FLOOR, chi2_pvalue, exact_two_token_distribution
 
-from specdec.decode import engine as engine_module
-from specdec.decode.adaptive import AdaptiveDrafter
-from specdec.decode.cache import KVState
-from specdec.decode.drafters import Drafter, ModelDrafter, NgramDrafter, NoDrafter, RecycleDrafter, layer_skip_view
-from specdec.decode.engine import SpecEngine
-from specdec.decode.heads import DRAFTERS
-from specdec.decode.types import GenRequest
-from specdec.decode.verify import Sampling, Verdict, logits_to_probs, sample_from, verify_chain
+from specdec.decode.engine import loop as engine_module
+from specdec.decode.engine.ride import Ride
+from specdec.decode.drafters.adaptive import AdaptiveDrafter
+from specdec.decode.engine.cache import KVState
+from specdec.decode.drafters.base import Drafter, NoDrafter
+from specdec.decode.drafters.draft_model import ModelDrafter
+from specdec.decode.drafters.model_free import NgramDrafter, RecycleDrafter
+from specdec.decode.drafters.self_speculation import layer_skip_view
+from specdec.decode.engine.loop import SpecEngine
+from specdec.decode.drafters.heads import DRAFTERS
+from specdec.decode.engine.types import GenRequest
+from specdec.decode.engine.verify import Sampling, Verdict, logits_to_probs, sample_from, verify_chain
 from specdec.models.acceptance import N_STATS, AcceptanceHead
 from specdec.models.errors import SpecdecError, UsageError
 from specdec.models.heads import build_heads
@@ -178,7 +182,7 @@ def test_rows_admitted_where_rows_finished_are_written_in_place(target, compile,
     """Finished rows leave room in the buffers; rows admitted into it are written there, the running
     rows' keys and values neither copied nor moved (unless a row before them finished), and every row's
     next logits are those of its text alone."""
-    from specdec.decode import compiled
+    from specdec.decode.engine import compiled
 
     monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
     texts = make_prompts(4, seed=11, lo=6, hi=20)
@@ -208,7 +212,7 @@ def test_rows_admitted_where_rows_finished_are_written_in_place(target, compile,
 def test_slots_only_finished_rows_used_leave_without_a_copy(target, compile, monkeypatch):
     """When the longest row finishes, the head slots no row keeps leave the slots every forward reads,
     the buffers unchanged and unmoved, and the rows left decode as their texts alone."""
-    from specdec.decode import compiled
+    from specdec.decode.engine import compiled
 
     monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
     long, short = make_prompts(1, seed=13, lo=20, hi=21)[0], make_prompts(1, seed=14, lo=6, hi=7)[0]
@@ -330,13 +334,13 @@ def test_sampling_with_rows_joining_by_chunks_draws_the_target_joint_distributio
 
 
 def test_a_joining_row_drawing_its_first_token_at_the_wrong_position_fails_the_same_test(monkeypatch):
-    split = engine_module._Ride.split
+    split = Ride.split
 
     def off_by_one(self, out, bsz):  # the bug: each chunk token's logits stand for the next one's
         out.logits[bsz:, 1:] = out.logits[bsz:, :-1].clone()
         return split(self, out, bsz)
 
-    monkeypatch.setattr(engine_module._Ride, "split", off_by_one)
+    monkeypatch.setattr(Ride, "split", off_by_one)
     counts, exact, _ = _sampled_pairs(False, monkeypatch, chunk=5)
     assert chi2_pvalue(counts, exact) < P_FLOOR
 
@@ -379,8 +383,8 @@ def test_continuous_job_writes_in_input_order_like_static(tiny_family, tmp_path)
 
 
 def test_continuous_job_resumes_and_flushes_every_batch(tiny_family, tmp_path, monkeypatch):
-    from specdec.decode.io import JsonlWriter
-    from specdec.decode.job import Decoder
+    from specdec.decode.jobs.io import JsonlWriter
+    from specdec.decode.jobs.job import Decoder
     from specdec.decode.options import DecodeOptions
 
     rows = [{"id": f"r{i}", "prompt": f"x = {i}\n" * (1 + i % 3), "max_new_tokens": 2 + 7 * (i % 3)} for i in range(11)]
@@ -393,7 +397,7 @@ def test_continuous_job_resumes_and_flushes_every_batch(tiny_family, tmp_path, m
     monkeypatch.setattr(JsonlWriter, "flush", lambda self, real=JsonlWriter.flush: (flushes.append(self._buffered), real(self)))
     decoder = Decoder(str(tiny_family / "target"), DecodeOptions(batch_size=2, max_new_tokens=8))
     assert decoder.schedule == "continuous"
-    from specdec.decode.io import read_records
+    from specdec.decode.jobs.io import read_records
 
     writer = JsonlWriter(partial)
     try:
@@ -409,7 +413,7 @@ def test_continuous_job_resumes_and_flushes_every_batch(tiny_family, tmp_path, m
 
 
 def test_schedule_is_static_for_diffusion_lms_and_an_explicit_continuous_is_refused(tmp_path):
-    from specdec.decode.job import resolve_schedule
+    from specdec.decode.jobs.validate import resolve_schedule
 
     assert resolve_schedule("auto", False, "t") == "continuous" and resolve_schedule("static", False, "t") == "static"
     assert resolve_schedule("auto", True, "t") == "static" and resolve_schedule("static", True, "t") == "static"

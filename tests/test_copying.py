@@ -5,11 +5,11 @@ import pytest
 import torch
 from conftest import ByteTokenizer, make_prompts
 
-from specdec.decode.copying import CopyDrafter, InputCopyDrafter
-from specdec.decode.drafters import Segment
-from specdec.decode.engine import SpecEngine
-from specdec.decode.types import GenRequest
-from specdec.decode.verify import Sampling
+from specdec.decode.drafters.copying import CopyDrafter, InputCopyDrafter
+from specdec.decode.drafters.base import Segment
+from specdec.decode.engine.loop import SpecEngine
+from specdec.decode.engine.types import GenRequest
+from specdec.decode.engine.verify import Sampling
 
 
 class _Batch:

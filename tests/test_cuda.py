@@ -22,10 +22,11 @@ def _generate_reference(model, tok, prompts, n):
 
 @pytest.mark.parametrize("drafter", ["ar", "ngram", "recycle", "layerskip:1", "draft"])
 def test_cuda_bf16_decoding_is_identical_to_generate_in_the_same_dtype(tiny_family, drafter):
-    from specdec.decode.engine import SpecEngine
+    from specdec.decode.engine.loop import SpecEngine
     from specdec.decode.options import DecodeOptions
-    from specdec.decode.registry import build_drafter, load_decode_target
-    from specdec.decode.types import GenRequest
+    from specdec.decode.drafters.registry import build_drafter
+    from specdec.decode.jobs.build import load_decode_target
+    from specdec.decode.engine.types import GenRequest
 
     opts = DecodeOptions(device="cuda", dtype="bfloat16")
     model, tok, _ = load_decode_target(str(tiny_family / "target"), opts)
@@ -67,8 +68,8 @@ def test_cuda_trainers_run_their_steps_on_the_gpu(tiny_family, tmp_path, command
 
 
 def test_cuda_device_map_spreads_a_target_and_decodes_the_same(tiny_family):
-    from specdec.decode.engine import SpecEngine
-    from specdec.decode.types import GenRequest
+    from specdec.decode.engine.loop import SpecEngine
+    from specdec.decode.engine.types import GenRequest
     from specdec.models.loading import Placement, load_target
 
     plain, tok, _ = load_target(tiny_family / "target", Placement(device="cuda", dtype="float32"))
@@ -81,7 +82,7 @@ def test_cuda_device_map_spreads_a_target_and_decodes_the_same(tiny_family):
 
 def _cuda_float32(tiny_family):
     from specdec.decode.options import DecodeOptions
-    from specdec.decode.registry import load_decode_target
+    from specdec.decode.jobs.build import load_decode_target
 
     opts = DecodeOptions(device="cuda", dtype="float32")  # float32: eager and compiled kernels agree token for token
     model, tok, _ = load_decode_target(str(tiny_family / "target"), opts)
@@ -94,9 +95,9 @@ def test_cuda_compiled_steps_and_parallel_drafts_decode_as_eager_ones_do(tiny_fa
     give the tokens eager decoding gives, with rows joining a running batch."""
     import dataclasses
 
-    from specdec.decode.engine import SpecEngine
-    from specdec.decode.registry import build_drafter
-    from specdec.decode.types import GenRequest
+    from specdec.decode.engine.loop import SpecEngine
+    from specdec.decode.drafters.registry import build_drafter
+    from specdec.decode.engine.types import GenRequest
 
     model, tok, opts = _cuda_float32(tiny_family)
     name, *flags = drafter.split("+")
@@ -112,8 +113,8 @@ def test_cuda_compiled_steps_and_parallel_drafts_decode_as_eager_ones_do(tiny_fa
 
 
 def test_cuda_a_prefix_held_once_decodes_as_whole_prompts_do(tiny_family):
-    from specdec.decode.engine import SpecEngine
-    from specdec.decode.types import GenRequest
+    from specdec.decode.engine.loop import SpecEngine
+    from specdec.decode.engine.types import GenRequest
 
     model, tok, _ = _cuda_float32(tiny_family)
     head = tok("# a shared system prompt, long enough to be shared by every record of the job\n" * 2)["input_ids"]

@@ -7,10 +7,10 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from specdec.models.artifacts import SpecdecError
-from specdec.decode.diffusion import DiffusionGenerator
-from specdec.decode.strategies import PUBLIC_STRATEGIES
+from specdec.decode.diffusion.generator import DiffusionGenerator
+from specdec.decode.diffusion.strategies import PUBLIC_STRATEGIES
 from specdec.models.dllm import ConfidenceFilter, DllmSpec, save_filter
-from specdec.decode.types import GenRequest
+from specdec.decode.engine.types import GenRequest
 
 VOCAB, MASK, EOS = 64, 63, 1
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14], [3]]

@@ -51,7 +51,7 @@ def test_decode_routes_a_dllm_to_diffusion_decoding(dllm_dir, tmp_path):
 def test_bench_on_a_dllm_times_like_the_ar_bench_and_records_provenance(dllm_dir, tmp_path, monkeypatch):
     """`specdec bench` on a dLLM: interleaved passes, speedups as the median of per-pass ratios to static."""
     import specdec
-    from specdec.decode.report import cli_command
+    from specdec.bench.report import cli_command
 
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["copy : apple pear", "reverse : fig apple", "copy : fig"]))

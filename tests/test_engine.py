@@ -6,20 +6,14 @@ import pytest
 import torch
 from conftest import ByteTokenizer, make_prompts, tiny_llama
 
-from specdec.decode.cache import KVState
-from specdec.decode.drafters import (
-    Drafter,
-    ModelDrafter,
-    NgramDrafter,
-    NoDrafter,
-    Proposal,
-    RecycleDrafter,
-    layer_skip_view,
-    tree_attention_from_parents,
-)
-from specdec.decode.engine import SpecEngine
-from specdec.decode.types import GenRequest
-from specdec.decode.verify import Sampling, verify_tree
+from specdec.decode.engine.cache import KVState
+from specdec.decode.drafters.base import Drafter, NoDrafter, Proposal, tree_attention_from_parents
+from specdec.decode.drafters.draft_model import ModelDrafter
+from specdec.decode.drafters.model_free import NgramDrafter, RecycleDrafter
+from specdec.decode.drafters.self_speculation import layer_skip_view
+from specdec.decode.engine.loop import SpecEngine
+from specdec.decode.engine.types import GenRequest
+from specdec.decode.engine.verify import Sampling, verify_tree
 
 
 def requests(prompts, budgets):

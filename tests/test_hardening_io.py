@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from conftest import invoke
 
-from specdec.decode import io as dio
-from specdec.decode.io import OutputLock, read_records, scan_output
+from specdec.decode.jobs import io as dio
+from specdec.decode.jobs.io import OutputLock, read_records, scan_output
 from specdec.models.errors import SpecdecError, UsageError
 
 WEIRD = "a\u2028b\u2029c\u0085d\u001ce\rf\x0bg\x0ch\u001di\u001ej"  # each is a line break to str.splitlines
@@ -75,7 +75,7 @@ PROMPTS = [{"id": f"r{i}", "prompt": f"def g{i}(a, b):\n    return a * {i}\n"} f
 def test_second_writer_is_refused_and_a_killed_holder_releases_the_lock(tiny_family, tmp_path):
     out = tmp_path / "out.jsonl"
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from specdec.decode.io import OutputLock; OutputLock(sys.argv[1]); "
+        [sys.executable, "-c", "import sys, time; from specdec.decode.jobs.io import OutputLock; OutputLock(sys.argv[1]); "
          "print('locked', flush=True); time.sleep(60)", str(out)],
         stdout=subprocess.PIPE, text=True, env=ENV,
     )
@@ -198,7 +198,7 @@ def test_changed_input_is_not_silently_mixed_in(tiny_family, tmp_path):
 
 
 def test_line_breaks_other_than_newline_survive_reading_merging_and_resuming(tmp_path):
-    from specdec.decode.job import merge_shards, shard_path
+    from specdec.decode.jobs.job import merge_shards, shard_path
 
     # the input: raw U+2028 etc. inside strings, and a raw CR as JSON whitespace between fields
     src = tmp_path / "in.jsonl"
@@ -255,7 +255,7 @@ def test_unwritable_or_unsearchable_output_folder_is_a_usage_error(tmp_path):
     import shutil
     import tempfile
 
-    from specdec.decode.job import validate_paths
+    from specdec.decode.jobs.validate import validate_paths
 
     root = Path(tempfile.mkdtemp(dir="/tmp"))  # pytest's own tmp folders are private to their owner
     try:
@@ -345,7 +345,7 @@ def test_signal_stops_with_one_line_and_the_records_stay(tiny_family, tmp_path, 
 def test_strict_says_where_it_stopped(tiny_family, tmp_path):
     from dataclasses import fields
 
-    from specdec.decode.job import JobSummary
+    from specdec.decode.jobs.job import JobSummary
 
     src = write_jsonl(tmp_path / "in.jsonl", [PROMPTS[0], PROMPTS[1], "{oops", PROMPTS[2]])
     out = tmp_path / "out.jsonl"
@@ -387,7 +387,7 @@ def test_lone_surrogates_are_error_records(tmp_path):
 
 
 def test_huge_prompt_is_refused_by_length_before_tokenizing(tiny_family, tmp_path, monkeypatch):
-    from specdec.decode import job
+    from specdec.decode.jobs import job
 
     encode = job.Decoder.encode
 
@@ -498,7 +498,7 @@ def test_bad_option_values_are_usage_errors_before_loading(tmp_path, args, messa
 def test_validate_options_refuses_each_bad_value(args, message):
     import dataclasses
 
-    from specdec.decode.validate import validate_options
+    from specdec.decode.jobs.validate import validate_options
 
     flag, raw = args
     name = flag[2:].replace("-", "_")
@@ -519,7 +519,7 @@ def decode_options():
 def test_validate_options_accepts_the_defaults_and_edge_values():
     import dataclasses
 
-    from specdec.decode.validate import validate_options
+    from specdec.decode.jobs.validate import validate_options
 
     validate_options(decode_options())
     for change in ({"num_draft": 1}, {"num_draft": 256}, {"top_p": 1.0}, {"top_p": 1e-9}, {"temperature": 0.0},
@@ -532,7 +532,7 @@ def test_validate_options_accepts_the_defaults_and_edge_values():
 
 def test_errors_keep_their_exit_codes():
     assert UsageError.exit_code == 2 and SpecdecError.exit_code == 1
-    from specdec.decode.job import Interrupted, StrictStop
+    from specdec.decode.jobs.job import Interrupted, StrictStop
 
     assert Interrupted("x", signal.SIGTERM).exit_code == 143 and StrictStop.exit_code == 3
 

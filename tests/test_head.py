@@ -74,9 +74,10 @@ def test_greedy_decoding_with_the_screened_head_equals_generate(drafter):
     from conftest import ByteTokenizer, make_prompts
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from specdec.decode.drafters import NgramDrafter, NoDrafter
-    from specdec.decode.engine import SpecEngine
-    from specdec.decode.types import GenRequest
+    from specdec.decode.drafters.model_free import NgramDrafter
+    from specdec.decode.drafters.base import NoDrafter
+    from specdec.decode.engine.loop import SpecEngine
+    from specdec.decode.engine.types import GenRequest
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=20000, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

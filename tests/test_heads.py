@@ -7,11 +7,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from specdec.decode.engine import SpecEngine
-from specdec.decode.heads import DRAFTERS
-from specdec.decode.heads import build_head_drafter as build_drafter
-from specdec.decode.types import GenRequest
-from specdec.decode.verify import Sampling, verify_tree
+from specdec.decode.engine.loop import SpecEngine
+from specdec.decode.drafters.heads import DRAFTERS
+from specdec.decode.drafters.heads import build_head_drafter as build_drafter
+from specdec.decode.engine.types import GenRequest
+from specdec.decode.engine.verify import Sampling, verify_tree
 from conftest import ByteTokenizer, make_prompts
 from specdec.tests.test_train import make_target_dir, make_tokenizer, tiny_cfg, write_decode_output
 from specdec.models.heads import KINDS, build_heads
@@ -74,8 +74,8 @@ def test_tree_sampling_runs(target, kind):
 
 def test_eagle_unrolled_matches_decode_tree(target):
     """The training-time unrolled chain equals what the drafter computes on a chain-shaped tree."""
-    from specdec.decode.drafters import Segment
-    from specdec.decode.heads import EagleDrafter, Tree
+    from specdec.decode.drafters.base import Segment
+    from specdec.decode.drafters.heads import EagleDrafter, Tree
 
     heads = _heads("eagle", target)
     ids = torch.tensor([make_prompts(1, seed=4)[0][:12]])
@@ -104,8 +104,8 @@ def test_eagle_unrolled_matches_decode_tree(target):
 
 
 def test_tree_ancestors_track_parents():
-    from specdec.decode.drafters import tree_attention_from_parents
-    from specdec.decode.heads import Tree
+    from specdec.decode.drafters.base import tree_attention_from_parents
+    from specdec.decode.drafters.heads import Tree
 
     tree = Tree.empty(2, torch.device("cpu"))
     tree.add(torch.tensor([[4, 5], [6, 7]]), torch.tensor([[-1, -1], [-1, -1]]), torch.ones(2, 2, dtype=torch.long), torch.zeros(2, 2))
@@ -150,7 +150,7 @@ def test_heads_train_loss_falls_and_artifact_loads(workdir, kind):
 
 
 def test_best_subtree_keeps_best_nodes_in_topological_order_and_drops_orphans():
-    from specdec.decode.heads import Tree, _best_subtree
+    from specdec.decode.drafters.heads import Tree, _best_subtree
 
     # root children a(0) b(1); a's children c(2) d(3); c's child e(4). Scores are cumulative log-probs;
     # e is artificially better than its parent c so that keeping 3 nodes orphans it.
@@ -168,8 +168,8 @@ def test_best_subtree_keeps_best_nodes_in_topological_order_and_drops_orphans():
 
 
 def test_acceptance_calibration_counts_the_children_of_accepted_nodes():
-    from specdec.decode.drafters import Segment
-    from specdec.decode.heads import AcceptanceCalibration, Tree
+    from specdec.decode.drafters.base import Segment
+    from specdec.decode.drafters.heads import AcceptanceCalibration, Tree
 
     cal = AcceptanceCalibration(bins=10, ranks=2, depths=2, prior=1.0)
     # root -> a(0, q .55, rank 0), b(1, q .25, rank 1); a -> c(2, q .35, rank 0), d(3, q .15, rank 1); b -> e(4)
@@ -195,8 +195,8 @@ def test_acceptance_calibration_counts_the_children_of_accepted_nodes():
 def test_dynamic_tree_deepens_once_calibration_sees_an_underconfident_drafter():
     """Rank-0 children get q = .2 yet are always accepted: the uncalibrated estimate grows a wide,
     shallow tree; after the verdicts are counted the same budget goes to the deep chain."""
-    from specdec.decode.drafters import Segment
-    from specdec.decode.heads import HeadTreeDrafter
+    from specdec.decode.drafters.base import Segment
+    from specdec.decode.drafters.heads import HeadTreeDrafter
 
     class Fixed(HeadTreeDrafter):
         def _child_logprobs(self, tree, nodes, level, batch):
@@ -222,7 +222,7 @@ def test_dynamic_tree_deepens_once_calibration_sees_an_underconfident_drafter():
 def test_eagle3_drafter_reads_fused_layers_and_stays_lossless(target, bs):
     """EAGLE-3 artifacts: the engine hands the drafter the chosen layers; its root feature equals
     the training-time chain's first step, and greedy decoding equals ar."""
-    from specdec.decode.heads import EagleDrafter
+    from specdec.decode.drafters.heads import EagleDrafter
 
     heads = _heads("eagle", target, feature_layers=[1, 2])
     roots = []

@@ -11,10 +11,10 @@ import torch
 import yaml
 
 from conftest import invoke, make_prompts, save_tiny_lm, tiny_tokenizer
-from specdec.decode.engine import SpecEngine
+from specdec.decode.engine.loop import SpecEngine
 from specdec.decode.options import DecodeOptions
-from specdec.decode.registry import build_drafter, drafter_kind
-from specdec.decode.types import GenRequest
+from specdec.decode.drafters.registry import build_drafter, drafter_kind
+from specdec.decode.engine.types import GenRequest
 from specdec.models.artifacts import tokenizer_fingerprint
 from specdec.models.heads import MedusaHeads, load_heads, save_heads
 from specdec.models.interop import Eagle3Head, build_published_eagle, layer_config, load_foreign_heads
@@ -365,7 +365,7 @@ def test_train_heads_layout_published_then_export_for_speculators(tmp_path):
 def test_the_decode_side_drafter_runs_the_published_head_as_training_does(env, flags):
     """The EAGLE drafter on a published EAGLE-3 head: its root feature after the prefill is the
     training-time chain's first step at the prompt's last token (fused layers, the 2H entry, norms)."""
-    from specdec.decode.heads import EagleDrafter
+    from specdec.decode.drafters.heads import EagleDrafter
 
     root, target, tok = env
     head, _ = load_heads(_eagle3(env, "drafter-" + "-".join(flags), seed=11, **flags), target)

@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from specdec.decode.verify import Sampling, verify_chain_core  # noqa: E402
+from specdec.decode.engine.verify import Sampling, verify_chain_core  # noqa: E402
 from specdec.kernels import backend  # noqa: E402
 from specdec.kernels.diffusion_select import CreditState, select_step  # noqa: E402
 from specdec.kernels.tree_attention import (  # noqa: E402
@@ -25,7 +25,7 @@ from specdec.kernels.tree_attention import (  # noqa: E402
     tree_attention,
     tree_attention_reference,
 )
-from specdec.decode.verify import verify_chain_accelerated as verify_chain_fused  # noqa: E402
+from specdec.decode.engine.verify import verify_chain_accelerated as verify_chain_fused  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -249,7 +249,7 @@ def test_diffusion_decoding_commits_the_same_with_either_backend(method):
     """``--kernels triton`` runs the fused step; every step commits what the reference rules commit."""
     from test_diffusion import spec_for, requests, tiny_dllm
 
-    from specdec.decode.diffusion import build_generator
+    from specdec.decode.diffusion.generator import build_generator
     from specdec.decode.options import DecodeOptions
 
     model = tiny_dllm(seed=2, eos_boost=0.5).float().to(DEVICE)

@@ -1,18 +1,22 @@
-"""The package's layers: kernels -> models -> decode -> train -> cli, each importing only those below
-it (imports inside functions count), and no import cycle between modules."""
+"""The package's layers: kernels -> models -> decode -> bench -> train -> cli, each importing only those
+below it (imports inside functions count), sub-packages included, and no import cycle between modules.
+Inside ``decode``, ``jobs`` is on top (no other part of decode imports it) and the engine knows drafters
+only through their contract, ``decode.drafters.base``."""
 
 import ast
+import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-LAYERS = {"kernels": 0, "models": 1, "decode": 2, "train": 3, "recipes": 3, "examples": 0, "cli": 4}
+LAYERS = {"kernels": 0, "models": 1, "decode": 2, "bench": 3, "train": 4, "recipes": 4, "examples": 0, "cli": 5}
 
 
 def _modules() -> dict[str, Path]:
     out = {}
     for layer in LAYERS:
-        for path in (ROOT / layer).glob("*.py"):
-            name = f"specdec.{layer}" if path.stem == "__init__" else f"specdec.{layer}.{path.stem}"
+        for path in (ROOT / layer).rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            name = ".".join(("specdec", *(parts[:-1] if path.stem == "__init__" else parts)))
             out[name] = path
     return out
 
@@ -43,6 +47,26 @@ def test_no_module_imports_a_layer_above_its_own():
             if LAYERS[_layer(dep)] > LAYERS[_layer(name)]:
                 upward.append(f"{name} -> {dep}")
     assert not upward, upward
+
+
+def test_decode_jobs_is_on_top_and_the_engine_knows_drafters_by_their_contract():
+    modules = _modules()
+    offenders = []
+    for name, path in modules.items():
+        if not name.startswith("specdec.decode."):
+            continue
+        for dep in _imports(path, modules):
+            if dep.startswith("specdec.decode.jobs") and not name.startswith("specdec.decode.jobs"):
+                offenders.append(f"{name} -> {dep}")
+            if name.startswith("specdec.decode.engine") and dep.startswith("specdec.decode.drafters") and dep != "specdec.decode.drafters.base":
+                offenders.append(f"{name} -> {dep}")
+    assert not offenders, offenders
+
+
+def test_every_package_is_listed_for_setuptools():
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    packages = {name for name, path in _modules().items() if path.stem == "__init__"} | {"specdec"}
+    assert packages <= listed, sorted(packages - listed)
 
 
 def test_import_graph_has_no_cycles():

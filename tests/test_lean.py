@@ -1,15 +1,16 @@
-"""decode.lean: the drafts' plain-function forward gives HF's logits and hidden states, or is not used."""
+"""decode.engine.lean: the drafts' plain-function forward gives HF's logits and hidden states, or is not used."""
 
 from __future__ import annotations
 
 import torch
 from conftest import ByteTokenizer, make_prompts, tiny_llama
 
-from specdec.decode.cache import KVState
-from specdec.decode.drafters import ModelDrafter, layer_skip_view
-from specdec.decode.engine import SpecEngine
-from specdec.decode.lean import lean_step
-from specdec.decode.types import GenRequest
+from specdec.decode.engine.cache import KVState
+from specdec.decode.drafters.draft_model import ModelDrafter
+from specdec.decode.drafters.self_speculation import layer_skip_view
+from specdec.decode.engine.loop import SpecEngine
+from specdec.decode.engine.lean import lean_step
+from specdec.decode.engine.types import GenRequest
 
 
 def test_lean_forward_matches_hf_through_kvstate():

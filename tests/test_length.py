@@ -1,6 +1,6 @@
-"""decode.length: chain lengths chosen by measured forward costs and acceptance."""
+"""decode.engine.length: chain lengths chosen by measured forward costs and acceptance."""
 
-from specdec.decode.length import DraftLength
+from specdec.decode.engine.length import DraftLength
 
 
 def _costs(length: DraftLength, per_token: float) -> None:

@@ -62,8 +62,8 @@ def test_resolve_source():
 
 
 def test_device_map_auto_places_and_decodes_like_a_plain_load(tiny_family):
-    from specdec.decode.engine import SpecEngine
-    from specdec.decode.types import GenRequest
+    from specdec.decode.engine.loop import SpecEngine
+    from specdec.decode.engine.types import GenRequest
 
     plain, tok, _ = load_target(tiny_family / "target", Placement(device="cpu"))
     mapped, _, _ = load_target(tiny_family / "target", Placement(device="cpu", device_map="auto"))

@@ -1,4 +1,4 @@
-"""--max-memory (decode/memory.py) and the bench's memory fields."""
+"""--max-memory (decode/jobs/memory.py) and the bench's memory fields."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import json
 import pytest
 from conftest import invoke
 
-from specdec.decode.memory import draft_width, fit, memory_model, parse_size, weight_bytes
-from specdec.decode.roofline import kv_bytes_per_token, param_bytes
+from specdec.decode.drafters.base import Drafter
+from specdec.decode.jobs.memory import draft_width, fit, memory_model, parse_size, weight_bytes
+from specdec.bench.roofline import kv_bytes_per_token, param_bytes
 from specdec.models.errors import SpecdecError, UsageError
 
 
@@ -24,7 +25,8 @@ def test_parse_size_refuses(text):
 
 
 def test_memory_model_counts_weights_kv_and_buffers(target, draft_model):
-    from specdec.decode.drafters import ModelDrafter, NoDrafter
+    from specdec.decode.drafters.draft_model import ModelDrafter
+    from specdec.decode.drafters.base import NoDrafter
 
     drafter = ModelDrafter(draft_model)
     mm = memory_model(target, drafter, prompt_tokens=30, max_new_tokens=20)
@@ -39,7 +41,7 @@ def test_memory_model_counts_weights_kv_and_buffers(target, draft_model):
 
 
 def test_fit_picks_the_largest_batch_that_fits(target, draft_model):
-    from specdec.decode.drafters import ModelDrafter
+    from specdec.decode.drafters.draft_model import ModelDrafter
 
     drafter = ModelDrafter(draft_model)
     mm = memory_model(target, drafter, 512, 32)
@@ -53,7 +55,7 @@ def test_fit_picks_the_largest_batch_that_fits(target, draft_model):
 
 
 def test_fit_shrinks_k_then_refuses(target, draft_model):
-    from specdec.decode.drafters import ModelDrafter
+    from specdec.decode.drafters.draft_model import ModelDrafter
 
     drafter = ModelDrafter(draft_model)
     mm = memory_model(target, drafter, 512, 32)
@@ -69,7 +71,7 @@ def test_fit_shrinks_k_then_refuses(target, draft_model):
 
 
 def test_fit_shrinks_tree_tokens(target):
-    class Tree:  # what fit reads of a head-tree drafter
+    class Tree(Drafter):  # what fit reads of a head-tree drafter
         tree_tokens, default_k, needs_hidden = 32, 5, True
 
     mm = memory_model(target, Tree(), 512, 32)
@@ -88,7 +90,8 @@ def _budget(family, rows: float, drafter=None) -> str:
     """A budget of the weights plus ``rows`` rows at the default K, by the memory model."""
     from transformers import AutoModelForCausalLM
 
-    from specdec.decode.drafters import ModelDrafter, NoDrafter
+    from specdec.decode.drafters.draft_model import ModelDrafter
+    from specdec.decode.drafters.base import NoDrafter
 
     model = AutoModelForCausalLM.from_pretrained(family / "target")
     d = ModelDrafter(AutoModelForCausalLM.from_pretrained(family / "draft")) if drafter else NoDrafter()
@@ -149,8 +152,8 @@ def test_peak_memory_is_per_method_and_chunk(monkeypatch):
     this machine may have no GPU)."""
     import torch
 
-    from specdec.decode import bench
-    from specdec.decode.timing import Runner
+    from specdec.bench import bench
+    from specdec.bench.timing import Runner
 
     allocated = {"now": 0, "peak": 0}
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: allocated.update(peak=allocated["now"]))

@@ -1,4 +1,4 @@
-"""Online speculative decoding (decode/online.py): the draft changes mid-job, the output does not.
+"""Online speculative decoding (decode/drafters/online.py): the draft changes mid-job, the output does not.
 
 Greedy output equals plain decoding with updates happening; the draft's rebuilt cache makes the
 same drafts a fresh drafter with the new weights makes; sampling at T>0 still follows the target's
@@ -11,13 +11,13 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import ByteTokenizer, make_prompts, tiny_llama
-from specdec.decode import engine as engine_module
-from specdec.decode.drafters import ModelDrafter
-from specdec.decode.engine import SpecEngine
-from specdec.decode.online import OnlineDrafter
+from specdec.decode.engine import loop as engine_module
+from specdec.decode.drafters.draft_model import ModelDrafter
+from specdec.decode.engine.loop import SpecEngine
+from specdec.decode.drafters.online import OnlineDrafter
 from specdec.decode.options import DecodeOptions, parse_method
-from specdec.decode.types import GenRequest
-from specdec.decode.verify import Sampling, logits_to_probs
+from specdec.decode.engine.types import GenRequest
+from specdec.decode.engine.verify import Sampling, logits_to_probs
 from test_sampling import P_FLOOR, two_token_pvalue
 
 
@@ -72,7 +72,7 @@ def test_rebuilt_cache_drafts_as_a_fresh_drafter_with_the_new_weights(target, re
     assert drafter.updates >= 2 and checked[0] > 0
     if rebuild:
         assert not mismatches
-        # the lean forward's fused weights follow the in-place update (decode/lean.py re-checks _version)
+        # the lean forward's fused weights follow the in-place update (decode/engine/lean.py re-checks _version)
         lean = drafter.state._lean
         assert lean is not None and not lean.stale()
         attn = draft.model.layers[0].self_attn
@@ -152,11 +152,12 @@ def test_tau_rises_as_a_poor_draft_learns_online():
 def test_method_spec_builds_online_options():
     _, overrides = parse_method("draft+online=1+online-every=4")
     opts = DecodeOptions().with_overrides(overrides)
-    assert opts.online is True and opts.online_every == 4
+    assert opts.drafting.online is True and opts.drafting.online_every == 4
 
 
 def test_registry_builds_online_drafter_and_saves_it(tiny_family, tmp_path):
-    from specdec.decode.registry import build_drafter, load_decode_target
+    from specdec.decode.drafters.registry import build_drafter
+    from specdec.decode.jobs.build import load_decode_target
     from specdec.models.loading import load_draft
 
     opts = DecodeOptions().with_overrides(parse_method("draft+online=1+online-every=2")[1])
@@ -167,7 +168,7 @@ def test_registry_builds_online_drafter_and_saves_it(tiny_family, tmp_path):
     ar = SpecEngine(target, tok).generate(requests(prompts, [24, 24]))
     spec = SpecEngine(target, tok, drafter).generate(requests(prompts, [24, 24]))
     assert [r.token_ids for r in spec] == [r.token_ids for r in ar] and drafter.updates > 0
-    drafter.save_to(tmp_path / "online-draft")
+    drafter.model.save_pretrained(tmp_path / "online-draft", safe_serialization=True)
     saved = load_draft(tmp_path / "online-draft", opts.placement, device=torch.device("cpu"), dtype=drafter.model.dtype)
     for a, b in zip(saved.parameters(), drafter.model.parameters()):
         torch.testing.assert_close(a, b)

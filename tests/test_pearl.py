@@ -1,4 +1,4 @@
-"""PEARL (decode/pearl.py): the draft drafts the next block in a thread of its own while the target
+"""PEARL (decode/drafters/pearl.py): the draft drafts the next block in a thread of its own while the target
 verifies, optionally the target tests the first draft while the draft draws the rest (pre-verify),
 and decoding stays lossless.
 
@@ -22,14 +22,15 @@ import time
 import pytest
 import torch
 from conftest import ByteTokenizer, invoke, make_prompts, tiny_llama
-from specdec.decode import engine as engine_module
-from specdec.decode import pearl
-from specdec.decode.drafters import ModelDrafter, NoDrafter, Proposal
-from specdec.decode.engine import SpecEngine
+from specdec.decode.engine import split as split_module
+from specdec.decode.drafters import pearl
+from specdec.decode.drafters.draft_model import ModelDrafter
+from specdec.decode.drafters.base import NoDrafter, Proposal
+from specdec.decode.engine.loop import SpecEngine
 from specdec.decode.options import DecodeOptions, parse_method
-from specdec.decode.pearl import ParallelDrafter
-from specdec.decode.types import GenRequest
-from specdec.decode.verify import Sampling, Verdict, logits_to_probs
+from specdec.decode.drafters.pearl import ParallelDrafter
+from specdec.decode.engine.types import GenRequest
+from specdec.decode.engine.verify import Sampling, Verdict, logits_to_probs
 from test_sampling import P_FLOOR, chi2_pvalue
 
 
@@ -221,7 +222,7 @@ def test_sampling_follows_the_target_distribution(variant, monkeypatch):
 def test_the_draft_cache_is_never_touched_by_two_threads(target, twin, monkeypatch):
     """Every cache operation holds a lock it must get at once; each forward sleeps a little so an
     overlap, were there one, would be caught."""
-    from specdec.decode.cache import KVState
+    from specdec.decode.engine.cache import KVState
 
     lock, overlaps, threads = threading.Lock(), [], set()
     drafter = ParallelDrafter(twin)
@@ -349,12 +350,13 @@ def test_block_length_follows_the_time_the_target_leaves_the_draft(target, adapt
 def test_method_spec_and_flag_build_the_parallel_drafter(tiny_family, tmp_path):
     import json
 
-    from specdec.decode.registry import build_drafter, check_drafter_options, load_decode_target
+    from specdec.decode.drafters.registry import build_drafter, check_drafter_options
+    from specdec.decode.jobs.build import load_decode_target
     from specdec.models.errors import UsageError
 
     head, overrides = parse_method("draft+parallel=1+k=3")
     opts = DecodeOptions(device="cpu").with_overrides(overrides)
-    assert (head, opts.parallel, opts.num_draft) == ("draft", True, 3)
+    assert (head, opts.drafting.parallel, opts.drafting.num_draft) == ("draft", True, 3)
     target, tok, _ = load_decode_target(str(tiny_family / "target"), opts)
     drafter = build_drafter(str(tiny_family / "draft"), target, tok, opts)
     assert isinstance(drafter, ParallelDrafter)
@@ -386,14 +388,14 @@ def test_method_spec_and_flag_build_the_parallel_drafter(tiny_family, tmp_path):
 def count_split_rounds(monkeypatch):
     """Per pre-verified round of the engine, how many rows accepted the first draft, and of how many."""
     rounds = []
-    split = SpecEngine._verify_split
+    split = split_module.verify
 
-    def spy(self, state, batch, first):
-        seg, verdict, proposal = split(self, state, batch, first)
+    def spy(engine, state, batch, first):
+        seg, verdict, proposal = split(engine, state, batch, first)
         rounds.append((int((verdict.accepted > 0).sum()), len(batch.seqs)))
         return seg, verdict, proposal
 
-    monkeypatch.setattr(SpecEngine, "_verify_split", spy)
+    monkeypatch.setattr(split_module, "verify", spy)
     return rounds
 
 
@@ -466,7 +468,7 @@ def test_pre_verified_blocks_are_what_a_fresh_draft_of_the_text_proposes(target,
 
 def _without_first_draft_test(monkeypatch):
     """Broken on purpose: the first draft of a pre-verified round is taken as accepted, untested."""
-    real = engine_module.verify_chain
+    real = split_module.verify_chain
 
     def accept_first(logits, tokens, *args, **kwargs):
         verdict = real(logits, tokens, *args, **kwargs)
@@ -475,13 +477,13 @@ def _without_first_draft_test(monkeypatch):
         ones = torch.ones_like(verdict.accepted)
         return Verdict(accepted=ones, path=torch.zeros_like(verdict.path), next_token=verdict.next_token)
 
-    monkeypatch.setattr(engine_module, "verify_chain", accept_first)
+    monkeypatch.setattr(split_module, "verify_chain", accept_first)
 
 
 def _correction_from_p(monkeypatch):
     """Broken on purpose: the token after a rejected first draft is drawn from the target's p at the
     root, not from the residual max(p - q, 0)."""
-    real = engine_module.verify_chain
+    real = split_module.verify_chain
 
     def from_p(logits, tokens, draft_probs, sampling, generator, *args, **kwargs):
         verdict = real(logits, tokens, draft_probs, sampling, generator, *args, **kwargs)
@@ -491,7 +493,7 @@ def _correction_from_p(monkeypatch):
         next_token = torch.where(verdict.accepted > 0, verdict.next_token, drawn)
         return Verdict(accepted=verdict.accepted, path=verdict.path, next_token=next_token)
 
-    monkeypatch.setattr(engine_module, "verify_chain", from_p)
+    monkeypatch.setattr(split_module, "verify_chain", from_p)
 
 
 @pytest.mark.parametrize("variant", ["pre-verify", "untested-first-draft", "correction-from-p"])
@@ -541,12 +543,13 @@ def test_pre_verify_sampling_follows_the_target_distribution(variant, monkeypatc
 
 
 def test_pre_verify_method_option(tiny_family):
-    from specdec.decode.registry import build_drafter, check_drafter_options, load_decode_target
+    from specdec.decode.drafters.registry import build_drafter, check_drafter_options
+    from specdec.decode.jobs.build import load_decode_target
     from specdec.models.errors import UsageError
 
     head, overrides = parse_method("draft+parallel=1+pre-verify=1+k=3")
     opts = DecodeOptions(device="cpu").with_overrides(overrides)
-    assert (head, opts.parallel, opts.pre_verify) == ("draft", True, True)
+    assert (head, opts.drafting.parallel, opts.drafting.pre_verify) == ("draft", True, True)
     target, tok, _ = load_decode_target(str(tiny_family / "target"), opts)
     drafter = build_drafter(str(tiny_family / "draft"), target, tok, opts)
     assert isinstance(drafter, ParallelDrafter) and drafter.pre_verify

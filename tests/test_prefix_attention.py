@@ -11,9 +11,9 @@ import torch
 from conftest import ByteTokenizer, tiny_llama
 from test_shared_prefix import _prompts
 
-from specdec.decode import hydragen
-from specdec.decode.engine import SpecEngine
-from specdec.decode.types import GenRequest
+from specdec.decode.engine import hydragen
+from specdec.decode.engine.loop import SpecEngine
+from specdec.decode.engine.types import GenRequest
 
 pytest.importorskip("triton")
 
@@ -126,7 +126,7 @@ def test_a_prefix_held_once_decodes_with_the_kernel_as_whole_prompts_do(monkeypa
 
 
 def test_the_kernel_bench_runs_kernel_and_reference_on_the_same_inputs():
-    from specdec.decode.kernel_bench import prefix_cases, same_result
+    from specdec.bench.kernel_bench import prefix_cases, same_result
 
     cases = prefix_cases([70], [1, 5], kv_heads=2, groups=3, head_dim=16, dtype=torch.float32, device=DEVICE)
     assert [c.shape for c in cases] == ["P=70 Hkv=2 g=3 B*T=1 D=16", "P=70 Hkv=2 g=3 B*T=5 D=16"]

@@ -212,8 +212,8 @@ def test_export_writes_bf16_shards_and_a_model_card_that_load_and_decode(built, 
     greedily as transformers' generate does on the loaded model."""
     from transformers import AutoModelForCausalLM
 
-    from specdec.decode.engine import SpecEngine
-    from specdec.decode.types import GenRequest
+    from specdec.decode.engine.loop import SpecEngine
+    from specdec.decode.engine.types import GenRequest
     from specdec.models import loading
     from specdec.train.ship import ExportPlan, ship_family
 

@@ -11,11 +11,11 @@ import torch
 from conftest import ByteTokenizer, invoke, make_prompts, staggered_requests, tiny_llama, tiny_tokenizer
 from test_sampling import P_FLOOR, two_token_pvalue
 
-from specdec.decode.drafters import Segment
-from specdec.decode.engine import Batch, SpecEngine
+from specdec.decode.drafters.base import Segment
+from specdec.decode.engine.loop import Batch, SpecEngine
 from specdec.decode.options import DecodeOptions
-from specdec.decode.registry import build_drafter, check_drafter_options
-from specdec.decode.retrieval import (
+from specdec.decode.drafters.registry import build_drafter, check_drafter_options
+from specdec.decode.drafters.retrieval import (
     SEPARATOR,
     Datastore,
     RasdDrafter,
@@ -25,8 +25,8 @@ from specdec.decode.retrieval import (
     open_datastore,
     save_datastore,
 )
-from specdec.decode.types import GenRequest
-from specdec.decode.verify import Sampling
+from specdec.decode.engine.types import GenRequest
+from specdec.decode.engine.verify import Sampling
 from specdec.models.artifacts import tokenizer_fingerprint
 from specdec.models.errors import SpecdecError, UsageError
 
@@ -216,7 +216,7 @@ def test_a_corpus_with_the_targets_text_is_retrieved(target, draft_model):
         tau = sum(len(r.token_ids) for r in res) / sum(r.stats["target_calls"] for r in res)
         assert tau > 1.5, (type(drafter).__name__, tau)
     # and the fused tree does better than the draft model's chain alone, which knows nothing of the corpus
-    from specdec.decode.drafters import ModelDrafter
+    from specdec.decode.drafters.draft_model import ModelDrafter
 
     alone = SpecEngine(target, ByteTokenizer(), ModelDrafter(draft_model), eos_ids=[]).generate(reqs)
     fused = SpecEngine(target, ByteTokenizer(), RasdDrafter(draft_model, store), eos_ids=[]).generate(reqs)
@@ -255,7 +255,7 @@ def index(tmp_path_factory):
 
 
 def test_registry_builds_both_methods_and_refuses_what_does_not_apply(tiny_family, index):
-    from specdec.decode.registry import load_decode_target
+    from specdec.decode.jobs.build import load_decode_target
 
     opts = DecodeOptions()
     target, tok, _ = load_decode_target(str(tiny_family / "target"), opts)

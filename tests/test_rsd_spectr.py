@@ -9,12 +9,13 @@ import torch
 from conftest import ByteTokenizer, make_prompts, tiny_llama
 from test_sampling import P_FLOOR, chi2_pvalue, exact_two_token_distribution
 
-from specdec.decode import verify
-from specdec.decode.drafters import ModelDrafter, NoDrafter, TreeTemplate
-from specdec.decode.engine import SpecEngine
+from specdec.decode.engine import verify
+from specdec.decode.drafters.draft_model import ModelDrafter
+from specdec.decode.drafters.base import NoDrafter, TreeTemplate
+from specdec.decode.engine.loop import SpecEngine
 from specdec.decode.options import DecodeOptions, parse_method
-from specdec.decode.types import GenRequest
-from specdec.decode.verify import Sampling, logits_to_probs, verify_tree_drafted
+from specdec.decode.engine.types import GenRequest
+from specdec.decode.engine.verify import Sampling, logits_to_probs, verify_tree_drafted
 
 VOCAB, WIDTH = 6, 3
 
@@ -139,12 +140,13 @@ def test_greedy_with_rows_joining_a_running_batch(target, draft_model, scheme):
 
 
 def test_method_option_selects_the_scheme(tiny_family):
-    from specdec.decode.registry import build_drafter, load_decode_target
+    from specdec.decode.drafters.registry import build_drafter
+    from specdec.decode.jobs.build import load_decode_target
     from specdec.models.errors import UsageError
 
     head, overrides = parse_method("draft+verify=spectr+k=3+top-k=3")
     opts = DecodeOptions(device="cpu").with_overrides(overrides)
-    assert (head, opts.verify, opts.num_draft) == ("draft", "spectr", 3)
+    assert (head, opts.drafting.verify, opts.drafting.num_draft) == ("draft", "spectr", 3)
     target, tokenizer, _ = load_decode_target(str(tiny_family / "target"), opts)
     drafter = build_drafter(str(tiny_family / "draft"), target, tokenizer, opts)
     assert isinstance(drafter, ModelDrafter) and (drafter.scheme, drafter.width) == ("spectr", 3)

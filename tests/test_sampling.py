@@ -9,10 +9,11 @@ import pytest
 import torch
 from conftest import ByteTokenizer, tiny_llama
 
-from specdec.decode.drafters import ModelDrafter, NgramDrafter, RecycleDrafter
-from specdec.decode.engine import SpecEngine
-from specdec.decode.types import GenRequest
-from specdec.decode.verify import Sampling, logits_to_probs, sample_from, verify_chain, verify_tree
+from specdec.decode.drafters.draft_model import ModelDrafter
+from specdec.decode.drafters.model_free import NgramDrafter, RecycleDrafter
+from specdec.decode.engine.loop import SpecEngine
+from specdec.decode.engine.types import GenRequest
+from specdec.decode.engine.verify import Sampling, logits_to_probs, sample_from, verify_chain, verify_tree
 
 P_FLOOR = 1e-3  # a correct sampler fails this by chance once in a thousand seeds; a biased one always
 

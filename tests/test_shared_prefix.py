@@ -5,10 +5,12 @@ import pytest
 import torch
 from conftest import ByteTokenizer, make_prompts
 
-from specdec.decode import hydragen
-from specdec.decode.drafters import ModelDrafter, NgramDrafter, RecycleDrafter, layer_skip_view
-from specdec.decode.engine import SpecEngine
-from specdec.decode.types import GenRequest
+from specdec.decode.engine import hydragen
+from specdec.decode.drafters.draft_model import ModelDrafter
+from specdec.decode.drafters.model_free import NgramDrafter, RecycleDrafter
+from specdec.decode.drafters.self_speculation import layer_skip_view
+from specdec.decode.engine.loop import SpecEngine
+from specdec.decode.engine.types import GenRequest
 
 
 def _prompts(n, prefix_len=40, seed=5):
@@ -36,7 +38,7 @@ class _Counting:
 def test_auto_shared_prefix_decodes_as_whole_prompts_do(target, draft_model, make):
     from test_heads import _heads  # a randomly initialised head set of each kind
 
-    from specdec.decode.heads import DRAFTERS
+    from specdec.decode.drafters.heads import DRAFTERS
 
     prefix, prompts = _prompts(5)
     budgets = [9, 3, 14, 6, 11]

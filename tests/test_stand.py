@@ -11,12 +11,12 @@ import torch
 from conftest import ByteTokenizer, invoke, make_prompts, tiny_llama
 from test_sampling import P_FLOOR, two_token_pvalue
 
-from specdec.decode import stand
-from specdec.decode.drafters import NoDrafter
-from specdec.decode.engine import SpecEngine
-from specdec.decode.stand import StandDrafter, StandTable
-from specdec.decode.types import GenRequest
-from specdec.decode.verify import Sampling
+from specdec.decode.drafters import stand
+from specdec.decode.drafters.base import NoDrafter
+from specdec.decode.engine.loop import SpecEngine
+from specdec.decode.drafters.stand import StandDrafter, StandTable
+from specdec.decode.engine.types import GenRequest
+from specdec.decode.engine.verify import Sampling
 
 
 def test_table_longest_context_wins_and_averages():

@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 from conftest import ByteTokenizer, make_prompts, tiny_llama
 
-from specdec.decode.drafters import ModelDrafter, layer_skip_view, middle_layers
-from specdec.decode.engine import SpecEngine
-from specdec.decode.swift import ConfidenceDrafter, SwiftDrafter
-from specdec.decode.types import GenRequest
-from specdec.decode.verify import Sampling
+from specdec.decode.drafters.draft_model import ModelDrafter
+from specdec.decode.drafters.self_speculation import layer_skip_view, middle_layers
+from specdec.decode.engine.loop import SpecEngine
+from specdec.decode.drafters.self_speculation import ConfidenceDrafter, SwiftDrafter
+from specdec.decode.engine.types import GenRequest
+from specdec.decode.engine.verify import Sampling
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +126,7 @@ def test_sampling_smoke(deep):
 
 def test_registry_builds_swift(deep):
     from specdec.decode.options import DecodeOptions
-    from specdec.decode.registry import build_drafter
+    from specdec.decode.drafters.registry import build_drafter
 
     assert isinstance(build_drafter("swift", deep, ByteTokenizer(), DecodeOptions()), SwiftDrafter)
 
@@ -161,8 +162,8 @@ def test_the_default_layer_skip_set_is_searched_to_agree_with_its_model(tmp_path
     from conftest import save_tiny_lm, tiny_tokenizer
     from transformers import AutoModelForCausalLM
 
-    from specdec.decode import drafters
-    from specdec.decode.registry import build_drafter
+    from specdec.decode.drafters import self_speculation as drafters
+    from specdec.decode.drafters.registry import build_drafter
     from specdec.decode.options import DecodeOptions
 
     monkeypatch.setenv("SPECDEC_HOME", str(tmp_path / "home"))

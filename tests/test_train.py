@@ -312,7 +312,7 @@ def test_acceptance_features_from_one_causal_forward_match_incremental(draft_mod
 
 
 def test_train_acceptance_artifact(workdir):
-    from specdec.decode.adaptive import build_adaptive
+    from specdec.decode.drafters.adaptive import build_adaptive
     from specdec.train.acceptance import train_acceptance
     from specdec.models.loading import load_draft
 
@@ -440,10 +440,10 @@ def test_a_draft_over_a_reduced_vocabulary(workdir):
     """--draft-vocab N: a small Llama over the N - 1 most frequent training tokens (embedding started from
     the target's rows), distilled on the cached teacher's top-k over them; decodes exactly as ar, drafting
     only tokens of its vocabulary; the CLI reaches it."""
-    from specdec.decode.engine import SpecEngine
+    from specdec.decode.engine.loop import SpecEngine
     from specdec.decode.options import DecodeOptions
-    from specdec.decode.registry import build_drafter
-    from specdec.decode.types import GenRequest
+    from specdec.decode.drafters.registry import build_drafter
+    from specdec.decode.engine.types import GenRequest
     from specdec.models import vocab as draft_vocab
     from specdec.models.loading import load_target
     from specdec.train.draft import train_draft

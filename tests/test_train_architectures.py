@@ -7,10 +7,10 @@ import pytest
 import torch
 from conftest import tiny_tokenizer
 
-from specdec.decode.engine import SpecEngine
+from specdec.decode.engine.loop import SpecEngine
 from specdec.decode.options import DecodeOptions
-from specdec.decode.registry import build_drafter
-from specdec.decode.types import GenRequest
+from specdec.decode.drafters.registry import build_drafter
+from specdec.decode.engine.types import GenRequest
 from specdec.models.loading import Placement, load_target
 from specdec.train.loop import TrainConfig
 

@@ -10,9 +10,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from specdec.models.artifacts import artifact_kind
-from specdec.decode.diffusion import DiffusionGenerator
+from specdec.decode.diffusion.generator import DiffusionGenerator
 from specdec.models.dllm import load_dllm, load_filter
-from specdec.decode.types import GenRequest
+from specdec.decode.engine.types import GenRequest
 from specdec.train.dllm import (
     CertaintyForcingCollate,
     DllmTrainConfig,
@@ -23,7 +23,7 @@ from specdec.train.dllm import (
 )
 from specdec.train.filter import train_filter
 from specdec.train.prompts import code_prompts
-from specdec.decode.diffusion_bench import first_line_matches
+from specdec.bench.diffusion_bench import first_line_matches
 from specdec.train.listtasks import OPERATIONS, WORDS, list_tasks
 
 TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
@@ -260,8 +260,8 @@ def test_cli_train_dllm_and_errors(tmp_path, ar_dir):
 
 
 def test_bench_reports_every_method(dllm, tmp_path):
-    from specdec.decode.diffusion_bench import bench_diffusion, render_table
-    from specdec.decode.report import plot
+    from specdec.bench.diffusion_bench import bench_diffusion, render_table
+    from specdec.bench.report import plot
 
     out, _ = dllm
     train_filter(out, [t.prompt for t in list_tasks(4, seed=1)], tmp_path / "filter", gen_length=16, block_size=8, max_steps=20)
@@ -276,3 +276,53 @@ def test_bench_reports_every_method(dllm, tmp_path):
     assert all(row["task_accuracy"] is not None for row in rows.values())
     assert render_table(report).row_count == len(rows)
     assert plot(report, tmp_path / "plot.png").stat().st_size > 0
+
+
+def test_train_dllm_resumes_to_the_weights_of_an_uninterrupted_run(tmp_path, ar_dir, monkeypatch):
+    """Checkpoints under OUT/checkpoints, and a run that crashed after one of them resumes to the
+    weights an uninterrupted run reaches (the masks are drawn per micro-batch, not from a running stream)."""
+    from safetensors.torch import load_file
+
+    from specdec.train import dllm as dllm_module
+
+    kwargs = dict(block_size=8, max_steps=6, extra_examples=task_pairs(40), checkpoint_every=2, **FAST)
+    train_dllm(ar_dir, [], tmp_path / "full", **kwargs)
+    real, calls = dllm_module.masked_diffusion_loss, {"n": 0}
+
+    def crash_at_step_5(model, batch, spec):
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise KeyboardInterrupt
+        return real(model, batch, spec)
+
+    monkeypatch.setattr(dllm_module, "masked_diffusion_loss", crash_at_step_5)
+    with pytest.raises(KeyboardInterrupt):
+        train_dllm(ar_dir, [], tmp_path / "split", **kwargs)
+    monkeypatch.undo()
+    assert (tmp_path / "split" / "checkpoints" / "step-4").is_dir()
+    resumed = train_dllm(ar_dir, [], tmp_path / "split", resume=True, **kwargs)
+    assert resumed["steps"] == 6
+    full, split = load_file(str(tmp_path / "full" / "model.safetensors")), load_file(str(tmp_path / "split" / "model.safetensors"))
+    assert full.keys() == split.keys() and all(torch.equal(full[k], split[k]) for k in full)
+
+
+def test_cli_dllm_trainers_take_the_shared_placement_options(tmp_path, ar_dir):
+    data = tmp_path / "data.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt": p, "completion": c}) for p, c in task_pairs(20)) + "\n")
+    out = tmp_path / "d"
+    args = ["train-dllm", "--target", ar_dir, "--data", data, "--out", out, "--block-size", "8", "--max-steps", "2",
+            "--device", "cpu", "--threads", "1", "--attn-implementation", "eager", "--checkpoint-every", "1"]
+    assert invoke(args).exit_code == 0
+    assert (out / "checkpoints" / "step-2").is_dir()
+    again = invoke([*args, "--resume"])  # the newest checkpoint is the end: nothing left to train
+    assert again.exit_code == 0, again.output
+    refused = invoke([*args, "--dtype", "bfloat16"])
+    assert refused.exit_code == 2 and "--dtype" in refused.stderr
+    assert invoke([*args, "--threads", "-1"]).exit_code == 2
+    texts = tmp_path / "texts.jsonl"
+    texts.write_text("\n".join(json.dumps({"prompt": python_text(i)}) for i in range(3)) + "\n")
+    res = invoke(["train-filter", "--target", out, "--data", texts, "--out", tmp_path / "f", "--gen-length", "8", "--block-size", "8",
+                  "--code-prompts", "2", "--max-steps", "3", "--device", "cpu", "--dtype", "float32", "--threads", "1",
+                  "--checkpoint-every", "1"])
+    assert res.exit_code == 0, res.output
+    assert (tmp_path / "f" / "checkpoints" / "step-3").is_dir()

@@ -242,8 +242,8 @@ def calibration(pred, labels, bins: int = 10) -> dict:
 
 def read_policy_prompts(path: str | Path, tokenizer, limit: int = POLICY_PROMPTS) -> list[list[int]]:
     """Token ids of the first ``limit`` usable prompts of a prompts JSONL (decode's input format)."""
-    from specdec.decode.io import read_records
-    from specdec.decode.job import encode_record
+    from specdec.decode.jobs.io import read_records
+    from specdec.decode.jobs.job import encode_record
 
     if not Path(path).exists():
         raise UsageError(f"no such prompts file: {path}")

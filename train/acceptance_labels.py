@@ -102,9 +102,9 @@ def target_continuations(target, blocks, prefix_len: int, new_tokens: int, tempe
     loop (``ar``): the text a decode at that temperature verifies drafts against."""
     import torch
 
-    from specdec.decode.engine import SpecEngine
-    from specdec.decode.types import GenRequest
-    from specdec.decode.verify import Sampling
+    from specdec.decode.engine.loop import SpecEngine
+    from specdec.decode.engine.types import GenRequest
+    from specdec.decode.engine.verify import Sampling
 
     engine = SpecEngine(target, None, sampling=Sampling(temperature=temperature), seed=seed, eos_ids=[])
     n = len(blocks) if limit is None else min(limit, len(blocks))

@@ -8,7 +8,7 @@ import dataclasses
 import math
 import time
 
-from specdec.decode.adaptive import StopPolicy
+from specdec.decode.drafters.adaptive import StopPolicy
 from specdec.models.acceptance import acceptance_features, greedy_features
 
 THRESHOLDS = (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
@@ -72,9 +72,9 @@ def measure_round_costs(target, tokenizer, draft, head, prompts: list[list[int]]
 
 def _policy_engine(target, tokenizer, draft, head, policy: StopPolicy | None, temperature: float):
     """The engine with ``draft`` drafting under ``policy`` (``head`` judging both modes); None: plain ``ar``."""
-    from specdec.decode.adaptive import AdaptiveDrafter
-    from specdec.decode.engine import SpecEngine
-    from specdec.decode.verify import Sampling
+    from specdec.decode.drafters.adaptive import AdaptiveDrafter
+    from specdec.decode.engine.loop import SpecEngine
+    from specdec.decode.engine.verify import Sampling
 
     drafter = None if policy is None else AdaptiveDrafter(draft, head, policy.stop_threshold, policy.min_draft, policy.max_draft,
                                                           greedy_head=head, greedy_policy=policy)
@@ -86,7 +86,7 @@ def _decode_totals(engines: dict, prompts: list[list[int]], new_tokens: int) -> 
     order rotating), so a shared machine's drift hits every engine alike. Totals: wall seconds (prefill
     included), new tokens after the prefill's, target rounds after the prefill, drafted tokens and
     rounds that drafted at least one."""
-    from specdec.decode.types import GenRequest
+    from specdec.decode.engine.types import GenRequest
 
     names = list(engines)
     out = {name: dict.fromkeys(("wall", "tokens", "rounds", "drafted", "spec_rounds"), 0) for name in names}

@@ -113,8 +113,8 @@ def self_distill(target_dir: str | Path, prompts: list[str], out: str | Path, bu
     import itertools
     import time
 
-    from specdec.decode.io import JsonlWriter, Record
-    from specdec.decode.job import Decoder
+    from specdec.decode.jobs.io import JsonlWriter, Record
+    from specdec.decode.jobs.job import Decoder
     from specdec.decode.options import DecodeOptions
 
     decoder = Decoder(str(target_dir), DecodeOptions(drafter=drafter, max_new_tokens=max_new_tokens, batch_size=batch_size))

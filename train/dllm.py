@@ -31,12 +31,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from specdec.decode.diffusion import DiffusionGenerator
+from specdec.decode.diffusion.generator import DiffusionGenerator
+from specdec.decode.engine.types import GenRequest
 from specdec.models.artifacts import read_config, tokenizer_fingerprint, write_json
 from specdec.models.dllm import DllmSpec, dllm_attention, encode_prompt, model_mask
-from specdec.models.errors import SpecdecError
+from specdec.models.errors import SpecdecError, UsageError
+from specdec.models.loading import apply_threads
+from specdec.train.loop import StepSeeded
 from specdec.train.prompts import code_prompts
-from specdec.decode.types import GenRequest
 
 # every linear layer but the output head, whatever the architecture calls them (peft resolves it)
 LORA_TARGETS = "all-linear"
@@ -76,6 +78,8 @@ class DllmTrainConfig:
     cf_temperature: float = 0.5  # entropy is measured on softmax(logits / T)
     cf_entropy_weight: float = 2.0
     progress: bool = True
+    # checkpoints under OUT/checkpoints every N optimizer steps (0: only at the end; None: none, nothing to resume)
+    checkpoint_every: int | None = None
 
     def __post_init__(self):
         if self.attention not in ("block", "bidirectional"):
@@ -171,19 +175,21 @@ def dllm_logits(model, tokens: Tensor, prompt_len: Tensor, spec: DllmSpec, valid
     return logits
 
 
-class MaskedDiffusionCollate:
-    """Examples -> a noised batch: the masks the loss needs, drawn on the CPU from a seeded generator."""
+class MaskedDiffusionCollate(StepSeeded):
+    """Examples -> a noised batch: the masks the loss needs, drawn on the CPU from generators seeded per
+    micro-batch (a resumed run draws the same masks)."""
 
     def __init__(self, spec: DllmSpec, cfg: DllmTrainConfig, seed: int):
+        super().__init__(seed)
         self.spec, self.cfg = spec, cfg
-        self.rng, self.gen = random.Random(seed), torch.Generator().manual_seed(seed)
 
     def __call__(self, rows: list[Example]) -> dict[str, Tensor]:
         # LLaDA / MDLM masked CE with the 1/p weighting; Fast-dLLM v2 complementary masks.
-        cfg, gen = self.cfg, self.gen
+        cfg = self.cfg
+        rng, gen = self.draw()
         tokens = torch.tensor([ex.ids for ex in rows])
         # Plain text gets a random prompt so answers start everywhere, as they do at decode time.
-        prompt_len = torch.tensor([ex.prompt_len or self.rng.randint(1, len(ex.ids) // 2) for ex in rows])
+        prompt_len = torch.tensor([ex.prompt_len or rng.randint(1, len(ex.ids) // 2) for ex in rows])
         b, length = tokens.shape
         answer = torch.arange(length)[None] >= prompt_len[:, None]
         p = (1 - cfg.eps) * torch.rand(b, generator=gen) + cfg.eps
@@ -230,7 +236,7 @@ def heldout_masked_ce(model, examples: list[Example], spec: DllmSpec, cfg: DllmT
     return total / max(count, 1)
 
 
-class CertaintyForcingCollate:
+class CertaintyForcingCollate(StepSeeded):
     """Self-generated examples -> padded batch with dParallel's semi-autoregressive masks.
 
     Per row one response block is the *current* block: earlier blocks (and the prompt) stay clean,
@@ -241,11 +247,12 @@ class CertaintyForcingCollate:
     """
 
     def __init__(self, spec: DllmSpec, cfg: DllmTrainConfig, seed: int):
+        super().__init__(seed)
         self.spec, self.cfg = spec, cfg
-        self.gen = torch.Generator().manual_seed(seed)
 
     def __call__(self, rows: list[Example]) -> dict[str, Tensor]:
-        cfg, gen, eos = self.cfg, self.gen, self.spec.eos_token_id
+        cfg, eos = self.cfg, self.spec.eos_token_id
+        _, gen = self.draw()
         width = max(len(ex.ids) for ex in rows)
         tokens = torch.tensor([ex.ids + [eos] * (width - len(ex.ids)) for ex in rows])
         valid = torch.tensor([[j < len(ex.ids) for j in range(width)] for ex in rows])
@@ -300,25 +307,32 @@ def certainty_forcing_loss(model, batch: dict[str, Tensor], spec: DllmSpec, cfg:
 
 
 def loop_config(cfg: DllmTrainConfig):
-    """The dLLM hyper-parameters as a ``TrainConfig``: no checkpoints on disk, the cosine follows the clock
-    under a budget (the step cap is then only a safety net)."""
+    """The dLLM hyper-parameters as a ``TrainConfig``: checkpoints as ``cfg.checkpoint_every`` says (None:
+    none on disk), the cosine follows the clock under a budget (the step cap is then only a safety net)."""
     from specdec.train.loop import TrainConfig
 
     return TrainConfig(
         lr=cfg.lr, steps=cfg.max_steps, batch=cfg.batch_size, seq_len=cfg.seq_len, warmup=cfg.warmup_steps,
-        weight_decay=cfg.weight_decay, betas=(0.9, 0.999), clip=1.0, seed=cfg.seed, checkpoint_every=0,
-        save_final_checkpoint=False, budget_minutes=cfg.budget_minutes or 0.0, clock_schedule=True,
+        weight_decay=cfg.weight_decay, betas=(0.9, 0.999), clip=1.0, seed=cfg.seed, checkpoint_every=cfg.checkpoint_every or 0,
+        save_final_checkpoint=cfg.checkpoint_every is not None, budget_minutes=cfg.budget_minutes or 0.0, clock_schedule=True,
         mixed_precision=cfg.mixed_precision, progress=cfg.progress,
     )  # fmt: skip
 
 
-def fit(model, examples: list[Example], collate, loss_fn, cfg: DllmTrainConfig, label: str) -> tuple[object, dict]:
-    """Run the loop over ``examples`` (repeated up to one batch when there are fewer); returns (model, curve)."""
+def fit(model, examples: list[Example], collate, loss_fn, cfg: DllmTrainConfig, label: str, out_dir: str | Path | None = None,
+        resume: bool = False, accelerator=None) -> tuple[object, dict]:
+    """Run the loop over ``examples`` (repeated up to one batch when there are fewer); returns (model, curve).
+    With ``cfg.checkpoint_every`` set, checkpoints go under ``out_dir/checkpoints`` and ``resume`` goes on
+    from the newest complete one."""
     from specdec.train.loop import run_training
 
     rows = examples * math.ceil(cfg.batch_size / max(len(examples), 1))
-    with tempfile.TemporaryDirectory() as scratch:  # nothing is written there (no checkpoints)
-        res = run_training(loop_config(cfg), model, loss_fn, rows, scratch, collate_fn=collate, label=label)
+    if cfg.checkpoint_every is None or out_dir is None:
+        with tempfile.TemporaryDirectory() as scratch:  # nothing is written there (no checkpoints)
+            res = run_training(loop_config(cfg), model, loss_fn, rows, scratch, collate_fn=collate, label=label, accelerator=accelerator)
+    else:
+        res = run_training(loop_config(cfg), model, loss_fn, rows, out_dir, resume=resume, collate_fn=collate, label=label,
+                           accelerator=accelerator)
     return res.model, curve_summary(res.losses, res.wall_s)
 
 
@@ -340,23 +354,27 @@ def curve_summary(losses: list[float], seconds: float, points: int = 50) -> dict
 # --------------------------------------------------------------------------------------------
 
 
-def convert_to_dllm(from_dir: str | Path | None, cfg: DllmTrainConfig, model_config: dict | None = None, tokenizer_dir: str | Path | None = None):
-    """(model, tokenizer, spec): an AR checkpoint (or a fresh model from a config) with a MASK token added.
+def convert_to_dllm(from_dir: str | Path | None, cfg: DllmTrainConfig, model_config: dict | None = None, tokenizer_dir: str | Path | None = None,
+                    placement=None):
+    """(model, tokenizer, spec): an AR checkpoint (or a fresh model from a config) with a MASK token added,
+    in float32 (its every weight trains), loaded as ``placement`` says (remote code, attention).
 
     A dLLM passed as from_dir is taken as is (continued training, certainty forcing).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
+    trust = bool(placement and placement.trust_remote_code)
+    attention = {"attn_implementation": placement.attn_implementation} if placement and placement.attn_implementation else {}
     if from_dir is not None:
-        tokenizer = AutoTokenizer.from_pretrained(from_dir)
-        model = AutoModelForCausalLM.from_pretrained(from_dir, use_safetensors=True, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(from_dir, trust_remote_code=trust)
+        model = AutoModelForCausalLM.from_pretrained(from_dir, use_safetensors=True, dtype=torch.float32, trust_remote_code=trust, **attention)
         if read_config(from_dir).get("specdec_kind") == "dllm":
             return model, tokenizer, spec_of(model)
     else:
         if model_config is None or tokenizer_dir is None:
             raise SpecdecError("training a dLLM from scratch needs a model config and a tokenizer directory")
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-        model = AutoModelForCausalLM.from_config(LlamaConfig(**model_config))
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, trust_remote_code=trust)
+        model = AutoModelForCausalLM.from_config(LlamaConfig(**model_config), **attention)
     if tokenizer.eos_token_id is None:
         tokenizer.add_special_tokens({"eos_token": "<|endoftext|>"})
     if tokenizer.mask_token_id is None:
@@ -443,6 +461,8 @@ def train_dllm(
     *,
     model_config: dict | None = None,
     tokenizer_dir: str | Path | None = None,
+    placement=None,
+    resume: bool = False,
     **overrides,
 ) -> dict:
     """Train a dLLM into ``out_dir`` and return its metrics (also written to metrics.json).
@@ -454,6 +474,12 @@ def train_dllm(
     then is distilled on those answers (``lora`` trains a LoRA and merges it). Under a budget the
     self-generation counts against it. The saved config lists the objectives the model went through
     (``dllm_training``).
+
+    ``placement`` (models.loading.Placement): remote code, attention, threads and, ``cpu``, the device; the
+    model trains whole in float32 on each process's device (``--mixed-precision`` autocasts), so a
+    ``dtype`` or ``device_map`` is refused. ``checkpoint_every`` (an override) writes checkpoints under
+    ``out_dir/checkpoints``; ``resume`` goes on from the newest complete one (the self-generated answers
+    of certainty forcing are generated again: the same greedy decodes of the same model).
     """
     known = {f.name for f in fields(DllmTrainConfig)}
     if set(overrides) - known:
@@ -462,10 +488,13 @@ def train_dllm(
         block_size=block_size, attention=attention, max_steps=max_steps, budget_minutes=budget_minutes, seed=seed,
         certainty_forcing=certainty_forcing, lora=lora, **overrides,
     )  # fmt: skip
+    placement = _trained_placement(placement)
+    accelerator = _accelerator(cfg, placement)
     torch.manual_seed(cfg.seed)
     rng = random.Random(cfg.seed)
-    model, tokenizer, spec = convert_to_dllm(from_dir, cfg, model_config, tokenizer_dir)
-    model.to(_train_device())  # the held-out CE and the self-generated decodes run where training will
+    model, tokenizer, spec = convert_to_dllm(from_dir, cfg, model_config, tokenizer_dir, placement)
+    model.to(accelerator.device)  # the held-out CE and the self-generated decodes run where training will
+    apply_threads(placement.threads, model, rows=cfg.batch_size)
     if certainty_forcing and from_dir is not None and read_config(from_dir).get("specdec_kind") != "dllm":
         raise SpecdecError("--certainty-forcing distils an existing dLLM: pass one as --from (train it with train-dllm first)")
     texts, pairs = read_training_data(texts_or_files)
@@ -493,10 +522,11 @@ def train_dllm(
     if certainty_forcing:
         cf_loss = lambda m, batch: certainty_forcing_loss(m, batch, spec, cfg)  # noqa: E731
         fit_cfg = cfg if cfg.budget_minutes is None else replace(cfg, budget_minutes=max(0.05, cfg.budget_minutes - generation_s / 60))
-        model, curve = fit(model, own, CertaintyForcingCollate(spec, cfg, cfg.seed), cf_loss, fit_cfg, "certainty forcing")
+        model, curve = fit(model, own, CertaintyForcingCollate(spec, cfg, cfg.seed), cf_loss, fit_cfg, "certainty forcing",
+                           out_dir, resume, accelerator)
     else:
         ce_loss = lambda m, batch: masked_diffusion_loss(m, batch, spec)  # noqa: E731
-        model, curve = fit(model, train, MaskedDiffusionCollate(spec, cfg, cfg.seed), ce_loss, cfg, "train-dllm")
+        model, curve = fit(model, train, MaskedDiffusionCollate(spec, cfg, cfg.seed), ce_loss, cfg, "train-dllm", out_dir, resume, accelerator)
     if cfg.lora:
         model = model.merge_and_unload()
     metrics = {
@@ -527,8 +557,19 @@ def _device(model):
     return next(model.parameters()).device
 
 
-def _train_device():
-    """The device accelerate trains this process on (a GPU where there is one)."""
-    from accelerate import PartialState
+def _trained_placement(placement):
+    """The placement of a model that trains: where it runs and how it loads, never its dtype or a device map."""
+    from specdec.models.loading import Placement
 
-    return PartialState().device
+    placement = placement or Placement()
+    if placement.dtype != "auto" or placement.device_map:
+        raise UsageError("train-dllm trains every weight of its model in float32 on each process's device: --dtype and "
+                         "--device-map place frozen models (use --mixed-precision for bf16 autocast)")
+    return placement
+
+
+def _accelerator(cfg: DllmTrainConfig, placement):
+    """The accelerator the model trains with: on this process's GPU where there is one, on the CPU with ``--device cpu``."""
+    from specdec.train.loop import make_accelerator
+
+    return make_accelerator(loop_config(cfg), cpu=placement.device == "cpu")

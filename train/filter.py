@@ -18,11 +18,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from specdec.decode.diffusion import DiffusionGenerator
+from specdec.decode.diffusion.generator import DiffusionGenerator
 from specdec.models.artifacts import tokenizer_fingerprint, write_json
-from specdec.models.dllm import ConfidenceFilter, encode_prompt, load_dllm, save_filter
+from specdec.models.dllm import ConfidenceFilter, encode_prompt, save_filter
 from specdec.models.errors import SpecdecError
-from specdec.decode.types import GenRequest
+from specdec.decode.engine.types import GenRequest
 from specdec.train.dllm import curve_summary
 
 
@@ -42,6 +42,8 @@ class FilterTrainConfig:
     labelling_share: float = 0.6  # under a budget, no labelling batch starts after this share of it
     cache: str = "none"  # of the labelling decodes; "prefix" is the same computation under block attention, up to rounding
     seed: int = 0
+    # checkpoints under OUT/checkpoints every N optimizer steps (0: only at the end; None: none, nothing to resume)
+    checkpoint_every: int | None = None
 
 
 @dataclass
@@ -112,7 +114,9 @@ def evaluate(filt: ConfidenceFilter, data: FilterData, threshold: float) -> dict
     }
 
 
-def fit_filter(data: FilterData, cfg: FilterTrainConfig) -> tuple[ConfidenceFilter, dict]:
+def fit_filter(data: FilterData, cfg: FilterTrainConfig, out_dir: str | Path | None = None, resume: bool = False) -> tuple[ConfidenceFilter, dict]:
+    """Fit the filter on ``data`` (a held-out share kept for metrics); with ``cfg.checkpoint_every`` set,
+    checkpoints go under ``out_dir/checkpoints`` and ``resume`` goes on from the newest complete one."""
     from specdec.train.loop import TrainConfig, run_training
 
     torch.manual_seed(cfg.seed)
@@ -123,13 +127,16 @@ def fit_filter(data: FilterData, cfg: FilterTrainConfig) -> tuple[ConfidenceFilt
     # fp32 and no clipping, as the filter is a few hundred weights; the cosine follows the clock under a budget
     loop = TrainConfig(
         lr=cfg.lr, steps=cfg.max_steps, batch=min(cfg.batch_size, len(train)), seq_len=cfg.block_size, warmup=0,
-        weight_decay=cfg.weight_decay, betas=(0.9, 0.999), clip=0.0, seed=cfg.seed, checkpoint_every=0,
-        save_final_checkpoint=False, budget_minutes=cfg.budget_minutes or 0.0, clock_schedule=True,
+        weight_decay=cfg.weight_decay, betas=(0.9, 0.999), clip=0.0, seed=cfg.seed, checkpoint_every=cfg.checkpoint_every or 0,
+        save_final_checkpoint=cfg.checkpoint_every is not None, budget_minutes=cfg.budget_minutes or 0.0, clock_schedule=True,
         mixed_precision="no", progress=False,
     )  # fmt: skip
     loss_fn = lambda model, batch: bce(model, FilterData(batch["features"], batch["labels"], batch["weight"]))  # noqa: E731
-    with tempfile.TemporaryDirectory() as scratch:  # nothing is written there (no checkpoints)
-        res = run_training(loop, filt, loss_fn, train, scratch, label="filter")
+    if cfg.checkpoint_every is None or out_dir is None:
+        with tempfile.TemporaryDirectory() as scratch:  # nothing is written there (no checkpoints)
+            res = run_training(loop, filt, loss_fn, train, scratch, label="filter")
+    else:
+        res = run_training(loop, filt, loss_fn, train, out_dir, resume=resume, label="filter")
     filt = res.model.cpu()
     return filt, {**curve_summary(res.losses, res.wall_s), "heldout": evaluate(filt, heldout, cfg.threshold), "train_records": len(train)}
 
@@ -146,19 +153,33 @@ def train_filter(
     seed: int = 0,
     trust_remote_code: bool = False,
     cache: str = "none",
+    placement=None,
+    resume: bool = False,
+    checkpoint_every: int | None = None,
 ) -> dict:
-    """Label oracle decodes of ``prompts`` with the dLLM in ``dllm_dir``, fit the filter, write the artifact."""
+    """Label oracle decodes of ``prompts`` with the dLLM in ``dllm_dir``, fit the filter, write the artifact.
+
+    The dLLM loads as ``specdec decode`` loads it, placed by ``placement`` (models.loading.Placement;
+    default: ``trust_remote_code`` alone). ``checkpoint_every`` writes checkpoints of the filter's fit
+    under ``out_dir/checkpoints``; ``resume`` labels again (the same decodes) and goes on from the newest
+    complete one."""
+    from specdec.decode.diffusion.generator import load_for_decoding
+    from specdec.decode.options import DecodeOptions
+
     cfg = FilterTrainConfig(
-        gen_length=gen_length, block_size=block_size, hidden=hidden, max_steps=max_steps, budget_minutes=budget_minutes, seed=seed, cache=cache
+        gen_length=gen_length, block_size=block_size, hidden=hidden, max_steps=max_steps, budget_minutes=budget_minutes, seed=seed, cache=cache,
+        checkpoint_every=checkpoint_every,
     )  # fmt: skip
-    model, tokenizer, spec = load_dllm(dllm_dir, trust_remote_code=trust_remote_code)
+    options = DecodeOptions(placement=placement, trust_remote_code=trust_remote_code or bool(placement and placement.trust_remote_code),
+                            batch_size=cfg.decode_batch_size, max_new_tokens=gen_length)
+    model, tokenizer, spec = load_for_decoding(dllm_dir, options)
     started = time.monotonic()
     deadline = None if budget_minutes is None else started + 60 * budget_minutes * cfg.labelling_share
     data = collect_filter_data(model, tokenizer, spec, prompts, cfg, deadline)
     labelling = time.monotonic() - started
     if budget_minutes is not None:  # labelling spent part of the budget
         cfg.budget_minutes = max(0.05, budget_minutes - labelling / 60)
-    filt, metrics = fit_filter(data, cfg)
+    filt, metrics = fit_filter(data, cfg, out_dir, resume)
     metrics = {"records": len(data), "prompts": data.prompts, "labelling_seconds": round(labelling, 2), **metrics}
     save_filter(filt, out_dir, {"dllm": str(dllm_dir), "target": tokenizer_fingerprint(tokenizer), "threshold": cfg.threshold, "block_size": block_size})
     write_json(Path(out_dir) / "metrics.json", metrics)

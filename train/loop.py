@@ -33,6 +33,7 @@ from typing import Any, Callable
 
 import yaml
 
+from specdec.decode.jobs.progress import ProgressBar
 from specdec.models.artifacts import SpecdecError, UsageError, write_json
 
 
@@ -183,7 +184,7 @@ class TrainResult:
         return self.accelerator.is_main_process
 
 
-def make_accelerator(cfg: TrainConfig):
+def make_accelerator(cfg: TrainConfig, cpu: bool = False):
     import torch
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, GradientState
@@ -198,7 +199,7 @@ def make_accelerator(cfg: TrainConfig):
     return Accelerator(
         mixed_precision=resolve_precision(cfg.mixed_precision),
         gradient_accumulation_steps=cfg.grad_accum,
-        cpu=not torch.cuda.is_available(),
+        cpu=cpu or not torch.cuda.is_available(),  # cpu: a trainer asked for the CPU (--device cpu)
     )
 
 
@@ -217,7 +218,8 @@ def run_training(
 
     Checkpoints go to ``out_dir/checkpoints/step-N``; with ``resume`` the newest complete one is
     restored, its training seconds included (the budget and a clock schedule go on from there).
-    ``collate_fn`` turns a list of dataset items into the batch ``loss_fn`` takes (default: stacking).
+    ``collate_fn`` turns a list of dataset items into the batch ``loss_fn`` takes (default: stacking); one
+    that draws random numbers does so as a ``StepSeeded``, so a resumed run draws what an uninterrupted one would.
     ``label`` names the progress bar.
     Returns the unwrapped model (main and other processes alike) and the loss curve.
     """
@@ -270,6 +272,8 @@ def run_training(
 
     consumed = step * cfg.grad_accum  # micro-batches per process
     epoch, skip = divmod(consumed, per_epoch)
+    if isinstance(collate_fn, StepSeeded):
+        collate_fn.start(consumed)
     start = time.perf_counter()
     stopped = "steps"
     progress = _Progress(cfg.steps, step, enabled=cfg.progress and accelerator.is_main_process, budget_s=budget_s, label=label,
@@ -306,7 +310,7 @@ def run_training(
                     logs.append({"step": step, "loss": step_loss, "lr": scheduler.get_last_lr()[0], **{k: float(v) for k, v in extra.items()}})
                 if budget_s > 0:
                     clock["elapsed"] = elapsed()
-                progress.update(step, step_loss, clock["elapsed"])
+                progress.step(step, step_loss, clock["elapsed"])
                 at_cap = step >= cfg.steps
                 over = budget_s > 0 and clock["elapsed"] > budget_s
                 # the last step's checkpoint is the final one, written once below
@@ -522,36 +526,39 @@ def _to_device(batch, device):
     return batch
 
 
-class _Progress:
-    """A rich progress bar on stderr (main process only); silent when disabled."""
+class StepSeeded:
+    """A collate function whose random draws are a function of the seed and of the micro-batch's index
+    (``draw``), not of the batches drawn before: ``run_training`` tells it which micro-batch comes first
+    (``start``), so a run resumed from a checkpoint draws what the uninterrupted run would have."""
+
+    def __init__(self, seed: int):
+        self.seed, self.index = seed, 0
+
+    def start(self, index: int) -> None:
+        self.index = index
+
+    def draw(self):
+        """(random.Random, torch.Generator) for the next micro-batch."""
+        import random
+
+        import torch
+
+        index, self.index = self.index, self.index + 1
+        return random.Random(f"{self.seed}/{index}"), torch.Generator().manual_seed((self.seed * 1_000_003 + index) % (1 << 62))
+
+
+class _Progress(ProgressBar):
+    """The training bar (main process only): steps done of the total, or under a budget, where the step
+    cap is often only a safety net, the share of the run done (steps or clock, whichever is further)
+    with the step count as text."""
 
     def __init__(self, total: int, done: int, enabled: bool, budget_s: float = 0.0, label: str = "train", elapsed: float = 0.0):
-        self.enabled, self.total, self.budget_s = enabled, total, budget_s
-        if enabled:
-            from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-            # under a budget the step cap is often only a safety net: the bar shows the share of the
-            # run done (steps or clock, whichever is further) and the step count as text
-            count = TextColumn("step {task.fields[step]}") if budget_s else MofNCompleteColumn()
-            self.bar = Progress(
-                TextColumn(label), BarColumn(), count, TextColumn("loss {task.fields[loss]}"),
-                TimeElapsedColumn(), console=Console(stderr=True), transient=False,
-            )
-            self.task = self.bar.add_task(label, total=1.0 if budget_s else total, completed=self._done(done, elapsed), loss="-", step=done)
-
-    def __enter__(self):
-        if self.enabled:
-            self.bar.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        if self.enabled:
-            self.bar.__exit__(*exc)
+        self.total, self.budget_s = total, budget_s
+        super().__init__(label, 1.0 if budget_s else total, enabled=enabled, completed=self._done(done, elapsed),
+                         count="step {task.fields[step]}" if budget_s else None, status="loss -", step=done)
 
     def _done(self, step: int, elapsed: float) -> float:
         return min(1.0, max(step / self.total, elapsed / self.budget_s)) if self.budget_s else step
 
-    def update(self, step: int, loss: float, elapsed: float = 0.0) -> None:
-        if self.enabled:
-            self.bar.update(self.task, completed=self._done(step, elapsed), loss=f"{loss:.4f}", step=step)
+    def step(self, step: int, loss: float, elapsed: float = 0.0) -> None:
+        self.update(completed=self._done(step, elapsed), status=f"loss {loss:.4f}", step=step)

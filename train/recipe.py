@@ -405,9 +405,9 @@ def build_target(cfg: RecipeConfig, corpus, out: Path, budget_s: float, force: b
 
 
 def evaluate_continuations(model, tok, corpus, n: int, new_tokens: int) -> dict:
-    from specdec.decode.engine import SpecEngine
-    from specdec.decode.types import GenRequest
-    from specdec.decode.bench import distinct_ngram_ratio
+    from specdec.decode.engine.loop import SpecEngine
+    from specdec.decode.engine.types import GenRequest
+    from specdec.bench.bench import distinct_ngram_ratio
 
     prompts = held_out_prompts(corpus, tok, per_category=max(1, n // 3))[:n]
     engine = SpecEngine(model, tok)

@@ -1,0 +1,211 @@
+"""A draft model's drafts: a small causal LM (or a layer-skip view of the target) proposes a chain, or
+for ``--verify rsd|spectr`` a tree of sampled siblings, one draft forward per drafted token."""
+
+from __future__ import annotations
+
+import torch
+
+from specdec.decode.drafters.base import Drafter, Proposal, Segment, TreeTemplate, draw
+from specdec.decode.engine.cache import KVState
+from specdec.decode.engine.types import Scheme
+from specdec.decode.engine.verify import logits_to_probs
+
+
+class ModelDrafter(Drafter):
+    """A causal LM drafting K tokens autoregressively with its own KV cache (draft model,
+    layer-skip self-speculation). Its cache holds the committed text up to the last token it was
+    fed plus its own drafts; after verification only the accepted drafts stay."""
+
+    default_k = 4
+    length_policy = "before"
+    has_draft_probs = True
+
+    def __init__(self, model, scheme: Scheme | str = Scheme.standard, width: int = 2):
+        """scheme rsd: each of the K draft steps proposes ``width`` siblings drawn from q without
+        replacement; only the first is extended, so the draft still runs one chain. scheme spectr:
+        ``width`` i.i.d. chains of K drafts (the draft runs them as width x B rows). Either way the
+        target verifies a K x width tree (``verify.verify_tree_drafted``)."""
+        self.model = model
+        self.scheme, self.width = Scheme(scheme), width
+        self.state: KVState | None = None
+        self.fed: list[int] = []
+        self._drafted = 0
+        self._spine_width = 0  # siblings per level of the last RSD proposal (0: none)
+        self._chains = 0  # chains of the last SpecTr proposal, the draft's rows widened to B x chains (0: none)
+        self._templates: dict = {}
+
+    @property
+    def proposes_trees(self) -> bool:
+        return self.scheme != Scheme.standard
+
+    def begin(self, batch, seg: Segment) -> None:
+        # a draft is called once per drafted token: its per-call cost is what decode.engine.lean trims
+        self.state = KVState(self.model, len(batch.seqs), batch.device, lean=True, compile=batch.compile)
+        self.fed = [0] * len(batch.seqs)
+
+    def _feed_pending(self, batch, hidden: bool = False):
+        """Feed every row's not-yet-fed tokens; the last position's logits (and hidden state if asked)."""
+        pending = [seq[f:] for seq, f in zip(batch.seqs, self.fed)]
+        width = max(map(len, pending))
+        ids = torch.zeros(len(pending), width, dtype=torch.long)
+        valid = torch.zeros(len(pending), width, dtype=torch.bool)
+        for r, p in enumerate(pending):
+            ids[r, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+            valid[r, width - len(p) :] = True
+        ids, valid = ids.to(batch.device), valid.to(batch.device)
+        out = self.state.forward(ids, valid, hidden=hidden)
+        self.state.commit_prefix(width, valid)
+        self.fed = [len(seq) for seq in batch.seqs]
+        return (out.logits[:, -1], out.hidden_states[-1][:, -1]) if hidden else out.logits[:, -1]
+
+    def _pick(self, logits: torch.Tensor, batch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return draw(logits, batch.sampling, batch.generator)
+
+    def propose(self, batch) -> Proposal | None:
+        if self.scheme == Scheme.rsd:
+            return self._propose_siblings(batch, batch.num_draft)
+        if self.scheme == Scheme.spectr:
+            return self._propose_chains(batch, batch.num_draft)
+        return self._propose_fixed(batch, batch.num_draft)
+
+    def _siblings(self, logits: torch.Tensor, batch, width: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``width`` candidate tokens [B, width] at one draft step, the first a draw from q, and q."""
+        if batch.sampling.greedy:
+            return logits.topk(width, dim=-1).indices, None  # the limit of either scheme as T -> 0
+        q = logits_to_probs(logits, batch.sampling)
+        if self.scheme == Scheme.spectr:
+            return torch.multinomial(q, width, replacement=True, generator=batch.generator), q
+        # Gumbel-top-k over log q: the top tokens in order are successive draws without replacement
+        u = torch.rand(q.shape, generator=batch.generator, device=q.device).clamp_(min=1e-20)
+        return (q.log() - (-u.log()).log()).topk(width, dim=-1).indices, q
+
+    def _propose_siblings(self, batch, k: int) -> Proposal | None:
+        if k <= 0:
+            return None
+        width = max(1, min(self.width, self.model.config.vocab_size))
+        logits = self._feed_pending(batch)
+        tokens, probs = [], []
+        for i in range(k):
+            sibs, q = self._siblings(logits, batch, width)
+            tokens.append(sibs)
+            probs.append(q)
+            if i < k - 1:
+                out = self.state.forward(sibs[:, :1])
+                self.state.commit_prefix(1, torch.ones_like(sibs[:, :1], dtype=torch.bool))
+                logits = out.logits[:, -1]
+        self._drafted = k - 1
+        self._spine_width = width
+        tpl = self._spine_template(k, width, batch.device)
+        draft_probs = None if probs[0] is None else torch.stack(probs, 1).repeat_interleave(width, dim=1)
+        tokens = torch.cat(tokens, 1)
+        return Proposal(
+            tokens=tokens,
+            parents=tpl["parents"].expand(tokens.shape[0], -1),
+            draft_probs=draft_probs,
+            tree_attn=tpl["tree_attn"],
+            depth=tpl["depth"],
+            max_depth=k,
+            scheme=self.scheme,
+        )
+
+    def _propose_chains(self, batch, k: int) -> Proposal | None:
+        if k <= 0:
+            return None
+        width = max(1, min(self.width, self.model.config.vocab_size))
+        bsz = len(batch.seqs)
+        logits = self._feed_pending(batch)
+        heads, q = self._siblings(logits, batch, width)  # i.i.d. heads (distinct top tokens when greedy)
+        # every row's cache is copied to its chains: row r's chain j is row r * width + j
+        self.state.select_rows(torch.arange(bsz, device=batch.device).repeat_interleave(width))
+        self._chains = width
+        tok = heads.reshape(-1)
+        tokens, probs = [tok], [None if q is None else q.repeat_interleave(width, dim=0)]
+        for _ in range(k - 1):
+            out = self.state.forward(tok[:, None])
+            self.state.commit_prefix(1, torch.ones_like(tok[:, None], dtype=torch.bool))
+            tok, q = self._pick(out.logits[:, -1], batch)
+            tokens.append(tok)
+            probs.append(q)
+        self._drafted = k - 1
+        # chain-major nodes: node j * k + d is chain j's d-th draft
+        tokens = torch.stack(tokens, 1).reshape(bsz, width * k)
+        draft_probs = None if probs[0] is None else torch.stack(probs, 1).reshape(bsz, width * k, -1)
+        tpl = self._chain_template(k, width, batch.device)
+        return Proposal(
+            tokens=tokens,
+            parents=tpl["parents"].expand(bsz, -1),
+            draft_probs=draft_probs,
+            tree_attn=tpl["tree_attn"],
+            depth=tpl["depth"],
+            max_depth=k,
+            scheme=self.scheme,
+        )
+
+    def _chain_template(self, k: int, width: int, device) -> dict:
+        key = ("chains", k, width, str(device))
+        if key not in self._templates:
+            parents = [-1 if d == 0 else j * k + d - 1 for j in range(width) for d in range(k)]
+            self._templates[key] = TreeTemplate(parents, [j if d == 0 else 0 for j in range(width) for d in range(k)]).tensors(device)
+        return self._templates[key]
+
+    def _spine_template(self, k: int, width: int, device) -> dict:
+        """Level-major tree: node d * width + j is the j-th sibling at depth d + 1, child of node (d - 1) * width."""
+        key = (k, width, str(device))
+        if key not in self._templates:
+            parents = [-1 if d == 0 else (d - 1) * width for d in range(k) for _ in range(width)]
+            self._templates[key] = TreeTemplate(parents, [j for _ in range(k) for j in range(width)]).tensors(device)
+        return self._templates[key]
+
+    def _propose_fixed(self, batch, k: int) -> Proposal | None:
+        if k <= 0:
+            return None
+        logits = self._feed_pending(batch)
+        tokens, probs = [], []
+        for i in range(k):
+            tok, q = self._pick(logits, batch)
+            tokens.append(tok)
+            probs.append(q)
+            if i < k - 1:
+                out = self.state.forward(tok[:, None])
+                self.state.commit_prefix(1, torch.ones_like(tok[:, None], dtype=torch.bool))
+                logits = out.logits[:, -1]
+        self._drafted = k - 1  # slots holding drafts d1..d_{k-1}
+        draft_probs = None if probs[0] is None else torch.stack(probs, 1)
+        return Proposal(tokens=torch.stack(tokens, 1), draft_probs=draft_probs)
+
+    def observe(self, batch, seg: Segment) -> None:
+        if self._drafted == 0 and seg.accepted is None:
+            return
+        if self._chains:
+            # back to one cache row per text row: the chain the accepted path runs along (chain 0 if none)
+            chain = torch.zeros_like(seg.keep_index[:, 0])
+            if seg.keep_index.shape[1] > 1:
+                chain = torch.where(seg.keep_valid[:, 1], (seg.keep_index[:, 1] - 1) // (self._drafted + 1), chain)
+            rows = torch.arange(len(seg.accepted), device=chain.device) * self._chains + chain
+            self.state.select_rows(rows)
+            self._chains = 0
+        keep = [min(a, self._drafted) for a in seg.accepted]
+        if self._spine_width and seg.keep_index is not None and seg.keep_index.shape[1] > 1:
+            # the cache holds the first siblings only: an accepted later sibling ends what it may keep
+            nodes = seg.keep_index[:, 1:] - 1
+            spine = torch.arange(nodes.shape[1], device=nodes.device)[None] * self._spine_width
+            run = ((nodes == spine) & seg.keep_valid[:, 1:]).long().cumprod(-1).sum(-1).tolist()
+            keep = [min(kp, r) for kp, r in zip(keep, run)]
+        self.state.rollback(self._drafted, keep)
+        self.fed = [f + kp for f, kp in zip(self.fed, keep)]
+        self._drafted = 0
+        self._spine_width = 0
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        self.state.select_rows(rows)
+        idx = rows.tolist()
+        self.fed = [self.fed[i] for i in idx]
+
+    def admit(self, batch, seg: Segment) -> None:
+        # the new prompts get a forward of their own now: fed lazily, each would widen the next round's
+        # pending feed to a whole prompt for every row of the batch
+        state = KVState(self.model, len(batch.seqs), batch.device, lean=True, compile=batch.compile)
+        state.forward(seg.input_ids, seg.input_valid)
+        state.commit_prefix(seg.input_ids.shape[1], seg.input_valid)
+        self.state.admit(state)
+        self.fed += [len(seq) - 1 for seq in batch.seqs]  # the prompt; its first token (the root) is pending

@@ -1,0 +1,289 @@
+"""The registry of drafter kinds: which drafter a spec names, what builds it, and what it takes.
+
+A drafter spec is a model-free name (``ar``, ``ngram``, ``recycle``, ``layerskip[:i,j]``,
+``retrieval:INDEX``), a default family member (``draft``, ``medusa``, ...), an artifact folder or a hub
+id (``ORG/NAME``) of a draft model; an artifact's ``config.json`` says its kind (``specdec_kind`` or
+``kind``), and ``DRAFTER_KINDS`` maps the kind to its factory. The CLI never branches on names.
+
+Each factory declares the drafting options it takes (``Factory.takes``, ``DraftingOptions`` field names;
+``num_draft`` goes to every drafter). A draft model is built in one of several modes, each a factory
+selected by its switch option (``--acceptance``, ``--parallel``, ``online=1``, ``--retrieval``; none: a
+plain chain). That an option does not apply to a drafter, or does not combine with a mode, is derived
+from these declarations (``check_drafter_options``), before any model loads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from specdec.decode.drafters import aded, base, copying, draft_model, model_free, retrieval, stand
+from specdec.decode.drafters import self_speculation as swift
+from specdec.decode.drafters.adaptive import build_adaptive
+from specdec.decode.drafters.heads import build_head_drafter
+from specdec.decode.options import DecodeOptions, DraftingOptions, flag
+from specdec.models.artifacts import FAMILY_MEMBERS, artifact_kind, check_fingerprint, read_config, resolve_member, tokenizer_fingerprint
+from specdec.models.errors import SpecdecError, UsageError
+from specdec.models.loading import input_device, load_draft, load_model_config, load_tokenizer, resolve_source
+
+COMMON = frozenset({"drafter", "num_draft"})  # options every drafter takes
+
+
+@dataclass(frozen=True)
+class Factory:
+    """How one kind of drafter is built: ``build(source, target, tokenizer, options)`` (for a draft
+    model's mode: ``build(model, tokenizer, options)``), the drafting options it ``takes`` beside
+    ``num_draft``, its ``label`` in messages, a ``check`` of what follows ``name:`` in its spec (before
+    any model loads), and for a mode of a draft model the ``switch`` option that selects it."""
+
+    build: Callable
+    takes: frozenset = frozenset()
+    label: str = ""
+    check: Callable[[str], None] | None = None
+    switch: str | None = None
+    modes: tuple = ()  # a kind built in modes: the modes' factories (the first, without a switch, is the default)
+
+    def __call__(self, *args):
+        return self.build(*args)
+
+    def mode(self, drafting: DraftingOptions) -> "Factory":
+        """The factory the options select: the mode whose switch is given (one at most), else the default."""
+        if not self.modes:
+            return self
+        on = [m for m in self.modes if m.switch and _given(drafting, m.switch)]
+        if len(on) > 1:
+            raise UsageError(f"{flag(on[1].switch)} does not combine with {flag(on[0].switch)}: "
+                             f"{on[0].label} and {on[1].label} are different ways to draft")
+        return on[0] if on else self.modes[0]
+
+
+def _given(drafting: DraftingOptions, name: str) -> bool:
+    return getattr(drafting, name) != getattr(DraftingOptions(), name)
+
+
+def _layerskip(spec: str, target, tokenizer, options: DecodeOptions):
+    skip = swift.parse_layerskip(spec, target.config.num_hidden_layers) or swift.search_layerskip(target, tokenizer)
+    return draft_model.ModelDrafter(swift.layer_skip_view(target, skip))
+
+
+# drafters that need no artifact: name -> factory(spec, target, tokenizer, options), as DRAFTER_KINDS' factories
+MODEL_FREE_DRAFTERS: dict[str, Factory] = {
+    "ar": Factory(lambda spec, target, tokenizer, options: base.NoDrafter(), label="ar (plain decoding)"),
+    "ngram": Factory(lambda spec, target, tokenizer, options: model_free.NgramDrafter(max_ngram=options.drafting.max_ngram),
+                     frozenset({"max_ngram"}), "the ngram drafter"),
+    "recycle": Factory(lambda spec, target, tokenizer, options: model_free.RecycleDrafter(), label="the recycle drafter"),
+    "layerskip": Factory(_layerskip, label="layerskip", check=swift.check_layerskip_spec),
+    "copy": Factory(lambda spec, target, tokenizer, options: copying.CopyDrafter(), label="the copy drafter"),
+    "input-copy": Factory(lambda spec, target, tokenizer, options: copying.InputCopyDrafter(), label="the input-copy drafter"),
+    "swift": Factory(swift.build_swift, label="swift", check=swift.check_swift_spec),
+    "aded": Factory(lambda spec, target, tokenizer, options: aded.AdedDrafter(), label="the aded drafter"),
+    "stand": Factory(lambda spec, target, tokenizer, options: stand.StandDrafter(), label="the stand drafter"),
+    "retrieval": Factory(retrieval.build_retrieval, label="retrieval:INDEX", check=retrieval.check_retrieval_spec),
+}
+MODEL_FREE = tuple(MODEL_FREE_DRAFTERS)
+
+
+def _build_draft(path: Path | str, target, tokenizer, options: DecodeOptions):
+    """A draft model from an artifact folder or a hub id, checked against the target's tokenizer, drafting
+    in the mode the options select (``DRAFT_MODES``)."""
+    local = Path(path).is_dir()
+    cfg = read_config(path) if local else load_model_config(str(path), options.placement).to_dict()
+    expected = cfg.get("specdec_target")
+    actual = tokenizer_fingerprint(tokenizer)
+    if expected:
+        check_fingerprint(expected, actual, f"draft {path}")
+    elif not local or (Path(path) / "tokenizer.json").exists() or (Path(path) / "tokenizer_config.json").exists():
+        check_fingerprint(tokenizer_fingerprint(load_tokenizer(str(path), options.placement)), actual, f"draft {path}")
+    # a matching tokenizer does not make the embedding tables match: a draft with fewer rows would
+    # index past its vocabulary on the target's tokens
+    from specdec.models import vocab as draft_vocab
+
+    reduced = draft_vocab.load(path) if local else None
+    if reduced is not None and reduced.target_vocab != target.config.vocab_size:
+        raise SpecdecError(f"draft {path} maps its vocabulary to one of {reduced.target_vocab} tokens; the target has {target.config.vocab_size}")
+    if reduced is None and cfg.get("vocab_size") is not None and cfg.get("vocab_size") != target.config.vocab_size:
+        raise SpecdecError(
+            f"draft {path} has vocabulary size {cfg.get('vocab_size')}, the target's is {target.config.vocab_size}"
+        )
+    model = load_draft(path, options.placement, device=input_device(target), dtype=target.dtype)
+    if reduced is not None:  # a reduced vocabulary's draft: target ids in, logits over the target's vocabulary out
+        model = draft_vocab.MappedVocabLM(model, reduced)
+    return DRAFTER_KINDS["draft"].mode(options.drafting)(model, tokenizer, options)
+
+
+def _chain(model, tokenizer, options: DecodeOptions):
+    # two siblings per step unless --top-k says otherwise: each level of siblings costs the target a
+    # wider forward, not the draft another call
+    drafting = options.drafting
+    return draft_model.ModelDrafter(model, scheme=drafting.verify, width=drafting.top_k or 2)
+
+
+def _online(model, tokenizer, options: DecodeOptions):
+    """The draft learns from the job's own verification rounds (decode.drafters.online)."""
+    from specdec.decode.drafters.online import OnlineDrafter
+
+    drafting = options.drafting
+    return OnlineDrafter(model, every=drafting.online_every, scheme=drafting.verify, width=drafting.top_k or 2)
+
+
+def _adaptive(model, tokenizer, options: DecodeOptions):
+    """SpecDec++: acceptance heads stop each row's chain (decode.drafters.adaptive)."""
+    return build_adaptive(resolve_member(options.drafting.acceptance), model, options.drafting, tokenizer=tokenizer)
+
+
+def _parallel(model, tokenizer, options: DecodeOptions):
+    """PEARL: drafts while the target verifies (decode.drafters.pearl)."""
+    from specdec.decode.drafters.pearl import ParallelDrafter
+
+    return ParallelDrafter(model, pre_verify=options.drafting.pre_verify)
+
+
+def _rasd(model, tokenizer, options: DecodeOptions):
+    """RASD: the draft's chain fused with retrieval drafts (decode.drafters.retrieval)."""
+    return retrieval.RasdDrafter(model, retrieval.open_datastore(options.drafting.retrieval, tokenizer))
+
+
+DRAFT_MODES = (
+    Factory(_chain, frozenset({"verify", "top_k"}), "draft models"),
+    Factory(_online, frozenset({"online", "online_every", "verify", "top_k"}), "online draft models", switch="online"),
+    Factory(_adaptive, frozenset({"acceptance", "stop_threshold", "min_draft", "max_draft"}),
+            "adaptive draft length (SpecDec++, a chain)", switch="acceptance"),
+    Factory(_parallel, frozenset({"parallel", "pre_verify"}), "PEARL (a plain chain)", switch="parallel"),
+    Factory(_rasd, frozenset({"retrieval"}), "RASD (a retrieval tree fused with the draft's greedy chain)", switch="retrieval"),
+)
+
+HEAD_OPTIONS = frozenset({"tree", "tree_tokens", "top_k"})
+
+
+def _heads(path, target, tokenizer, options: DecodeOptions):
+    return build_head_drafter(path, target, tokenizer, options.drafting)
+
+
+# kind (config.json "specdec_kind"/"kind") -> factory(path, target, tokenizer, options)
+DRAFTER_KINDS: dict[str, Factory] = {
+    "draft": Factory(_build_draft, label="draft models", modes=DRAFT_MODES),
+    "medusa": Factory(_heads, HEAD_OPTIONS, "medusa heads"),
+    "clover": Factory(_heads, HEAD_OPTIONS, "clover heads"),
+    "eagle": Factory(_heads, HEAD_OPTIONS, "eagle heads"),
+}
+
+
+def _factories() -> list[tuple[Factory, Factory]]:
+    """(kind's factory, mode) for every factory there is."""
+    kinds = [k for k in (*MODEL_FREE_DRAFTERS.values(), *DRAFTER_KINDS.values()) if isinstance(k, Factory)]
+    return [(k, m) for k in kinds for m in (k.modes or (k,))]
+
+
+def _where(name: str) -> str:
+    """Where an option applies, by the factories that take it: ``draft models``, ``draft models with
+    --acceptance``, ``medusa heads, clover heads and eagle heads``."""
+    places = []
+    for kind, mode in _factories():
+        if name in mode.takes:
+            places.append((kind.label, None if not kind.modes or mode.switch in (None, name) else flag(mode.switch)))
+    texts = []
+    for label, switch in places:
+        text = label if switch is None else f"{label} with {switch}"
+        if (switch is None or (label, None) not in places) and text not in texts:
+            texts.append(text)
+    return texts[0] if len(texts) == 1 else f"{', '.join(texts[:-1])} and {texts[-1]}"
+
+
+def refuse_what_does_not_apply(kind: Factory, drafting: DraftingOptions) -> Factory:
+    """The factory that builds the drafter of ``kind`` with these options; a drafting option given that it
+    does not take is a ``UsageError`` saying where the option applies."""
+    mode = kind.mode(drafting)
+    for f in dataclasses.fields(drafting):
+        name = f.name
+        if name in COMMON or name in mode.takes or not _given(drafting, name):
+            continue
+        others = [m for m in kind.modes if name in m.takes]
+        if others and mode.switch:
+            raise UsageError(f"{flag(name)} does not combine with {flag(mode.switch)}: {mode.label} takes "
+                             f"{', '.join(flag(n) for n in sorted(mode.takes - {mode.switch})) or 'no other option'}")
+        if others:
+            raise UsageError(f"{flag(name)} applies with {' or '.join(flag(m.switch) for m in others)}")
+        raise UsageError(f"{flag(name)} applies to {_where(name)}, not to {kind.label}")
+    return mode
+
+
+@dataclass(frozen=True)
+class DrafterChoice:
+    """A drafter spec resolved: its ``kind``, the ``source`` its factory builds from (the spec of a
+    model-free drafter, an artifact folder or a hub id) and the ``factory``. ``build`` makes the drafter."""
+
+    spec: str
+    kind: str
+    source: str | Path
+    factory: Factory
+
+    def build(self, target, tokenizer, options: DecodeOptions):
+        return self.factory(self.source, target, tokenizer, options)
+
+
+def resolve_drafter(spec: str) -> DrafterChoice:
+    """Which drafter ``spec`` names, without loading anything; a spec that names none is a ``UsageError``."""
+    name, _, _ = spec.partition(":")
+    if name in MODEL_FREE_DRAFTERS:
+        factory = MODEL_FREE_DRAFTERS[name]
+        if factory.check is not None:
+            factory.check(spec)
+        return DrafterChoice(spec, name, spec, factory)
+    kind = drafter_kind(spec)
+    hub = _hub_id(spec)
+    if hub:  # a draft model on the hub (resolved offline from its cache with HF_HUB_OFFLINE=1)
+        return DrafterChoice(spec, "draft", hub, DRAFTER_KINDS["draft"])
+    path = resolve_member(spec)
+    if kind not in DRAFTER_KINDS:
+        raise SpecdecError(f"{path}: artifact kind {kind!r} is not a drafter (known: {', '.join(DRAFTER_KINDS)})")
+    factory = DRAFTER_KINDS[kind]
+    if not isinstance(factory, Factory):  # a bare factory(path, target, tokenizer, options) takes no drafting option
+        factory = Factory(factory, label=f"{kind} drafters")
+    return DrafterChoice(spec, kind, path, factory)
+
+
+def drafter_kind(spec: str) -> str:
+    """The kind a drafter spec names (a model-free name, or the kind its artifact's config.json says)."""
+    name, _, _ = spec.partition(":")
+    if name in MODEL_FREE:
+        return name
+    return "draft" if _hub_id(spec) else artifact_kind(resolve_member(spec))
+
+
+def _hub_id(spec: str) -> str | None:
+    """``spec`` as a hub id of a draft model, when it names no folder and no default-family member. A
+    name without a slash is a hub id only when the local hub cache holds it: otherwise it names nothing
+    (a typo is a usage error here, not a download attempt after the target loaded)."""
+    if Path(spec).exists() or spec in FAMILY_MEMBERS:
+        return None
+    source = resolve_source(spec)  # raises for what is neither
+    if Path(source).is_dir():
+        return None
+    if "/" not in source and not _in_hub_cache(source):
+        raise UsageError(f"{spec!r} names no drafter: not one of {', '.join(MODEL_FREE)}, a default-family member "
+                         f"({', '.join(FAMILY_MEMBERS)}), an artifact folder or a hub id (ORG/NAME)")
+    return source
+
+
+def _in_hub_cache(repo_id: str) -> bool:
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+    except ValueError:  # not a valid repo id
+        return False
+
+
+def check_drafter_options(spec: str, options: DecodeOptions) -> DrafterChoice:
+    """The drafter ``spec`` names, with the drafting options refused that its factory does not take;
+    nothing loads. ``DrafterChoice.build`` then builds it."""
+    choice = resolve_drafter(spec)
+    refuse_what_does_not_apply(choice.factory, options.drafting)
+    return choice
+
+
+def build_drafter(spec: str, target, tokenizer, options: DecodeOptions):
+    """The drafter ``spec`` names, built with ``options`` (checked first, as ``check_drafter_options``)."""
+    return check_drafter_options(spec, options).build(target, tokenizer, options)

@@ -1,0 +1,268 @@
+"""Where a decode's options are checked: once, before any model loads, each refusal one ``UsageError``
+(exit 2) naming the flag.
+
+- ``validate_options``: every value in its range (a value outside it would decode something else than
+  asked, ``--top-p 2`` samples from everything, ``--batch-size 0`` decodes nothing, or fail minutes later
+  after the models load), the kernels, the memory budget, the placement, a shared-prefix file;
+- ``check_drafter_options`` (``decode.drafters.registry``): the drafter a spec names, and the drafting
+  options its factory does not take;
+- ``plan_decode``: the two with the target: a causal LM takes no diffusion option and a diffusion LM no
+  drafting one, and the schedule each batches with. Its ``DecodePlan`` is what the job builds from:
+  nothing downstream checks again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from specdec.decode.drafters.registry import DrafterChoice, check_drafter_options
+from specdec.decode.options import SCHEDULES, DecodeOptions, flag
+from specdec.models.artifacts import artifact_kind, read_config
+from specdec.models.errors import UsageError
+from specdec.models.loading import Placement, resolve_source
+
+MAX_NUM_DRAFT = 256  # drafted tokens per round; beyond this a round costs more than it can win
+MAX_TOP_K = 16  # siblings per step / children per node
+MAX_TREE_TOKENS = 1024
+DIFFUSION_ATTENTION = ("sdpa", "eager")  # what takes a dLLM's 4-D masks (models.dllm.model_mask)
+
+
+def validate_options(opts: DecodeOptions) -> None:
+    """Raise ``UsageError`` for the first option value that cannot be meant; return None otherwise."""
+    sampling, drafting, scheduling, diffusion = opts.sampling, opts.drafting, opts.scheduling, opts.diffusion
+    _positive_int(sampling.max_new_tokens, "--max-new-tokens")
+    _positive_int(scheduling.batch_size, "--batch-size")
+    if drafting.num_draft is not None:
+        _int(drafting.num_draft, "--num-draft")
+        if not 1 <= drafting.num_draft <= MAX_NUM_DRAFT:
+            hint = " (use --drafter ar to decode without drafting)" if drafting.num_draft == 0 else ""
+            raise UsageError(f"--num-draft must be in 1..{MAX_NUM_DRAFT}, got {drafting.num_draft}{hint}")
+    temperature = sampling.temperature
+    if not _is_number(temperature) or not math.isfinite(temperature) or temperature < 0:
+        raise UsageError(f"--temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
+    check_num_samples(sampling.num_samples, temperature)
+    top_p = sampling.top_p
+    if not _is_number(top_p) or not (0 < top_p <= 1):  # NaN fails both comparisons
+        raise UsageError(f"--top-p must be in (0, 1], got {top_p}")
+    threads = opts.placement.threads
+    if threads is not None:
+        _int(threads, "--threads")
+        if threads < 0:
+            raise UsageError(f"--threads must be >= 0 (0: chosen by the model's size and the batch), got {threads}")
+    threshold = drafting.stop_threshold
+    if threshold is not None and (not _is_number(threshold) or not (0 < threshold < 1)):
+        raise UsageError(f"--stop-threshold must be in (0, 1), got {threshold}")
+    min_draft = drafting.min_draft
+    if min_draft is not None:
+        _int(min_draft, "--min-draft")
+        if min_draft < 0:
+            raise UsageError(f"--min-draft must be >= 0, got {min_draft}")
+    for value, name in ((drafting.tree_tokens, "tree_tokens"), (drafting.max_draft, "max_draft"), (drafting.top_k, "top_k"),
+                        (diffusion.gen_length, "gen_length"), (diffusion.block_size, "block_size"), (diffusion.steps, "steps"),
+                        (drafting.max_ngram, "max_ngram"), (drafting.online_every, "online_every")):
+        if value is not None:
+            _positive_int(value, flag(name))
+    if drafting.top_k is not None and drafting.top_k > MAX_TOP_K:
+        raise UsageError(f"--top-k must be in 1..{MAX_TOP_K}, got {drafting.top_k}")
+    if drafting.tree_tokens is not None and drafting.tree_tokens > MAX_TREE_TOKENS:
+        raise UsageError(f"--tree-tokens must be in 1..{MAX_TREE_TOKENS}, got {drafting.tree_tokens}")
+    if drafting.tree not in (None, "static", "dynamic"):
+        raise UsageError(f"--tree must be static or dynamic, got {drafting.tree!r}")
+    max_draft = drafting.max_draft
+    if min_draft is not None and max_draft is not None and min_draft > max_draft:
+        raise UsageError(f"--min-draft ({min_draft}) must not exceed --max-draft ({max_draft})")
+    chunk = scheduling.prefill_chunk
+    _int(chunk, "--prefill-chunk")
+    if chunk < 0:
+        raise UsageError(f"--prefill-chunk must be >= 0 (0: admitted prompts are prefilled on their own), got {chunk}")
+    if scheduling.schedule not in SCHEDULES:
+        raise UsageError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {scheduling.schedule!r}")
+    if chunk and scheduling.schedule == "static":
+        raise UsageError("--prefill-chunk applies to continuous batching: static batches admit no records mid-way")
+    check_kernels(scheduling.kernels)
+    if scheduling.max_memory is not None:
+        from specdec.decode.jobs.memory import parse_size
+
+        parse_size(scheduling.max_memory)
+    check_shared_prefix(scheduling.shared_prefix)
+    # the models layer's own rules for where models run (they are what loading relies on)
+    Placement(**{f.name: getattr(opts.placement, f.name) for f in dataclasses.fields(Placement)})
+
+
+def check_kernels(kernels: str) -> None:
+    """``--kernels`` names a backend this machine can run (``SPECDEC_KERNELS`` included); ``auto`` is
+    resolved per device when the engine is built."""
+    from specdec.kernels import BACKENDS, backend
+
+    if kernels not in BACKENDS:
+        raise UsageError(f"--kernels must be one of {', '.join(BACKENDS)}, got {kernels!r}")
+    try:
+        backend(kernels)
+    except ValueError:
+        raise UsageError(f"--kernels must be one of {', '.join(BACKENDS)}, not {os.environ.get('SPECDEC_KERNELS')!r} "
+                         "(from SPECDEC_KERNELS)") from None
+    except RuntimeError as exc:
+        raise UsageError(f"--kernels {kernels}: {exc}") from None
+
+
+def check_shared_prefix(spec: str) -> None:
+    """``--shared-prefix``: auto, off, or a file holding text."""
+    if spec in ("auto", "off"):
+        return
+    path = Path(spec)
+    if not path.is_file():
+        raise UsageError(f"--shared-prefix {spec}: no such file (or use auto / off)")
+    if path.stat().st_size == 0:
+        raise UsageError(f"--shared-prefix {spec}: the file is empty")
+
+
+def check_num_samples(num_samples, temperature) -> None:
+    """N samples of a record at T = 0 would be N copies of one greedy output: refused, not decoded."""
+    _int(num_samples, "--num-samples")
+    if num_samples < 1:
+        raise UsageError(f"--num-samples must be a positive integer, got {num_samples}")
+    if num_samples > 1 and temperature <= 0:
+        raise UsageError(f"--num-samples {num_samples} needs --temperature > 0: greedy decoding would give {num_samples} identical samples")
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _int(value, flag: str) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise UsageError(f"{flag} must be an integer, got {value!r}")
+
+
+def _positive_int(value, flag: str) -> None:
+    _int(value, flag)
+    if value < 1:
+        raise UsageError(f"{flag} must be a positive integer, got {value}")
+
+
+# -- with the target ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """A decode checked and resolved, before anything loads: the target's ``source``, whether it is a
+    diffusion LM, the ``schedule`` its records batch with, and for a causal LM the ``drafter`` its spec
+    names (``None`` for a diffusion LM)."""
+
+    target: str
+    source: str
+    options: DecodeOptions
+    is_diffusion: bool
+    schedule: str
+    drafter: DrafterChoice | None
+
+
+def plan_decode(target: str | None, options: DecodeOptions, default_target: Callable[[], str] | None = None,
+                paths: tuple[str, str] | None = None) -> DecodePlan:
+    """Check ``options`` (``validate_options``), the drafter spec and the drafting options its factory
+    takes (``check_drafter_options``), and the job's ``paths`` (--in, --out) when given; then, with the
+    target (``target``, or ``default_target()`` when None), what applies to it. Raises ``UsageError``."""
+    validate_options(options)
+    drafter = check_drafter_options(options.drafting.drafter, options)
+    if paths is not None:
+        validate_paths(*paths)
+    target = target if target is not None else default_target()
+    source = resolve_source(target)
+    diffusion = is_diffusion_model(source, options)
+    schedule = resolve_schedule(options.scheduling.schedule, diffusion, target)
+    if diffusion:
+        causal_only = [flag(n) for n in options.given("drafting")]
+        causal_only += [flag(n) for n in ("max_memory", "prefill_chunk") if n in options.given("scheduling")]
+        if options.placement.attn_implementation not in (None, *DIFFUSION_ATTENTION):
+            causal_only.append(f"--attn-implementation {options.placement.attn_implementation}")
+        if causal_only:
+            raise UsageError(f"{target} is a diffusion LM: {_listed(causal_only)} to causal LMs only")
+        return DecodePlan(target, source, options, True, schedule, None)
+    given = [flag(n) for n in options.given("diffusion")]
+    if given:
+        raise UsageError(f"{target} is a causal LM: {_listed(given)} to diffusion LMs only")
+    return DecodePlan(target, source, options, False, schedule, drafter)
+
+
+def _listed(flags: list[str]) -> str:
+    return f"{flags[0]} applies" if len(flags) == 1 else f"{', '.join(flags[:-1])} and {flags[-1]} apply"
+
+
+def resolve_schedule(schedule: str, is_diffusion: bool, target: str) -> str:
+    """``continuous`` or ``static``: auto is continuous for causal LMs, static for diffusion LMs, whose
+    canvas decodes a batch's rows in lockstep (an explicit ``continuous`` there is a usage error)."""
+    if schedule not in SCHEDULES:
+        raise UsageError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+    if is_diffusion:
+        if schedule == "continuous":
+            raise UsageError(f"{target} is a diffusion LM: its records decode in static batches (--schedule continuous applies to causal LMs)")
+        return "static"
+    return "static" if schedule == "static" else "continuous"
+
+
+def is_diffusion_model(path, options: DecodeOptions) -> bool:
+    """specdec's dLLMs say so in config.json; third-party ones (LLaDA, Dream) carry a mask token id
+    and run their own code, so they are recognised only with --trust-remote-code."""
+    if not Path(path).is_dir():  # a hub id: a causal LM (diffusion checkpoints load from folders)
+        return False
+    if artifact_kind(path) == "dllm":
+        return True
+    return options.placement.trust_remote_code and read_config(path).get("mask_token_id") is not None
+
+
+# -- paths ----------------------------------------------------------------------------------------
+
+
+def validate_paths(in_path: str, out_path: str) -> None:
+    """Refuse an unusable ``--in`` or ``--out`` with one ``UsageError`` before any model loads.
+
+    Creates nothing. ``-`` is stdin / stdout. The output's nearest existing ancestor must be a
+    writable directory (the output, its lock file and missing parent folders are created there).
+    """
+    try:
+        _validate_paths(in_path, out_path)
+    except OSError as exc:  # e.g. a folder on the way that may not be searched
+        flag = "--out" if exc.filename and in_path not in (exc.filename, "-") else "--in"
+        raise UsageError(f"{flag} {exc.filename or ''}: {exc.strerror or exc}".replace(" :", ":")) from None
+
+
+def _validate_paths(in_path: str, out_path: str) -> None:
+    if in_path != "-":
+        src = Path(in_path)
+        if not src.exists():
+            raise UsageError(f"--in {in_path}: no such file")
+        if src.is_dir():
+            raise UsageError(f"--in {in_path} is a directory, not a JSONL file")
+        if not os.access(src, os.R_OK):
+            raise UsageError(f"--in {in_path}: permission denied")
+    if out_path == "-":
+        return
+    validate_output_path(out_path, "--out", stdout_hint=" (or - for stdout)")
+    if Path(out_path).exists() and in_path != "-" and os.path.samefile(in_path, out_path):
+        raise UsageError(f"--in and --out are the same file ({out_path})")
+
+
+def validate_output_path(path: str, flag: str, stdout_hint: str = "") -> None:
+    """Refuse an output file that could not be written (a folder, not a regular file, not writable, a
+    file on the way) with one ``UsageError`` naming ``flag``; creates nothing. The nearest existing
+    ancestor must be a writable folder (missing parent folders are created there when writing)."""
+    out = Path(path)
+    if path.endswith(os.sep) or out.is_dir():
+        raise UsageError(f"{flag} {path} is a directory; give a file path{stdout_hint}")
+    if out.exists():
+        if not out.is_file():
+            raise UsageError(f"{flag} {path} is not a regular file{stdout_hint}")
+        if not os.access(out, os.W_OK):
+            raise UsageError(f"{flag} {path}: permission denied")
+    parent = out.absolute().parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise UsageError(f"{flag} {path}: {parent} is a file, not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag} {path}: cannot create files in {parent} (permission denied)")
