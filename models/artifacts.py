@@ -15,6 +15,7 @@ import json
 import os
 from pathlib import Path
 
+from specdec.models.env import specdec_home  # noqa: F401  (re-exported)
 from specdec.models.errors import SpecdecError, UsageError  # noqa: F401  (re-exported)
 
 FAMILY_MEMBERS = ("target", "draft", "draft-ce", "acceptance", "medusa", "clover", "eagle", "eagle3", "dllm", "filter")
@@ -24,10 +25,6 @@ SHIPPED_DIR = Path(__file__).resolve().parent.parent / "families"  # drafters co
 DEFAULT_FAMILY = "gemma3-270m"
 BUILT_FAMILY = "tiny-stdlib"  # the from-scratch CPU family the tests' recipes and `recipe run tiny-stdlib` build
 FAMILIES = (DEFAULT_FAMILY, BUILT_FAMILY, "pycode")
-
-
-def specdec_home() -> Path:
-    return Path(os.environ.get("SPECDEC_HOME", Path.home() / ".cache" / "specdec"))
 
 
 def built_dir(family: str) -> Path:
@@ -138,7 +135,7 @@ def artifact_kind(path: str | os.PathLike) -> str:
     kind = cfg.get("specdec_kind") or cfg.get("kind")
     if kind:
         return kind
-    from specdec.models.interop import foreign_kind  # a draft in a published layout (EAGLE, speculators, Medusa)
+    from specdec.models.layouts import foreign_kind  # a draft in a published layout (EAGLE, speculators, Medusa)
 
     return foreign_kind(path, cfg) or "draft"
 

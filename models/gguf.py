@@ -124,9 +124,9 @@ def convert(path: Path, out: Path, sha256: str | None = None, source: str | None
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from specdec.models.loading import _quiet_progress
+    from specdec.models.env import quiet_progress
 
-    _quiet_progress()
+    quiet_progress()
     start = time.perf_counter()
     arch = _architecture(path)
     tmp = out.parent / f".{out.name}.partial"
@@ -172,7 +172,7 @@ def _unreadable(path: Path, arch: str, exc: Exception) -> str:
 
 
 def _home() -> Path:
-    from specdec.models.artifacts import specdec_home
+    from specdec.models.env import specdec_home
 
     return specdec_home()
 

@@ -12,14 +12,10 @@ tokenizer fingerprint.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdec.models.artifacts import load_weights, read_config, write_json
-from specdec.models.errors import SpecdecError, UsageError
 
 class ResBlock(nn.Module):
     """x + SiLU(W x + b), W zero-initialised so a fresh block is the identity (Medusa)."""
@@ -470,74 +466,3 @@ def soft_ce(log_q, teacher, start: int, n: int):
         return -(p * log_q.gather(-1, indices.long())).sum(-1).mean()
     p = F.softmax(teacher[:, start : start + n].float(), -1)
     return -(p * log_q).sum(-1).mean()
-
-
-# ---------------------------------------------------------------------------------------------
-# Build, train, save, load
-
-
-def build_heads(kind: str, target, hp: dict):
-    cfg = target.config
-    if kind == "medusa":
-        m = MedusaHeads(cfg.hidden_size, cfg.vocab_size, int(hp.get("num_heads", 4)), int(hp.get("num_layers", 1)),
-                        shared_head=bool(hp.get("shared_head", False)))
-    elif kind == "clover":
-        m = CloverHeads(cfg.hidden_size, cfg.vocab_size, int(hp.get("num_heads", 4)), int(hp.get("attn_heads", cfg.num_attention_heads)),
-                        int(hp.get("window", 64)))
-    elif kind == "eagle" and hp.get("layout"):  # EAGLE-1 / EAGLE-3 as published (models/interop.py)
-        from specdec.models.interop import build_published_eagle
-
-        m = build_published_eagle(target, hp)
-    elif kind == "eagle":
-        layers = hp.get("feature_layers")
-        if layers == "eagle3" or (hp.get("eagle3") and not layers):
-            n = cfg.num_hidden_layers
-            layers = sorted({min(2, n), max(n // 2, 1), max(n - 3, 1)})
-        m = EagleHead(cfg, layers, float(hp.get("noise", 0.2)), float(hp.get("ce_weight", 0.1)), float(hp.get("reg_weight", 1.0)),
-                      int(hp.get("unroll", 7 if hp.get("eagle3") else 1)))
-    else:
-        raise UsageError(f"--kind must be one of {', '.join(KINDS)}, not {kind!r}")
-    return m
-
-
-def save_heads(heads, out_dir: Path, fingerprint: dict, target_config) -> None:
-    from safetensors.torch import save_file
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().float().contiguous() for k, v in heads.state_dict().items()}, str(out_dir / "model.safetensors"))
-    extra = {}
-    if heads.d2t is not None:
-        from specdec.models.vocab import DraftVocab
-
-        DraftVocab(heads.d2t.cpu(), target_config.vocab_size).save(out_dir)
-        extra["draft_vocab_size"] = len(heads.d2t)
-    write_json(out_dir / "config.json", {
-        "kind": heads.kind, "target": fingerprint, "hidden_size": target_config.hidden_size,
-        "vocab_size": target_config.vocab_size, "num_hidden_layers": target_config.num_hidden_layers, **heads.hparams(), **extra,
-    })
-
-
-def load_heads(artifact_dir: str | Path, target):
-    """A head module from its artifact, attached to ``target`` (weights through safetensors only)."""
-    from specdec.models.loading import cached
-
-    return cached(("heads", str(artifact_dir), id(target)), lambda: _load_heads(artifact_dir, target))
-
-
-def _load_heads(artifact_dir: str | Path, target):
-    cfg = read_config(artifact_dir)
-    kind = cfg.get("kind")
-    if kind not in KINDS:
-        raise SpecdecError(f"{artifact_dir} is not a medusa/clover/eagle artifact (kind {kind!r})")
-    if cfg.get("hidden_size") != target.config.hidden_size or cfg.get("vocab_size") != target.config.vocab_size:
-        raise SpecdecError(f"{artifact_dir} was trained for a target with hidden size {cfg.get('hidden_size')} and "
-                           f"vocabulary {cfg.get('vocab_size')}; this target has {target.config.hidden_size} and {target.config.vocab_size}")
-    heads = build_heads(kind, target, cfg)
-    heads.load_state_dict(load_weights(artifact_dir))
-    from specdec.models import vocab as draft_vocab
-
-    reduced = draft_vocab.load(artifact_dir)
-    if reduced is not None:
-        heads.set_vocab(reduced)
-    p = next(target.parameters())
-    return heads.to(device=p.device, dtype=p.dtype).eval().requires_grad_(False).attach(target), cfg

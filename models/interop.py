@@ -46,10 +46,10 @@ from torch import nn
 
 from specdec.models.artifacts import load_weights, read_config, write_json
 from specdec.models.errors import SpecdecError, UsageError
+from specdec.models.layouts import SPECULATORS_VERSION, _weight_keys, foreign_kind, foreign_layout  # noqa: F401
 from specdec.models.heads import DraftLayer, EagleHead, MedusaHeads, _RMSNorm, rope_frequencies, soft_ce
 
 LAYOUTS = ("eagle1", "eagle3")  # published EAGLE architectures specdec trains and runs as heads
-SPECULATORS_VERSION = "0.9.0"  # the release whose loader the exports were checked against
 
 
 # ---------------------------------------------------------------------------------------------
@@ -343,65 +343,6 @@ def build_published_eagle(target, hp: dict):
                       norm_before_fc=bool(hp.get("norm_before_fc")), fc_norm=bool(hp.get("fc_norm")),
                       norm_output=bool(hp.get("norm_output")), logits_norm=hp.get("logits_norm", True) is not False,
                       own_embed=bool(hp.get("own_embed")), noise=float(hp.get("noise", 0.0)), unroll=int(hp.get("unroll") or 7))
-
-
-# ---------------------------------------------------------------------------------------------
-# recognising a folder's layout
-
-
-def _weight_keys(folder: Path) -> set[str]:
-    """Tensor names of a folder's safetensors files (headers only)."""
-    from safetensors import safe_open
-
-    keys: set[str] = set()
-    for f in sorted(folder.glob("*.safetensors")):
-        try:
-            with safe_open(str(f), "pt") as fh:
-                keys.update(fh.keys())
-        except Exception:  # a torn or foreign file: the loader that reads it says what is wrong
-            continue
-    return keys
-
-
-def foreign_layout(path: str | os.PathLike, cfg: dict | None = None) -> str | None:
-    """The published layout of a drafter folder (``speculators``, ``eagle3``, ``eagle``, ``medusa-hf``,
-    ``medusa-vllm``), None for a plain causal LM (a draft model) or a specdec artifact. A folder no
-    loader could read, or a layout specdec does not run, raises SpecdecError."""
-    folder = Path(path)
-    cfg = read_config(folder) if cfg is None else cfg
-    if cfg.get("kind") or cfg.get("specdec_kind"):
-        return None
-    if "speculators_model_type" in cfg:
-        kind = cfg["speculators_model_type"]
-        if kind != "eagle3":
-            raise SpecdecError(f"{folder}: speculators draft of type {kind!r}; specdec reads the eagle3 type "
-                               f"(speculators {SPECULATORS_VERSION} has eagle3, mtp, dflash, dflash2, dspark, peagle, xpress)")
-        return "speculators"
-    if "medusa_num_heads" in cfg:
-        return "medusa-hf"
-    archs = [str(a) for a in cfg.get("architectures") or []]
-    if cfg.get("model_type") == "medusa" or any("Medusa" in a for a in archs):
-        return "medusa-vllm"
-    if not cfg.get("model_type") and not archs:
-        raise SpecdecError(f"{folder}: unknown layout (its config.json names no kind, model_type or architectures; specdec "
-                           "reads its own artifacts, Hugging Face models, and speculators eagle3, EAGLE/EAGLE-3/SpecForge and "
-                           "Medusa drafts)")
-    if any("Eagle3" in a for a in archs) or "draft_vocab_size" in cfg:
-        return "eagle3"
-    if any(a.startswith("Eagle") for a in archs):
-        return "eagle"
-    keys = _weight_keys(folder)
-    if any(k.startswith("midlayer.") for k in keys):
-        return "eagle3"
-    if "fc.weight" in keys and any(k.startswith("layers.0.") for k in keys) and not any(k.startswith("model.") for k in keys):
-        return "eagle"
-    return None
-
-
-def foreign_kind(path: str | os.PathLike, cfg: dict | None = None) -> str | None:
-    """The specdec drafter kind a published layout decodes as (eagle or medusa), None if not one."""
-    layout = foreign_layout(path, cfg)
-    return None if layout is None else ("medusa" if layout.startswith("medusa") else "eagle")
 
 
 # ---------------------------------------------------------------------------------------------

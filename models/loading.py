@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specdec.models.artifacts import FAMILY_MEMBERS, family_spec, read_config, resolve_member
+from specdec.models.env import quiet_progress
 from specdec.models.errors import SpecdecError, UsageError
 
 DEVICES_HELP = "auto (CUDA when present), cpu, cuda or cuda:N"
@@ -178,7 +179,7 @@ def load_causal_lm(source: str, placement: Placement, device=None, dtype=None):
         kwargs["attn_implementation"] = placement.attn_implementation
     if placement.device_map:
         kwargs["device_map"] = placement.device_map
-    _quiet_progress()
+    quiet_progress()
     try:
         model = AutoModelForCausalLM.from_pretrained(source, config=config, **kwargs)  # the config read above, not read again
     except (OSError, ValueError, RuntimeError, KeyError) as exc:
@@ -194,17 +195,6 @@ def load_causal_lm(source: str, placement: Placement, device=None, dtype=None):
     if not placement.device_map:
         model.to(device)
     return model.eval().requires_grad_(False)
-
-
-def _quiet_progress() -> None:
-    """transformers' per-load progress bars stay on a terminal; in logs and pipelines they are noise
-    around specdec's own progress and its one-line errors."""
-    import sys
-
-    if not sys.stderr.isatty():
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
 
 
 def load_tokenizer(source: str, placement: Placement):

@@ -26,7 +26,7 @@ from specdec.decode.engine.types import GenRequest
 from specdec.decode.engine.verify import Sampling, Verdict, logits_to_probs, sample_from, verify_chain
 from specdec.models.acceptance import N_STATS, AcceptanceHead
 from specdec.models.errors import SpecdecError, UsageError
-from specdec.models.heads import build_heads
+from specdec.models.head_artifacts import build_heads
 
 # very different budgets (2..40) and prompt lengths (3..40), more requests than the batch holds
 BUDGETS = [2, 40, 7, 13, 31, 3, 25, 18, 9]

@@ -16,7 +16,8 @@ from specdec.decode.options import DecodeOptions
 from specdec.decode.drafters.registry import build_drafter, drafter_kind
 from specdec.decode.engine.types import GenRequest
 from specdec.models.artifacts import tokenizer_fingerprint
-from specdec.models.heads import MedusaHeads, load_heads, save_heads
+from specdec.models.heads import MedusaHeads
+from specdec.models.head_artifacts import load_heads, save_heads
 from specdec.models.interop import Eagle3Head, build_published_eagle, layer_config, load_foreign_heads
 from specdec.models.loading import load_target
 from specdec.train.heads import export_artifact
@@ -321,7 +322,7 @@ def test_a_folder_of_unknown_layout_is_one_error_line(env, tmp_path):
 
 def test_specdec_architecture_heads_are_not_exported_as_published(env, tmp_path):
     root, target, tok = env
-    from specdec.models.heads import build_heads
+    from specdec.models.head_artifacts import build_heads
 
     torch.manual_seed(0)
     art = _artifact(env, "native-eagle3", build_heads("eagle", target, {"feature_layers": [1, 2, 3]}).attach(target))

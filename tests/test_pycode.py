@@ -62,7 +62,7 @@ def test_pycode_sizes_fit_the_family_cap():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from specdec.models.acceptance import AcceptanceHead
-    from specdec.models.heads import build_heads
+    from specdec.models.head_artifacts import build_heads
     from specdec.train.draft import new_draft
     from specdec.train.ship import ExportPlan
 
@@ -285,7 +285,7 @@ def test_sharded_head_artifact_loads_as_its_single_file(tmp_path):
     from conftest import tiny_llama
 
     from specdec.models.artifacts import load_weights, save_weights
-    from specdec.models.heads import build_heads, load_heads, save_heads
+    from specdec.models.head_artifacts import build_heads, load_heads, save_heads
 
     target = tiny_llama()
     heads = build_heads("eagle", target, {})

@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+from specdec.train.teacher import TEACHER_CACHE_FORMAT, eval_batch, teacher_cache_key  # noqa: F401
 from specdec.models.artifacts import SpecdecError, UsageError, check_fingerprint, read_config, tokenizer_fingerprint, write_json
 from specdec.train.loop import TrainConfig, run_training, save_config
 
@@ -164,40 +165,6 @@ def kd_loss(student_logits, input_ids, teacher, kd_weight: float, temperature: f
     return loss, {"kl": float(kl.detach()), "ce": float(ce.detach())}
 
 
-TEACHER_CACHE_FORMAT = "1"
-
-
-def teacher_cache_key(target, dataset, top_k: int) -> dict:
-    """What a teacher cache was computed from: the training blocks' token ids (their sha256), the
-    target (its config and a checksum of strided samples of every weight), top-k and block length.
-
-    The weight checksum reads about 8k values per tensor, so it costs milliseconds on a large
-    target yet changes with any retraining or merge that moves a tensor's values broadly."""
-    import torch
-
-    data = hashlib.sha256()
-    n = len(dataset)
-    for i in range(0, n, 1024):
-        ids = dataset[i : i + 1024]["input_ids"].to(torch.int64).contiguous()
-        data.update(ids.numpy().tobytes())
-    seq_len = int(dataset[0]["input_ids"].shape[-1]) if n else 0
-    config = target.config.to_dict()
-    for volatile in ("_name_or_path", "transformers_version", "torch_dtype", "dtype", "_commit_hash"):
-        config.pop(volatile, None)
-    weights = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
-    with torch.no_grad():
-        for name, t in sorted(target.state_dict().items()):
-            weights.update(f"{name}:{tuple(t.shape)}:{t.dtype}:".encode())
-            if t.device.type == "meta":  # offloaded by a device map: its values are not at hand
-                continue
-            flat = t.detach().reshape(-1)
-            stride = max(1, flat.numel() // 4096)
-            sample = torch.cat([flat[:2048], flat[::stride], flat[-2048:]]).to("cpu", torch.float64).contiguous()
-            weights.update(sample.numpy().tobytes())
-    return {"format": TEACHER_CACHE_FORMAT, "data": data.hexdigest(), "target": weights.hexdigest(),
-            "top_k": str(top_k), "seq_len": str(seq_len), "blocks": str(n)}
-
-
 def _read_teacher_cache(path: Path, key: dict) -> tuple[dict | None, dict, str]:
     """(tensors, metadata, why not) for the cache at ``path``: tensors is None when the file is
     missing, unreadable or made from other inputs, and ``why not`` says which."""
@@ -297,16 +264,6 @@ def chain_tau(match, ks=TAU_KS) -> dict:
     return {"tau": tau, "alpha": alpha}
 
 
-def eval_batch(batch: int, heldout, target, budget_bytes: float = 1.5e9) -> int:
-    """Held-out blocks per evaluation forward: at most ``batch``, and few enough that one forward's float32
-    logits stay within ``budget_bytes`` (a 262k vocabulary makes 16 blocks of 256 tokens 4.3 GB, several
-    copies of which an evaluation holds at once)."""
-    if not len(heldout):
-        return max(1, batch)
-    seq = int(heldout[0]["input_ids"].shape[-1])
-    return max(1, min(batch, int(budget_bytes // (seq * target.config.vocab_size * 4))))
-
-
 def evaluate_draft(draft, target, heldout, batch: int = 8, temperature: float = 1.0) -> dict:
     """Held-out CE, top-1 agreement with the target, expected tau for K = 1..8 (greedy and T=1)."""
     import torch
@@ -402,7 +359,7 @@ def train_draft(
     train, held = load_blocks(data_files, tokenizer, cfg.seq_len, cfg.heldout, cfg.seed)
     vocab = None
     if draft_vocab:
-        from specdec.train.heads import training_vocab
+        from specdec.train.teacher import training_vocab
 
         vocab = training_vocab(train, tokenizer, draft_vocab, target.config.vocab_size)
         torch.manual_seed(cfg.seed)
@@ -498,7 +455,7 @@ def train_draft(
         parameters=sum(p.numel() for p in model.parameters()),
     )
     if vocab is not None:
-        from specdec.train.heads import heldout_coverage
+        from specdec.train.teacher import heldout_coverage
 
         metrics.update(draft_vocab=vocab.size, vocab_coverage_heldout=heldout_coverage(vocab, held))
     _save_draft(model, tokenizer, out_dir, fp, lora, lora_save, init, vocab)

@@ -11,8 +11,10 @@ import torch
 
 from specdec.models.artifacts import load_weights, read_config, tokenizer_fingerprint, write_json
 from specdec.models.errors import SpecdecError, UsageError
-from specdec.models.heads import KINDS, build_heads, save_heads
+from specdec.models.heads import KINDS
+from specdec.models.head_artifacts import build_heads, save_heads
 from specdec.train.loop import TrainConfig, run_training, save_config
+from specdec.train.teacher import heldout_coverage, training_vocab
 
 def evaluate_heads(heads, target, heldout, k: int, batch: int = 8, top_k: int = 5) -> dict:
     """Per-head top-1/top-k accuracy (against the data and the target's greedy choice) and tau."""
@@ -22,7 +24,7 @@ def evaluate_heads(heads, target, heldout, k: int, batch: int = 8, top_k: int = 
     agree = torch.zeros(k)
     count = torch.zeros(k)
     matches = []
-    from specdec.train.draft import eval_batch
+    from specdec.train.teacher import eval_batch
 
     batch = eval_batch(batch, heldout, target, budget_bytes=1e9 / max(k, 1))
     with torch.no_grad():
@@ -148,31 +150,6 @@ def train_heads(
                                "draft_vocab": draft_vocab, "teacher_topk": teacher_topk if cache is not None else None, **hp})
     write_json(out_dir / "metrics.json", metrics)
     return metrics
-
-def training_vocab(train, tokenizer, size: int, target_vocab: int):
-    """The ``size``-entry draft vocabulary of the training blocks' most frequent tokens (special tokens first)."""
-    from collections import Counter
-
-    from specdec.models.vocab import most_frequent
-
-    if size < 2 or size > target_vocab:
-        raise UsageError(f"--draft-vocab must be in 2..{target_vocab} (the target's vocabulary), not {size}")
-    counts: Counter = Counter()
-    for i in range(0, len(train), 256):
-        counts.update(train[i : i + 256]["input_ids"].reshape(-1).tolist())
-    special = [t for t in (tokenizer.eos_token_id, tokenizer.bos_token_id, tokenizer.pad_token_id) if t is not None]
-    return most_frequent(counts, size, target_vocab, always=special)
-
-
-def heldout_coverage(vocab, held) -> float | None:
-    """Share of the held-out blocks' tokens inside the draft vocabulary (None without held-out blocks)."""
-    if not len(held):
-        return None
-    ids = held[:]["input_ids"].reshape(-1)
-    inside = torch.zeros(vocab.target_vocab, dtype=torch.bool)
-    inside[vocab.d2t[:-1].cpu()] = True
-    return round(float(inside[ids].float().mean()), 4)
-
 
 # ---------------------------------------------------------------------------------------------
 # Export

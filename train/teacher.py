@@ -21,6 +21,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from specdec.models.errors import UsageError
+
 
 class HiddenLayers:
     """The cached layers of a batch, indexed as a forward's ``hidden_states`` tuple is (-1: the last)."""
@@ -33,8 +35,6 @@ class HiddenLayers:
 
 
 def teacher_key(target, dataset, top_k: int, layers: list[int], vocab) -> dict:
-    from specdec.train.draft import teacher_cache_key
-
     key = teacher_cache_key(target, dataset, top_k)
     key["layers"] = ",".join(map(str, layers))
     key["hidden_dtype"] = "bfloat16"
@@ -110,3 +110,75 @@ def batch_layers(cache: dict, idx: torch.Tensor, dtype=torch.float32) -> HiddenL
     """The cached layers of the blocks ``idx`` as a ``hidden_states``-like object."""
     layers = {int(k[1:]): v[idx].to(dtype) for k, v in cache.items() if k.startswith("h")}
     return HiddenLayers(layers, cache["_count"])
+
+
+# -- shared by the trainers ----------------------------------------------------------------------
+
+
+TEACHER_CACHE_FORMAT = "1"
+
+
+def teacher_cache_key(target, dataset, top_k: int) -> dict:
+    """What a teacher cache was computed from: the training blocks' token ids (their sha256), the
+    target (its config and a checksum of strided samples of every weight), top-k and block length.
+
+    The weight checksum reads about 8k values per tensor, so it costs milliseconds on a large
+    target yet changes with any retraining or merge that moves a tensor's values broadly."""
+    import torch
+
+    data = hashlib.sha256()
+    n = len(dataset)
+    for i in range(0, n, 1024):
+        ids = dataset[i : i + 1024]["input_ids"].to(torch.int64).contiguous()
+        data.update(ids.numpy().tobytes())
+    seq_len = int(dataset[0]["input_ids"].shape[-1]) if n else 0
+    config = target.config.to_dict()
+    for volatile in ("_name_or_path", "transformers_version", "torch_dtype", "dtype", "_commit_hash"):
+        config.pop(volatile, None)
+    weights = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
+    with torch.no_grad():
+        for name, t in sorted(target.state_dict().items()):
+            weights.update(f"{name}:{tuple(t.shape)}:{t.dtype}:".encode())
+            if t.device.type == "meta":  # offloaded by a device map: its values are not at hand
+                continue
+            flat = t.detach().reshape(-1)
+            stride = max(1, flat.numel() // 4096)
+            sample = torch.cat([flat[:2048], flat[::stride], flat[-2048:]]).to("cpu", torch.float64).contiguous()
+            weights.update(sample.numpy().tobytes())
+    return {"format": TEACHER_CACHE_FORMAT, "data": data.hexdigest(), "target": weights.hexdigest(),
+            "top_k": str(top_k), "seq_len": str(seq_len), "blocks": str(n)}
+
+
+def eval_batch(batch: int, heldout, target, budget_bytes: float = 1.5e9) -> int:
+    """Held-out blocks per evaluation forward: at most ``batch``, and few enough that one forward's float32
+    logits stay within ``budget_bytes`` (a 262k vocabulary makes 16 blocks of 256 tokens 4.3 GB, several
+    copies of which an evaluation holds at once)."""
+    if not len(heldout):
+        return max(1, batch)
+    seq = int(heldout[0]["input_ids"].shape[-1])
+    return max(1, min(batch, int(budget_bytes // (seq * target.config.vocab_size * 4))))
+
+
+def training_vocab(train, tokenizer, size: int, target_vocab: int):
+    """The ``size``-entry draft vocabulary of the training blocks' most frequent tokens (special tokens first)."""
+    from collections import Counter
+
+    from specdec.models.vocab import most_frequent
+
+    if size < 2 or size > target_vocab:
+        raise UsageError(f"--draft-vocab must be in 2..{target_vocab} (the target's vocabulary), not {size}")
+    counts: Counter = Counter()
+    for i in range(0, len(train), 256):
+        counts.update(train[i : i + 256]["input_ids"].reshape(-1).tolist())
+    special = [t for t in (tokenizer.eos_token_id, tokenizer.bos_token_id, tokenizer.pad_token_id) if t is not None]
+    return most_frequent(counts, size, target_vocab, always=special)
+
+
+def heldout_coverage(vocab, held) -> float | None:
+    """Share of the held-out blocks' tokens inside the draft vocabulary (None without held-out blocks)."""
+    if not len(held):
+        return None
+    ids = held[:]["input_ids"].reshape(-1)
+    inside = torch.zeros(vocab.target_vocab, dtype=torch.bool)
+    inside[vocab.d2t[:-1].cpu()] = True
+    return round(float(inside[ids].float().mean()), 4)

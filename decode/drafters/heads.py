@@ -25,7 +25,7 @@ from specdec.decode.engine.cache import SlotBook, left_pad
 from specdec.decode.drafters.base import Drafter, Proposal, Segment, TreeTemplate
 from specdec.models.artifacts import check_fingerprint, read_config, tokenizer_fingerprint
 from specdec.models.errors import SpecdecError
-from specdec.models.heads import load_heads
+from specdec.models.head_artifacts import load_heads
 from specdec.models.masks import additive_mask
 
 DEFAULTS = {"medusa": (24, 4), "clover": (24, 4), "eagle": (32, 5)}  # (tree tokens, depth)
