@@ -355,7 +355,8 @@ def _check_peer(spec: str) -> tuple[str, str, int]:
 
 
 def _prepare_peer(spec: str, model, tok, prompts, base: DecodeOptions, warmup: int) -> Runner:
-    """transformers' own generate: hf-generate (plain), hf-lookup (prompt lookup), hf-assisted:DRAFT. A peer
+    """transformers' own generate: hf-generate (plain; batched, left-padded, at the bench's batch size),
+    hf-lookup (prompt lookup) and hf-assisted:DRAFT (one row at a time: transformers takes no more). A peer
     runs with torch's own intra-op thread count, as a transformers user gets it (``+threads=N`` sets it)."""
     name, arg, threads = _check_peer(spec)
     peer_threads = threads or torch_default()
@@ -373,6 +374,25 @@ def _prepare_peer(spec: str, model, tok, prompts, base: DecodeOptions, warmup: i
             out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, **kwargs)
         return out[0, len(p) :].tolist()
 
+    eos = kwargs["eos_token_id"]
+    eos = set(eos if isinstance(eos, (list, tuple)) else [eos]) - {None}
+
+    def batched(ps, n):
+        """Plain generate over a left-padded batch (prompt lookup and assisted generation take one row);
+        each row's tokens up to its end of text, as ours are."""
+        pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+        width = max(map(len, ps))
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in ps], device=model.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ps], device=model.device)
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, **kwargs)
+        rows = []
+        for row in out[:, width:].tolist():
+            cut = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
+            rows.append(row[:cut])
+        return rows
+
+    bs = max(1, base.scheduling.batch_size) if name == "hf-generate" else 1
     for p in prompts[:warmup]:
         one(p, 16)
 
@@ -381,10 +401,12 @@ def _prepare_peer(spec: str, model, tok, prompts, base: DecodeOptions, warmup: i
         ours = torch.get_num_threads()
         torch.set_num_threads(peer_threads)
         try:
-            for p in prompts[lo:hi]:
+            for i in range(lo, hi, bs):
+                chunk = prompts[i : min(i + bs, hi)]
                 t0 = time.perf_counter()
-                toks = one(p, base.sampling.max_new_tokens)
-                out.append((toks, {"new_tokens": len(toks), "wall_s": time.perf_counter() - t0}))
+                outs = [one(chunk[0], base.sampling.max_new_tokens)] if len(chunk) == 1 else batched(chunk, base.sampling.max_new_tokens)
+                wall = (time.perf_counter() - t0) / len(chunk)
+                out += [(toks, {"new_tokens": len(toks), "wall_s": wall}) for toks in outs]
         finally:
             torch.set_num_threads(ours)
         return out

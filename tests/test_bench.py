@@ -193,3 +193,27 @@ def test_no_pass_reads_what_an_earlier_pass_or_the_warm_up_decoded(tiny_family, 
     for spec in ("copy", "ngram+k=4"):
         taus = methods[spec]["tau_by_pass"]
         assert len(taus) == 3 and len(set(taus)) == 1, (spec, taus)
+
+
+def test_transformers_generate_runs_batched_at_the_bench_batch_size(tiny_family, tmp_path, monkeypatch):
+    """--batch-size B: transformers' plain generate decodes left-padded batches of B prompts (its output cut
+    at each row's end of text), as a user of transformers batches; outputs agree with ar's."""
+    from transformers import GenerationMixin
+
+    calls = []
+    original = GenerationMixin.generate
+
+    def spy(self, *args, **kwargs):
+        calls.append(kwargs["input_ids"].shape[0])
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(GenerationMixin, "generate", spy)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"def f{i}(x):\n" + "    y = x\n" * i}) + "\n" for i in range(5)))
+    report_path = tmp_path / "r.json"
+    res = invoke(["bench", "--in", str(prompts), "--target", str(tiny_family / "target"), "--max-new-tokens", "10",
+                  "--methods", "hf-generate", "--warmup", "0", "--batch-size", "3", "--out", str(report_path)])
+    assert res.exit_code == 0, res.output
+    methods = {m["method"]: m for m in json.loads(report_path.read_text())["methods"]}
+    assert methods["hf-generate"]["identical_to_ar"] == 1.0 and methods["hf-generate"]["new_tokens"] > 0
+    assert sorted(calls) == [2, 3]  # five prompts: a batch of three, then of two
