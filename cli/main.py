@@ -144,7 +144,7 @@ def bench(
     max_new_tokens: o.MaxNewTokens = 128,
     temperature: o.Temperature = 0.0,
     num_samples: o.NumSamples = 1,
-    batch_size: Annotated[int, typer.Option("--batch-size", help="Batch size for specdec methods (peers run at bs=1).")] = 1,
+    batch_size: Annotated[int, typer.Option("--batch-size", help="Batch size for specdec methods and transformers' plain generate (prompt lookup and assisted generation take one row).")] = 1,
     repeats: Annotated[int, typer.Option("--repeats", min=1, help="Timed passes, each decoding every prompt with every method, interleaved batch by batch; speedup is the median of per-pass ratios to ar.")] = 1,
     warmup: Annotated[int, typer.Option("--warmup", min=0, help="Warm-up prompts per method before timing.")] = 2,
     limit: Annotated[Optional[int], typer.Option("--limit", min=1, help="Use only the first N prompts.")] = None,
@@ -159,6 +159,7 @@ def bench(
     threads: o.Threads = 0,
     shared_prefix: Annotated[str, typer.Option("--shared-prefix", help="A prompt prefix shared by a batch's records is prefilled once: auto, off, or FILE.")] = "auto",
     compile: o.Compile = False,
+    busy: Annotated[int, typer.Option("--busy", min=0, help="Competing CPU-bound processes kept running through the whole run (a shared machine's load), recorded in the report.")] = 0,
 ) -> None:
     """Benchmark methods against plain decoding (and transformers' own) in one process, on the same prompts."""
     from specdec.bench.bench import BenchConfig, render, run_bench
@@ -181,7 +182,7 @@ def bench(
     )
     cfg = BenchConfig(
         in_path=in_path, target=target, methods=[m for m in methods.split(",") if m],
-        repeats=repeats, warmup=warmup, limit=limit, command=cli_command(), options=options,
+        repeats=repeats, warmup=warmup, limit=limit, busy=busy, command=cli_command(), options=options,
     )
     report = run_bench(cfg, console, default_target=lambda: default_target(console))
     render(report, console, out, plot)

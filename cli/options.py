@@ -55,7 +55,7 @@ DeviceMapOpt = Annotated[Optional[DeviceMap], typer.Option("--device-map", help=
 AttnImpl = Annotated[Optional[str], typer.Option("--attn-implementation", help="sdpa, eager or flex_attention (default: the model's own choice).")]
 TrustRemoteCode = Annotated[bool, typer.Option("--trust-remote-code", help="Allow the checkpoint's own Python code (off by default).")]
 Compile = Annotated[bool, typer.Option("--compile", help="Run decode steps through torch.compile against preallocated key/value buffers (CUDA graphs on a GPU); the first steps of each shape pay the compilation.")]
-Threads = Annotated[int, typer.Option("--threads", help="CPU intra-op threads (0: all cores once parameters x batch rows reach 1.2M, one below).")]
+Threads = Annotated[int, typer.Option("--threads", help="CPU intra-op threads (0: follow the load, the cores other processes keep busy left to them; one thread for forwards under 1.2M parameters x rows).")]
 KernelsOpt = Annotated[Kernels, typer.Option("--kernels", help="Verification and tree-attention kernels: auto (Triton on CUDA), triton or torch.")]
 BatchSize = Annotated[int, typer.Option("--batch-size", help="Rows decoded together (training: sequences per process per micro-batch).")]
 MaxNewTokens = Annotated[int, typer.Option("--max-new-tokens", help="New-token budget per record.")]

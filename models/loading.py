@@ -42,7 +42,7 @@ class Placement:
     device_map: str | None = None  # "auto": accelerate's big-model placement across the visible devices
     attn_implementation: str | None = None  # None: the model's own choice
     trust_remote_code: bool = False
-    threads: int = 0  # 0: all cores for forwards of THREADS_MIN_WORK (parameters x rows) and more, one below
+    threads: int = 0  # 0: follow the load (models.threads) under a ceiling: all cores for forwards of THREADS_MIN_WORK (parameters x rows) and more, one below
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
