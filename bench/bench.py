@@ -49,7 +49,7 @@ from specdec.bench.timing import Run, Runner, run_passes, speedup, tokens_per_s
 from specdec.decode.engine.types import GenRequest, add_counts
 from specdec.models.artifacts import resolve_member
 from specdec.models.errors import SpecdecError, UsageError
-from specdec.models.threads import torch_default
+from specdec.models.threads import held, torch_default
 from specdec.models.loading import input_device, load_draft, resolve_source, reuse_loaded
 
 
@@ -64,6 +64,7 @@ class BenchConfig:
     repeats: int = 1
     warmup: int = 2
     limit: int | None = None
+    busy: int = 0  # competing CPU-bound processes kept running from the target's load to the last pass
     command: str | None = None  # recorded in the report (default: this process's command line)
     options: DecodeOptions = field(default_factory=lambda: DecodeOptions(batch_size=1))
 
@@ -150,10 +151,17 @@ def run_bench(cfg: BenchConfig, console=None, default_target: Callable[[], str] 
         records = records[: cfg.limit]
     if not records:
         raise SpecdecError(f"{cfg.in_path}: no usable prompts")
-    base = cfg.options
-    if plan.is_diffusion:
-        return diffusion_bench.bench_diffusion(str(target_path), [r.extra for r in records], list(plan.methods), base,
-                                               repeats=cfg.repeats, warmup=cfg.warmup, command=cfg.command)
+    with competing_load(cfg.busy):
+        if plan.is_diffusion:
+            report = diffusion_bench.bench_diffusion(str(target_path), [r.extra for r in records], list(plan.methods), cfg.options,
+                                                     repeats=cfg.repeats, warmup=cfg.warmup, command=cfg.command)
+            report["config"]["busy"] = cfg.busy
+            return report
+        return _bench_causal(cfg, plan, records, console)
+
+
+def _bench_causal(cfg: BenchConfig, plan: BenchPlan, records: list, console) -> dict:
+    base, target_path = cfg.options, plan.source
     model, tok, _ = load_decode_target(str(target_path), base)  # one thread setting for every method of the run
     prompts = [tok(r.prompt)["input_ids"] for r in records]
     categories = [r.category or "all" for r in records]
@@ -188,6 +196,23 @@ def run_bench(cfg: BenchConfig, console=None, default_target: Callable[[], str] 
         "methods": entries,
         **provenance(cfg.command, input_device(model)),
     }
+
+
+@contextlib.contextmanager
+def competing_load(n: int):
+    """``n`` processes that each keep one core busy (a pure-Python spin loop) until the block ends: the
+    state of a shared machine or a laptop, where specdec and transformers' peers are measured alike."""
+    import subprocess
+
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        if procs:
+            time.sleep(1.0)  # the load is on before the target loads and threads are chosen
+        yield procs
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
 
 
 def _config(cfg: BenchConfig) -> dict:
@@ -242,16 +267,20 @@ def _prepare_method(spec: str, model, tok, prompts, method: Method, warmup: int)
     warm_tokens = new_tokens if compiled else min(16, new_tokens)
     if compiled and warmup:
         warm = spread_by_length(prompts, warmup)
-    for i in range(0, len(warm), bs):
-        engine.generate(_sample_requests(warm, i, min(i + bs, len(warm)), warm_tokens, n))
+    # ``+threads=N`` holds the method at N intra-op threads while it runs (the others keep the run's setting)
+    pinned = (lambda: held(opts.placement.threads)) if opts.placement.threads > 0 else contextlib.nullcontext
+    with pinned():
+        for i in range(0, len(warm), bs):
+            engine.generate(_sample_requests(warm, i, min(i + bs, len(warm)), warm_tokens, n))
 
     def decode(lo: int, hi: int) -> list:
         out = []
-        for i in range(lo, hi, bs):
-            t0 = time.perf_counter()
-            res = built["engine"].generate(_sample_requests(prompts, i, min(i + bs, hi), new_tokens, n))
-            wall = time.perf_counter() - t0
-            out += [_joined(res[j : j + n], wall * n / len(res)) for j in range(0, len(res), n)]
+        with pinned():
+            for i in range(lo, hi, bs):
+                t0 = time.perf_counter()
+                res = built["engine"].generate(_sample_requests(prompts, i, min(i + bs, hi), new_tokens, n))
+                wall = time.perf_counter() - t0
+                out += [_joined(res[j : j + n], wall * n / len(res)) for j in range(0, len(res), n)]
         return out
 
     # the model's estimate for one batch of rows at the run's longest prompt (weights excluded: they are shared)

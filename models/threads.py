@@ -13,6 +13,7 @@ files do not exist, the count stays at the ceiling. ``--threads N`` fixes the co
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -135,6 +136,22 @@ def fix(threads: int) -> None:
     torch_default()
     _governor = None
     torch.set_num_threads(threads)
+
+
+@contextlib.contextmanager
+def held(threads: int):
+    """``threads`` fixed inside the block (a bench method's ``+threads=N``), and after it what was there
+    before: the governor that followed the load, or the fixed count."""
+    global _governor
+    import torch
+
+    saved, before = _governor, torch.get_num_threads()
+    fix(threads)
+    try:
+        yield
+    finally:
+        _governor = saved
+        torch.set_num_threads(saved.current if saved is not None else before)
 
 
 def tick() -> int | None:

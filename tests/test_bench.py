@@ -217,3 +217,30 @@ def test_transformers_generate_runs_batched_at_the_bench_batch_size(tiny_family,
     methods = {m["method"]: m for m in json.loads(report_path.read_text())["methods"]}
     assert methods["hf-generate"]["identical_to_ar"] == 1.0 and methods["hf-generate"]["new_tokens"] > 0
     assert sorted(calls) == [2, 3]  # five prompts: a batch of three, then of two
+
+
+def test_competing_load_keeps_its_processes_running_and_stops_them():
+    from specdec.bench.bench import competing_load
+
+    with competing_load(2) as procs:
+        assert len(procs) == 2 and all(p.poll() is None for p in procs)  # spinning through the block
+    assert all(p.poll() is not None for p in procs)  # none outlives the run
+    with competing_load(0) as none:
+        assert none == []
+
+
+def test_a_method_held_at_its_own_threads_leaves_the_others_theirs():
+    import torch
+
+    from specdec.models import threads
+
+    with threads.held(torch.get_num_threads()):  # this process's setting back after the test
+        threads.follow_load(1)
+        gov = threads.governor()
+        with threads.held(2):
+            assert torch.get_num_threads() == 2 and threads.governor() is None  # the load is not followed inside
+        assert threads.governor() is gov and torch.get_num_threads() == gov.current  # the governor is back
+        threads.fix(3)
+        with threads.held(1):
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 3 and threads.governor() is None
