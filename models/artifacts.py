@@ -82,8 +82,12 @@ def resolve_member(name_or_dir: str | os.PathLike, family: str | None = None) ->
     raise SpecdecError(f"no such model or artifact directory: {name_or_dir}")
 
 
+PART = ".__part"  # a tensor larger than a shard is stored as row blocks NAME.__partIofN (I from 0)
+
+
 def load_weights(artifact_dir: str | os.PathLike) -> dict:
-    """An artifact's tensors: model.safetensors, or every shard its model.safetensors.index.json lists."""
+    """An artifact's tensors: model.safetensors, or every shard its model.safetensors.index.json lists
+    (a tensor stored as row blocks joined again)."""
     from safetensors.torch import load_file
 
     folder = Path(artifact_dir)
@@ -93,12 +97,22 @@ def load_weights(artifact_dir: str | os.PathLike) -> dict:
     weights: dict = {}
     for shard in sorted(set(json.loads(index.read_text())["weight_map"].values())):
         weights.update(load_file(str(folder / shard)))
+    parts: dict = {}
+    for key in [k for k in weights if PART in k]:
+        name, _, tail = key.rpartition(PART)
+        parts.setdefault(name, {})[int(tail.partition("of")[0])] = weights.pop(key)
+    if parts:
+        import torch
+
+        for name, blocks in parts.items():
+            weights[name] = torch.cat([blocks[i] for i in range(len(blocks))], dim=0)
     return weights
 
 
 def save_weights(state: dict, artifact_dir: str | os.PathLike, max_shard_bytes: int | None = None) -> list[Path]:
-    """Write ``state`` as model.safetensors, or as shards of at most ``max_shard_bytes`` (one tensor
-    larger than that gets a shard of its own) with the index transformers writes. Returns the files."""
+    """Write ``state`` as model.safetensors, or as shards of at most ``max_shard_bytes`` with the index
+    transformers writes; a tensor larger than a shard is cut into row blocks (``PART``) that
+    ``load_weights`` joins. Returns the files."""
     from huggingface_hub import split_torch_state_dict_into_shards
     from safetensors.torch import save_file
 
@@ -108,6 +122,16 @@ def save_weights(state: dict, artifact_dir: str | os.PathLike, max_shard_bytes: 
     if max_shard_bytes is None:
         save_file(state, str(folder / "model.safetensors"))
         return [folder / "model.safetensors"]
+    cut: dict = {}
+    for k, v in state.items():
+        size = v.numel() * v.element_size()
+        if size <= max_shard_bytes or v.dim() == 0 or v.shape[0] < 2:
+            cut[k] = v
+            continue
+        n = min(-(-size // max_shard_bytes), v.shape[0])
+        for i, block in enumerate(v.tensor_split(n, dim=0)):
+            cut[f"{k}{PART}{i}of{n}"] = block.clone()  # a view would share its storage: one shard for all blocks
+    state = cut
     split = split_torch_state_dict_into_shards(state, max_shard_size=max_shard_bytes)
     files = []
     for name, keys in split.filename_to_tensors.items():

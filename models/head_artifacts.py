@@ -43,7 +43,10 @@ def save_heads(heads, out_dir: Path, fingerprint: dict, target_config) -> None:
     from safetensors.torch import save_file
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().float().contiguous() for k, v in heads.state_dict().items()}, str(out_dir / "model.safetensors"))
+    # float weights in float32; integer tensors (a reduced vocabulary's target ids) stay integers: a later
+    # cast to bf16 (shipping) would round ids above 256
+    save_file({k: (v.detach().float() if v.is_floating_point() else v.detach()).contiguous() for k, v in heads.state_dict().items()},
+              str(out_dir / "model.safetensors"))
     extra = {}
     if heads.d2t is not None:
         from specdec.models.vocab import DraftVocab

@@ -607,7 +607,7 @@ def export_speculators(src: str | os.PathLike, dst: str | os.PathLike, speculati
     layer, vocab, hidden = cfg["layer"], int(cfg["vocab_size"]), int(cfg["layer"]["hidden_size"])
     speculative_tokens = int(speculative_tokens or cfg.get("unroll") or 3)
     verifier = _verifier(src)
-    ids = state.pop("draft_ids", None)  # specdec's artifacts store every tensor as float32 (exact below 2**24)
+    ids = state.pop("draft_ids", None)  # integers; float32 in artifacts written before they were kept as integers
     d2t, sorted_ids = _sorted_vocab(state, None if ids is None else ids.round().long())
     out = {k: v.float().contiguous() for k, v in state.items()}
     if "embed_tokens.weight" not in out:  # speculators' loader reads the embedding from the checkpoint

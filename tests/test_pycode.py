@@ -306,6 +306,45 @@ def test_sharded_head_artifact_loads_as_its_single_file(tmp_path):
     assert torch.equal(load_file(str(tmp_path / "vllm" / "model.safetensors"))["fc.weight"], weights["fc.weight"].to(torch.bfloat16))
 
 
+def test_a_tensor_larger_than_a_shard_is_stored_in_row_blocks_and_joined_on_load(tmp_path):
+    from safetensors import safe_open
+
+    from specdec.models.artifacts import PART, load_weights, save_weights
+
+    g = torch.Generator().manual_seed(0)
+    state = {"lm_head.weight": torch.randn(301, 40, generator=g).to(torch.bfloat16), "norm.weight": torch.randn(40, generator=g)}
+    files = save_weights(state, tmp_path / "a", max_shard_bytes=8_000)  # the head is 24 kB: three blocks at least
+    shards = [f for f in files if f.suffix == ".safetensors"]
+    assert len(shards) >= 3 and all(f.stat().st_size <= 8_000 + 1_000 for f in shards)  # the header on top
+    stored = set()
+    for f in shards:
+        with safe_open(str(f), "pt") as fh:
+            stored |= set(fh.keys())
+    assert "lm_head.weight" not in stored and any(PART in k for k in stored)
+    loaded = load_weights(tmp_path / "a")
+    assert set(loaded) == set(state) and all(torch.equal(loaded[k], state[k]) for k in state)
+
+
+def test_a_shipped_head_keeps_its_draft_vocabularys_target_ids_exact(tmp_path):
+    """Shipping casts weights to bf16, which holds integers exactly only up to 256: a reduced vocabulary's
+    target ids (Gemma's run to 262,143) must stay integers, or the head proposes the wrong tokens."""
+    from conftest import tiny_llama
+
+    from specdec.models.artifacts import load_weights
+    from specdec.models.head_artifacts import save_heads
+    from specdec.models.interop import Eagle3Head, layer_config
+    from specdec.train.ship import _ship_member
+
+    target = tiny_llama()
+    ids = torch.tensor([3, 257, 1001, 70_001, 262_143])
+    head = Eagle3Head(layer_config(target.config), [0, 1, 1], vocab=262_144, draft_ids=ids)
+    save_heads(head, tmp_path / "built", {"vocab_size": 262_144}, target.config)
+    _ship_member(tmp_path / "built", tmp_path / "shipped", 15 * 2**20)
+    shipped = load_weights(tmp_path / "shipped")
+    assert not shipped["draft_ids"].is_floating_point() and torch.equal(shipped["draft_ids"], ids)
+    assert shipped["fc.weight"].dtype == torch.bfloat16  # the weights are the ones cast
+
+
 def fake_family(root: Path) -> Path:
     from conftest import save_tiny_lm, tiny_tokenizer
 
