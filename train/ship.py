@@ -96,8 +96,8 @@ def ship_family(family: Path, out: Path, plan: ExportPlan, command: str) -> dict
         for f in FAMILY_FILES:
             if (family / f).exists():
                 shutil.copyfile(family / f, tmp / f)
-        _relative_paths(tmp, family)
         report = _json(family / "recipe_report.json")
+        _relative_paths(tmp, family, (report.get("target") or {}).get("folder") if "target" not in plan.members else None)
         left_out = [m for m in FAMILY_MEMBERS if m not in plan.members and (family / m / "metrics.json").exists()]
         built_by = [r["command"] for r in report.get("runs", []) if r.get("command")]
         card_of = pretrained_card if "target" not in plan.members else model_card
@@ -123,12 +123,19 @@ def _side_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in _side_files(folder))
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json")
+
+
 def _side_files(folder: Path) -> list[Path]:
+    """A member's files besides its weights. A member with a reduced draft vocabulary leaves the target's
+    tokenizer out: its ids are the map's, not the tokenizer's, and decode checks it against the target by
+    the fingerprint in its config (Gemma's tokenizer alone is 33 MB)."""
     from specdec.models.vocab import FILE as VOCAB_FILE
 
+    reduced = (folder / VOCAB_FILE).is_file()
     return [p for p in sorted(folder.iterdir()) if p.is_file() and (not p.name.endswith(".safetensors") or p.name == VOCAB_FILE)
             and p.name != "model.safetensors.index.json" and not p.name.endswith(".tmp")
-            and not p.name.startswith("teacher_cache")]
+            and not p.name.startswith("teacher_cache") and not (reduced and p.name in TOKENIZER_FILES)]
 
 
 def _ship_member(src: Path, dst: Path, max_file_bytes: int) -> None:
@@ -149,14 +156,19 @@ def _ship_member(src: Path, dst: Path, max_file_bytes: int) -> None:
             shutil.copyfile(f, dst / f.name)
 
 
-def _relative_paths(root: Path, family: Path) -> None:
-    """Paths into the build folder recorded in configs and metrics, made relative to the family."""
+def _relative_paths(root: Path, family: Path, target: str | None = None) -> None:
+    """Paths into the build folder recorded in configs and metrics, made relative to the family; the
+    folder of a target converted from its package (``target``), named by the family instead, which
+    resolves to that folder on any machine (models.artifacts)."""
     prefix = str(family.resolve())
     for p in root.rglob("*"):
         if p.is_file() and p.suffix in (".json", ".yaml", ".jsonl"):
             text = p.read_text()
-            if prefix in text:
-                p.write_text(text.replace(prefix + "/", "").replace(prefix, "."))
+            new = text.replace(prefix + "/", "").replace(prefix, ".")
+            if target:
+                new = new.replace(target, family.name)
+            if new != text:
+                p.write_text(new)
 
 
 def model_card(name: str, folder: Path, report: dict, sizes: dict, left_out: list[str], plan: ExportPlan, command: str) -> str:
