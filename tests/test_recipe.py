@@ -128,3 +128,17 @@ def test_tiny_budget_recipe_end_to_end(tmp_path):
     ar = [json.loads(line)["completion"] for line in open(tmp_path / "ar.jsonl")]
     ng = [json.loads(line)["completion"] for line in open(tmp_path / "ngram.jsonl")]
     assert ar == ng and len(ar) == 2
+
+
+def test_pretrained_prompts_hold_every_kind_in_turn(tmp_path, monkeypatch):
+    """The default family's benchmark prompts: code kinds and prose in turn, so `bench --limit N` takes each."""
+    from conftest import save_tiny_lm, tiny_tokenizer
+
+    from specdec.train import recipe
+
+    save_tiny_lm(tmp_path / "target", tiny_tokenizer(), seed=0)
+    code = [{"id": f"{k}-{i}", "category": k, "prompt": "x"} for i in range(3) for k in ("docstring", "data", "code")]
+    monkeypatch.setattr(recipe, "held_out_prompts", lambda corpus, tok, per_category: code)
+    out = recipe.write_pretrained_prompts(None, ["a b c", "d e f"], tmp_path / "target", tmp_path / "p.jsonl", 3)
+    cats = [json.loads(line)["category"] for line in out.read_text().splitlines()]
+    assert cats == ["docstring", "data", "code", "prose"] * 2 + ["docstring", "data", "code"]

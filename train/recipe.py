@@ -272,10 +272,16 @@ def write_pretrained_prompts(corpus, prose_held: list[str], target: Path, out: P
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(target)
-    rows = held_out_prompts(corpus, tok, per_category=n)
+    code = held_out_prompts(corpus, tok, per_category=n)  # the code kinds in turn
+    prose = []
     for i, text in enumerate(prose_held[:n]):
         ids = tok(text, add_special_tokens=False)["input_ids"][:160]
-        rows.append({"id": f"prose-{i + 1:02d}", "category": "prose", "prompt": tok.decode(ids)})
+        prose.append({"id": f"prose-{i + 1:02d}", "category": "prose", "prompt": tok.decode(ids)})
+    # every kind in turn, prose too, so that the first N prompts (bench --limit N) hold each kind
+    kinds = max(len({r["category"] for r in code}), 1)
+    rows = []
+    for i in range(max(-(-len(code) // kinds), len(prose))):
+        rows += code[i * kinds : (i + 1) * kinds] + prose[i : i + 1]
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return out
