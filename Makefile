@@ -22,11 +22,16 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 
 venv: $(STAMP)
 
-## Build the default model family if needed (once), then decode the shipped prompts.
+## Decode examples/demo.jsonl with the default model, Gemma 3 270M (converted from its package once): plain
+## decoding, then the fastest lossless method measured on it (benchmarks/), prompt lookup (`ngram`); print a
+## completion of each kind and the speedup (DEMO_DRAFTER=eagle3 tries a shipped drafter).
+DEMO_DRAFTER ?= ngram
+DEMO_ARGS ?= --in examples/demo.jsonl --max-new-tokens 64 --batch-size 1 --overwrite
 demo: $(STAMP)
 	mkdir -p out
-	$(BIN)/specdec decode --in examples/prompts.jsonl --out out/demo.jsonl --overwrite --drafter ngram --batch-size 8
-	@$(BIN)/python -c "import json; rows=[json.loads(l) for l in open('out/demo.jsonl')]; r=rows[0]; print('\n--- first record:', r['id']); print(r['completion'][:400])"
+	$(BIN)/specdec decode $(DEMO_ARGS) --out out/demo-ar.jsonl --drafter ar
+	$(BIN)/specdec decode $(DEMO_ARGS) --out out/demo.jsonl --drafter $(DEMO_DRAFTER)
+	@$(BIN)/python scripts/demo-summary out/demo-ar.jsonl out/demo.jsonl $(DEMO_DRAFTER)
 
 ## The whole test suite (CI runs exactly this).
 test: $(STAMP)
