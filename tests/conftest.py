@@ -52,6 +52,21 @@ def target():
     return tiny_llama(seed=0)
 
 
+
+@pytest.fixture(autouse=True)
+def _threads_of_its_own():
+    """Each test starts without a load-following thread governor left by an earlier one (a decode's
+    ``--threads 0``): left behind, it re-reads the machine's load between rounds and changes torch's
+    thread count, and so the order of float reductions, in the middle of another test's comparison."""
+    import torch
+
+    from specdec.models import threads
+
+    before = torch.get_num_threads()
+    threads.fix(before)
+    yield
+    threads.fix(before)
+
 @pytest.fixture(scope="session")
 def draft_model():
     return tiny_llama(seed=1, layers=1, hidden=32)

@@ -55,7 +55,10 @@ def test_greedy_speculative_is_lossless(target, draft_model, name, bsz):
     prompts = make_prompts(bsz, seed=11 + bsz)
     budgets = [40, 23, 31][:bsz]  # rows finish at different times
     ar = SpecEngine(target, ByteTokenizer()).generate(requests(prompts, budgets))
-    spec = SpecEngine(target, ByteTokenizer(), drafters(target, draft_model)[name]()).generate(requests(prompts, budgets))
+    # the perfect drafter drafts a fixed 4 a round: drafted lengths that follow measured costs would draft
+    # little where the draft costs what the target does (it is the target), and timing decides how little
+    k = {"num_draft": 4} if name == "self-draft" else {}
+    spec = SpecEngine(target, ByteTokenizer(), drafters(target, draft_model)[name](), **k).generate(requests(prompts, budgets))
     assert [r.token_ids for r in spec] == [r.token_ids for r in ar]
     assert [r.finish_reason for r in spec] == [r.finish_reason for r in ar]
     if name == "self-draft":
