@@ -32,7 +32,10 @@ def evaluate_heads(heads, target, heldout, k: int, batch: int = 8, top_k: int = 
             ids = heldout[i : i + batch]["input_ids"].to(target.get_input_embeddings().weight.device)
             out = target(input_ids=ids, output_hidden_states=True)
             greedy = out.logits.argmax(-1)
-            logits = heads.chain_logits(out.hidden_states, ids, k).float()
+            # the heads read the target's states in their own dtype (a bf16 target beside float32 heads,
+            # outside the training loop's autocast)
+            dtype = next(heads.parameters()).dtype
+            logits = heads.chain_logits(tuple(h.to(dtype) for h in out.hidden_states), ids, k).float()
             t = ids.shape[1]
             m = torch.zeros(ids.shape[0], t - 1 - k, k, dtype=torch.bool)
             for j in range(k):
