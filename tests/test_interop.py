@@ -116,6 +116,16 @@ def _speculators_tokens(model, target, ids, steps=STEPS):
     return [tk[0] + (d2t[tk[0]] if d2t is not None else 0) for tk in toks]
 
 
+def _assert_same_proposals(model, head, target, ids):
+    """speculators' model and specdec's head propose the same target ids at every unrolled step."""
+    chain = _chain(head, target, ids).argmax(-1)
+    theirs = _speculators_tokens(model, target, ids)
+    t = ids.shape[1]
+    for u in range(STEPS):
+        n = t - 1 - u  # positions whose teacher-forced tokens are all real
+        assert torch.equal(theirs[u][:n], chain[u, :n]), u
+
+
 def _greedy(target, tok, drafter, n=3, max_new=16):
     reqs = [GenRequest(prompt_ids=p, max_new_tokens=max_new) for p in make_prompts(n, vocab=len(tok), seed=7)]
     return [r.token_ids for r in SpecEngine(target, tok, drafter).generate(reqs)]
@@ -150,12 +160,7 @@ def test_speculators_loads_the_export_and_proposes_the_same_tokens(env, variant)
     assert isinstance(model, Eagle3DraftModel)
     head, _ = load_heads(art, target)
     ids = _text(tok)
-    chain = _chain(head, target, ids).argmax(-1)
-    theirs = _speculators_tokens(model, target, ids)
-    t = ids.shape[1]
-    for u in range(STEPS):
-        n = t - 1 - u  # positions whose teacher-forced tokens are all real
-        assert torch.equal(theirs[u][:n], chain[u, :n]), u
+    _assert_same_proposals(model, head, target, ids)
     if variant.get("reduced"):
         assert model.d2t is not None and bool((model.d2t != 0).any())
 
@@ -407,9 +412,4 @@ def test_the_shipped_gemma_eagle3_head_exports_for_speculators_and_proposes_the_
     head = head.float()
     text = "import os\n\n\ndef list_python_files(root):\n    \"\"\"Return every .py file below root.\"\"\"\n    out = []\n"
     ids = tok(text, return_tensors="pt")["input_ids"]
-    chain = _chain(head, target, ids).argmax(-1)
-    theirs = _speculators_tokens(model, target, ids)
-    t = ids.shape[1]
-    for u in range(STEPS):
-        n = t - 1 - u  # positions whose teacher-forced tokens are all real
-        assert torch.equal(theirs[u][:n], chain[u, :n]), u
+    _assert_same_proposals(model, head, target, ids)
