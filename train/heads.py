@@ -27,14 +27,14 @@ def evaluate_heads(heads, target, heldout, k: int, batch: int = 8, top_k: int = 
     from specdec.train.teacher import eval_batch
 
     batch = eval_batch(batch, heldout, target, budget_bytes=1e9 / max(k, 1))
+    # the heads read the target's states in their own dtype (a bf16 target beside float32 heads, outside
+    # the training loop's autocast)
+    dtype = next(heads.parameters()).dtype
     with torch.no_grad():
         for i in range(0, len(heldout), batch):
             ids = heldout[i : i + batch]["input_ids"].to(target.get_input_embeddings().weight.device)
             out = target(input_ids=ids, output_hidden_states=True)
             greedy = out.logits.argmax(-1)
-            # the heads read the target's states in their own dtype (a bf16 target beside float32 heads,
-            # outside the training loop's autocast)
-            dtype = next(heads.parameters()).dtype
             logits = heads.chain_logits(tuple(h.to(dtype) for h in out.hidden_states), ids, k).float()
             t = ids.shape[1]
             m = torch.zeros(ids.shape[0], t - 1 - k, k, dtype=torch.bool)
