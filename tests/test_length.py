@@ -38,3 +38,46 @@ def test_classes_are_kept_apart_and_unknown_costs_draft_everything():
     assert long >= 6 and short <= 2
     assert length.best(3, 1, 2) <= 2  # never past what the row has
     assert length.forward_cost(1, 20) > length.forward_cost(1, 13)  # extrapolated by the last slope
+
+
+def test_untimed_lengths_follow_acceptance_not_the_clock():
+    """Sampling: lengths may not depend on measured seconds (they decide how many random draws a round takes)."""
+    fast, slow = DraftLength(12, timed=False), DraftLength(12, timed=False)
+    _costs(fast, per_token=0.01)
+    _costs(slow, per_token=5.0)
+    for length in (fast, slow):
+        _accept(length, cls=1, rate_first=0.05)
+        _accept(length, cls=2, rate_first=0.95)
+    assert [fast.best(c, 1, 12) for c in (1, 2) * 10] == [slow.best(c, 1, 12) for c in (1, 2) * 10]
+    assert max(fast.best(1, 1, 12) for _ in range(20)) <= 3 and min(fast.best(2, 1, 12) for _ in range(20)) >= 8
+
+
+def test_a_seeded_sampled_decode_does_not_depend_on_the_machines_timing(monkeypatch):
+    """The same seed gives the same samples whatever the forwards measure (timed lengths broke this)."""
+    import random
+    import time
+
+    from conftest import ByteTokenizer, tiny_llama
+
+    from specdec.decode.drafters.draft_model import ModelDrafter
+    from specdec.decode.engine import loop
+    from specdec.decode.engine.types import GenRequest
+    from specdec.decode.engine.verify import Sampling
+
+    target, draft = tiny_llama(seed=3), tiny_llama(seed=4, layers=1, hidden=32)
+    prompts = [[5, 7, 5, 7, 5, 9], [3, 1, 4, 1, 5], [2, 7, 1, 8, 2, 8, 1]]
+    outs = []
+    for clock_seed in (0, 1):
+        jitter, now = random.Random(clock_seed), [0.0]
+
+        def clock():
+            now[0] += jitter.uniform(1e-4, 1.0)  # a machine whose load comes and goes
+            return now[0]
+
+        monkeypatch.setattr(loop.time, "perf_counter", clock)
+        engine = loop.SpecEngine(target, ByteTokenizer(), ModelDrafter(draft), Sampling(temperature=0.9), seed=7,
+                                 eos_ids=[], adaptive_length=True)
+        assert engine.length is not None
+        outs.append([r.token_ids for r in engine.generate([GenRequest(p, 40) for p in prompts])])
+        monkeypatch.setattr(loop.time, "perf_counter", time.perf_counter)
+    assert outs[0] == outs[1]

@@ -11,6 +11,12 @@ t the forward time at that width and d a draft token's time. Unmeasured widths a
 (or extrapolated by the last slope); a small share of rounds drafts two positions further, so
 positions past the chosen length keep being measured. Which tokens are drafted never depends on
 it: the output is unchanged, only the work per round.
+
+When sampling (T>0) the lengths decide how many random draws each round takes, so lengths that
+followed measured seconds would make a seeded job's output depend on the machine's load. There
+``timed=False``: costs come from a fixed model (a forward of width w costs 1 + SLOPE_PRIOR * rows *
+(w - 1) one-token forwards; a drafted token ``draft_share`` of one, the draft's parameters over the
+target's) and the lengths follow acceptance alone, which the seed fixes.
 """
 
 from __future__ import annotations
@@ -28,12 +34,14 @@ SLOPE_PRIOR = 0.08  # extra seconds per extra token, as a share of a one-token f
 
 
 class DraftLength:
-    def __init__(self, max_k: int, seed: int = 0):
+    def __init__(self, max_k: int, seed: int = 0, timed: bool = True, draft_share: float = 0.0):
         self.max_k = max(1, max_k)
+        self.timed = timed
         self.acc = torch.full((CLASSES, self.max_k), PRIOR_ACCEPT * PRIOR_WEIGHT, dtype=torch.float64)
         self.seen = torch.full((CLASSES, self.max_k), PRIOR_WEIGHT, dtype=torch.float64)
         self.times: dict[tuple[int, int], float] = {}  # (rows bucket, width) -> EWMA seconds
-        self.draft_s = 0.0  # EWMA seconds per drafted position (draft models; model-free drafters ~0)
+        # EWMA seconds per drafted position (draft models; model-free drafters ~0); untimed: a share of a forward
+        self.draft_s = 0.0 if timed else draft_share
         self.rng = random.Random(seed)
         self.chosen: list[int] = []  # the lengths of the last choice (stats)
 
@@ -44,17 +52,21 @@ class DraftLength:
         return min(rows.bit_length(), 6)  # 1, 2-3, 4-7, ... rows
 
     def record_forward(self, rows: int, width: int, seconds: float) -> None:
+        if not self.timed:
+            return
         key = (self._bucket(rows), width)
         old = self.times.get(key)
         self.times[key] = seconds if old is None else 0.8 * old + 0.2 * seconds
 
     def record_draft(self, positions: int, seconds: float) -> None:
-        if positions > 0:
+        if positions > 0 and self.timed:
             per = seconds / positions
             self.draft_s = per if not self.draft_s else 0.9 * self.draft_s + 0.1 * per
 
     def forward_cost(self, rows: int, width: int) -> float | None:
         """Seconds of a forward of ``width`` tokens per row: measured, interpolated or extrapolated."""
+        if not self.timed:
+            return 1.0 + SLOPE_PRIOR * rows * (width - 1)
         b = self._bucket(rows)
         known = sorted((w, t) for (bb, w), t in self.times.items() if bb == b)
         if not known:
