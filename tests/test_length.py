@@ -81,3 +81,24 @@ def test_a_seeded_sampled_decode_does_not_depend_on_the_machines_timing(monkeypa
         outs.append([r.token_ids for r in engine.generate([GenRequest(p, 40) for p in prompts])])
         monkeypatch.setattr(loop.time, "perf_counter", time.perf_counter)
     assert outs[0] == outs[1]
+
+
+def test_tree_size_and_depth_pay_for_themselves():
+    """A dynamic tree verifies the nodes whose chances pay for the wider forward, and stops deepening
+    once a level costs more than its best node is worth."""
+    import torch
+
+    costly, cheap = DraftLength(8), DraftLength(8)
+    _costs(costly, per_token=0.3)
+    _costs(cheap, per_token=0.001)
+    for length in (costly, cheap):
+        length.record_draft(4, 4 * 0.002)
+    scores = torch.tensor([[0.9, 0.6, 0.3, 0.05, 0.05, 0.02, 0.01, 0.01, 0.01, 0.01]]).log()
+    small, large = costly.tree_size(scores, 16, 4), cheap.tree_size(scores, 16, 4)
+    assert 1 <= small <= 3 and large == 10  # every node the tree has
+    assert cheap.tree_size(scores, 5, 4) <= 5  # never more than the drafter's own size
+    assert costly.keep_growing(0.9, 1) and not costly.keep_growing(0.01, 1)  # a level is 0.002 s, a token 0.05 s
+    quiet, loaded = DraftLength(8, timed=False, draft_share=0.05), DraftLength(8, timed=False, draft_share=0.05)
+    _costs(loaded, per_token=5.0)
+    loaded.record_draft(4, 30.0)
+    assert 1 < quiet.tree_size(scores, 16, 4) == loaded.tree_size(scores, 16, 4) < 10  # sampling: never the clock

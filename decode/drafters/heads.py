@@ -16,6 +16,8 @@ Every row gets its own tree; the engine verifies all of them in one target forwa
 
 from __future__ import annotations
 
+import time
+
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -106,6 +108,15 @@ class HeadTreeDrafter(Drafter):
         self._tpl = None
         self.calibration = AcceptanceCalibration()
         self._last_tree: Tree | None = None  # the dynamic tree under verification, for calibration
+        # a dynamic tree's depth and size follow measured costs where the engine hands it a
+        # decode.engine.length.DraftLength (on a CPU, where each verified node costs time)
+        self.length_policy = "tree" if tree == "dynamic" else None
+        self.length = None
+
+    def cost_share(self, target) -> float:
+        """A level of drafting as a share of a target forward, by parameters (untimed tree sizes)."""
+        own = sum(p.numel() for m in self.modules() for p in m.parameters())
+        return min(1.0, own / max(1, sum(p.numel() for p in target.parameters())))
 
     def modules(self) -> list:
         return [self.heads] if isinstance(self.heads, torch.nn.Module) else []
@@ -187,7 +198,9 @@ class HeadTreeDrafter(Drafter):
         tree = Tree.empty(bsz, dev)
         frontier = torch.full((bsz, 1), -1, dtype=torch.long, device=dev)
         f_score = torch.zeros(bsz, 1, dtype=torch.float64, device=dev)
+        length, start, levels = self.length, time.perf_counter(), 0
         for d in range(1, depth + 1):
+            levels = d
             logp = self._child_logprobs(tree, frontier, d - 1, batch)  # [B, m, V]
             top_lp, top_tok = logp.topk(k, dim=-1)  # [B, m, k]
             top_tok = self.heads.to_target(top_tok)  # a reduced vocabulary's ids as the target's
@@ -200,7 +213,13 @@ class HeadTreeDrafter(Drafter):
                 best = score.topk(min(k, m * k), dim=-1).indices
                 frontier = idx[best]
                 f_score = score.gather(1, best)
-        return _best_subtree(tree, self.tree_tokens, depth)
+                if length is not None and not length.keep_growing(float(f_score.max().exp()), bsz):
+                    break
+        size = self.tree_tokens
+        if length is not None:
+            length.record_draft(levels, time.perf_counter() - start)
+            size = length.tree_size(tree.score, self.tree_tokens, levels)
+        return _best_subtree(tree, size, depth)
 
 
 class AcceptanceCalibration:

@@ -1,4 +1,4 @@
-"""Draft lengths chosen by measured costs and acceptance (chain drafters, on a CPU).
+"""Draft lengths and tree sizes chosen by measured costs and acceptance (on a CPU).
 
 On a GPU a verify forward of a dozen tokens costs about what one token costs (the weights are read
 once either way). On a CPU it does not: Gemma 3 270M on two cores takes about 1.6x a one-token
@@ -8,9 +8,15 @@ length of the match), the acceptance rate of each draft position given the earli
 seconds of the target's forwards by their width; each round every row drafts the length K that
 maximises expected tokens per second: (1 + sum_{i<=K} prod_{j<=i} a_j) / (t(1 + K) + K d), with
 t the forward time at that width and d a draft token's time. Unmeasured widths are interpolated
-(or extrapolated by the last slope); a small share of rounds drafts two positions further, so
+(or extrapolated by the nearest slope); a small share of rounds drafts two positions further, so
 positions past the chosen length keep being measured. Which tokens are drafted never depends on
 it: the output is unchanged, only the work per round.
+
+Trees (EAGLE's dynamic tree): the drafter scores each node by its calibrated chance of acceptance,
+so the n best nodes of a row are worth 1 + the sum of their chances; ``tree_size`` picks the n that
+maximises that per second of the verify forward of width 1 + n (the drafting already spent), and
+``keep_growing`` stops deepening the tree once the best frontier node's chance is worth less than
+another level costs. ``draft_s`` is then the seconds of one level.
 
 When sampling (T>0) the lengths decide how many random draws each round takes, so lengths that
 followed measured seconds would make a seeded job's output depend on the machine's load. There
@@ -40,6 +46,7 @@ class DraftLength:
         self.acc = torch.full((CLASSES, self.max_k), PRIOR_ACCEPT * PRIOR_WEIGHT, dtype=torch.float64)
         self.seen = torch.full((CLASSES, self.max_k), PRIOR_WEIGHT, dtype=torch.float64)
         self.times: dict[tuple[int, int], float] = {}  # (rows bucket, width) -> EWMA seconds
+        self.warm: set[tuple[int, int]] = set()  # (rows bucket, width) run at least once
         # EWMA seconds per drafted position (draft models; model-free drafters ~0); untimed: a share of a forward
         self.draft_s = 0.0 if timed else draft_share
         self.rng = random.Random(seed)
@@ -55,6 +62,9 @@ class DraftLength:
         if not self.timed:
             return
         key = (self._bucket(rows), width)
+        if key not in self.warm:  # a shape's first forward also builds its kernels: not what the width costs
+            self.warm.add(key)
+            return
         old = self.times.get(key)
         self.times[key] = seconds if old is None else 0.8 * old + 0.2 * seconds
 
@@ -74,8 +84,10 @@ class DraftLength:
         for (w0, t0), (w1, t1) in zip(known, known[1:]):
             if w0 <= width <= w1:
                 return t0 + (t1 - t0) * (width - w0) / (w1 - w0)
-        if width < known[0][0]:
-            return known[0][1]
+        if width < known[0][0]:  # narrower than anything measured (a tree that has always been wide)
+            w0, t0 = known[0]
+            slope = (known[1][1] - t0) / (known[1][0] - w0) if len(known) >= 2 else SLOPE_PRIOR * t0
+            return max(t0 - max(slope, 0.0) * (w0 - width), t0 / 4)
         w_last, t_last = known[-1]
         if len(known) >= 2:
             (w_prev, t_prev) = known[-2]
@@ -124,3 +136,30 @@ class DraftLength:
         rows = len(classes)
         self.chosen = [self.best(c, rows, n) for c, n in zip(classes, available)]
         return self.chosen
+
+    # -- trees ---------------------------------------------------------------------------------
+
+    def tree_size(self, scores: torch.Tensor, most: int, levels: int) -> int:
+        """Nodes to verify (1..most) given every row's node scores [B, n] (log chance of acceptance,
+        -inf for padding), after ``levels`` levels of drafting: the most expected tokens per second."""
+        rows = scores.shape[0]
+        most = min(most, scores.shape[1])
+        t1 = self.forward_cost(rows, 1)
+        if t1 is None or most <= 1:
+            return most
+        chance = scores.topk(most, dim=-1).values.exp().nan_to_num(0.0).double()  # [B, most], best first
+        gain = (1 + chance.cumsum(-1)).mean(0)  # expected tokens per row with the n best nodes
+        spent = levels * self.draft_s
+        rates = [float(gain[n - 1]) / (self.forward_cost(rows, 1 + n) + spent) for n in range(1, most + 1)]
+        best = 1 + max(range(most), key=rates.__getitem__)
+        if self.rng.random() < EXPLORE:  # keep the neighbouring sizes measured
+            best = min(max(best + self.rng.choice((-2, 2)), 1), most)
+        return best
+
+    def keep_growing(self, best_chance: float, rows: int) -> bool:
+        """Whether another level pays: its best node's chance of acceptance, a token's worth of a
+        one-token forward, against a level's cost."""
+        t1 = self.forward_cost(rows, 1)
+        if t1 is None or not self.draft_s:
+            return True
+        return best_chance * t1 > self.draft_s

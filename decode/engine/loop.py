@@ -112,6 +112,8 @@ class SpecEngine:
         share = self.drafter.cost_share(target) if hasattr(self.drafter, "cost_share") else 0.0
         self.length = (DraftLength(self.num_draft, seed, timed=self.sampling.greedy, draft_share=share)
                        if use_length and policy and self.num_draft > 0 else None)
+        if policy == "tree":
+            self.drafter.length = self.length
         self.seed = seed
         self.kernels = kernels
         self.stop = [s for s in (stop or []) if s]
