@@ -18,6 +18,9 @@ it is the unchanged ``nn.Linear``.
   float32 and written over their fp16 values. The argmax of the returned row is the float32
   argmax: every token left at its fp16 value is below the recomputed winner. The other entries
   are approximations, good for drafting heuristics (top-k tables), never for probabilities.
+- Sampling by the race (``racing``: ``decode.engine.verify.race_noise``) needs each position's argmax
+  of logit / T + Gumbel noise only: the same screen on the noisy scores (the bound scaled by 1 / T,
+  plus float32 rounding of the two added terms), the candidates recomputed as logit * (1 / T) + noise.
 """
 
 from __future__ import annotations
@@ -53,6 +56,9 @@ class FastHead:
         # reference GEMM (n terms each), with a margin for the norms' own rounding
         self._rel = (_U16 + 2 * n * _U32) * 1.05
         self._fp16_ok = bool(weight.abs().max() < 6.0e4)  # beyond fp16's range a weight would become inf
+        self.noise: torch.Tensor | None = None  # [rows, V] race noise for the next forward (``racing``)
+        self.scale = 1.0  # 1 / T of the race
+        self.raced = False  # the last forward added the noise itself
         self.screened = 0  # positions screened, and candidates recomputed: the screen's statistics
         self.candidates = 0
         linear.forward = self.forward
@@ -61,11 +67,15 @@ class FastHead:
         if not self.enabled or x.dtype != torch.float32 or torch.compiler.is_compiling():
             return self.original(x)
         rows = x.numel() // x.shape[-1]
-        if self.greedy and rows <= SCREEN_UP_TO and self._fp16_ok and self._pack() is not None:
-            return self._screened(x)
-        if rows >= ONEDNN_FROM:
-            return self._onednn(x)
-        return self.original(x)
+        noise = self.noise if self.noise is not None and self.noise.shape[0] == rows else None
+        if (self.greedy or noise is not None) and rows <= SCREEN_UP_TO and self._fp16_ok and self._pack() is not None:
+            return self._screened(x, noise)
+        out = self._onednn(x) if rows >= ONEDNN_FROM else self.original(x)
+        if noise is not None:
+            out = out.reshape(rows, -1) * self.scale + noise
+            self.raced = True
+            return out.reshape(*x.shape[:-1], -1)
+        return out
 
     def _onednn(self, x: torch.Tensor) -> torch.Tensor:
         w, b = self.linear.weight, self.linear.bias
@@ -79,18 +89,25 @@ class FastHead:
                     self._packs = _fp16_packs(self.linear.weight, self.linear.bias)
         return self._packs or None
 
-    def _screened(self, x: torch.Tensor) -> torch.Tensor:
+    def _screened(self, x: torch.Tensor, noise: torch.Tensor | None = None) -> torch.Tensor:
         w, b = self.linear.weight, self.linear.bias
         h = x.reshape(-1, x.shape[-1]).contiguous()
         z = torch.cat([torch.ops.quantized.linear_dynamic_fp16(h, p) for p in self._packs], dim=1)
         eps = self._rel * h.norm(dim=1) * self._max_norm + _SUBNORMAL16 * h.abs().sum(1)
         if b is not None:
             eps = eps + _U16 * b.abs().max()
+        if noise is not None:  # the race: the same screen on logit / T + noise
+            z = z * self.scale + noise
+            # each of the two float32 operations rounds by at most half a unit of the larger magnitude
+            eps = eps * self.scale + 4 * _U32 * (z.abs().amax(dim=1) + noise.abs().amax(dim=1))
         top = z.amax(dim=1)
         rows, cols = (z >= (top - 2 * eps)[:, None]).nonzero(as_tuple=True)
         exact = (h[rows] * w[cols]).sum(-1)
         if b is not None:
             exact = exact + b[cols]
+        if noise is not None:
+            exact = exact * self.scale + noise[rows, cols]
+            self.raced = True
         z[rows, cols] = exact
         self.screened += h.shape[0]
         self.candidates += rows.numel()
@@ -151,3 +168,21 @@ def scope(model, greedy: bool):
     finally:
         head.enabled, head.greedy = before
 
+
+
+@contextlib.contextmanager
+def racing(model, noise: torch.Tensor, temperature: float):
+    """Within (inside ``scope``): the output layer returns race scores, logit / T + ``noise`` [rows, V],
+    for a forward of that many positions. Yields a dict whose ``applied`` says, after the block,
+    whether the layer added the noise (else the caller adds it to exact logits: ``race_scores``)."""
+    head = getattr(model, "_specdec_head", None)
+    box = {"applied": False}
+    if head is None or not head.enabled or noise is None:
+        yield box
+        return
+    head.noise, head.scale, head.raced = noise, 1.0 / temperature, False
+    try:
+        yield box
+    finally:
+        box["applied"] = head.raced
+        head.noise, head.raced = None, False

@@ -94,3 +94,37 @@ def test_greedy_decoding_with_the_screened_head_equals_generate(drafter):
         ref = model.generate(torch.tensor([p]), max_new_tokens=20, do_sample=False, eos_token_id=2, pad_token_id=0)
         assert res.token_ids == ref[0, len(p):].tolist()
     assert fast.screened > 0
+
+
+@pytest.mark.parametrize("rows", [1, 5, 12])
+def test_racing_returns_the_exact_argmax_of_logit_over_t_plus_noise(rows):
+    """The race (verify.race_noise): screened or not, the returned scores' argmax is the argmax of the
+    float32 logits / T + noise, and the layer says it added the noise."""
+    from specdec.decode.engine.verify import race_noise, race_scores
+
+    lin = _linear(seed=3)
+    model = _Model(lin)
+    fast = head.install(model)
+    g = torch.Generator().manual_seed(5)
+    h = torch.randn(rows, 64, generator=g) * 4
+    noise = race_noise(11, list(range(rows)), torch.zeros(rows, 1, dtype=torch.long), lin.out_features, "cpu")[:, 0]
+    ref = race_scores(torch.nn.functional.linear(h, lin.weight), noise, 0.7)
+    before = fast.screened
+    with head.scope(model, greedy=False), head.racing(model, noise, 0.7) as raced:
+        got = lin(h)
+    assert raced["applied"]
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+    assert (fast.screened > before) == (rows <= head.SCREEN_UP_TO)  # few rows: screened in fp16
+    # the noise decides: without it the argmax is another token in most rows
+    assert (ref.argmax(-1) != torch.nn.functional.linear(h, lin.weight).argmax(-1)).any()
+
+
+def test_race_noise_is_finite_even_where_the_uniform_draw_is_zero(monkeypatch):
+    """torch.rand returns 0 once in 2^24 draws (a 262k vocabulary meets it every 64 positions); infinite
+    noise there made every token a candidate of the screen."""
+    from specdec.decode.engine import verify
+
+    real = torch.rand
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: real(*a, **k).zero_())
+    noise = verify.race_noise(0, [0], torch.zeros(1, 1, dtype=torch.long), 100, "cpu")
+    assert torch.isfinite(noise).all()

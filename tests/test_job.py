@@ -180,6 +180,18 @@ def test_speculative_decode_equals_plain_and_sampling_is_seeded(tiny_family, tmp
         assert decode(tiny_family, *args).exit_code == 0
         sampled.append([o["completion"] for o in read_jsonl(path)])
     assert sampled[0] == sampled[1]
+    # the race (no top-p): one text per seed whatever the drafter and batch, and a resumed job's records
+    # are what an uninterrupted one writes (each record's draws are named by its input line)
+    raced = {}
+    for name, extra in {"ar": ["--batch-size", "4"], "ngram": ["--drafter", "ngram", "--batch-size", "2"]}.items():
+        path = tmp_path / f"r-{name}.jsonl"
+        assert decode(tiny_family, "--in", str(src), "--out", str(path), "--temperature", "0.9", "--seed", "3", *extra).exit_code == 0
+        raced[name] = [o["completion"] for o in read_jsonl(path)]
+    part = write_jsonl(tmp_path / "part.jsonl", PROMPTS[:2])
+    resumed = tmp_path / "resumed.jsonl"
+    for path in (part, src):  # the first two records, then the whole file: a resume of the same output
+        assert decode(tiny_family, "--in", str(path), "--out", str(resumed), "--temperature", "0.9", "--seed", "3").exit_code == 0
+    assert raced["ngram"] == raced["ar"] == [o["completion"] for o in read_jsonl(resumed)]
 
 
 def test_two_process_accelerate_launch_merges_in_order(tiny_family, tmp_path):

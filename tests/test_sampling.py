@@ -118,3 +118,48 @@ def test_engine_samples_the_target_joint_distribution(name):
     res = engine.generate([GenRequest(prompt, 2) for _ in range(rows)])
     assert two_token_pvalue(res, target, prompt, sampling) > P_FLOOR
     assert sum(r.stats["accepted_tokens"] for r in res) > 0  # drafts were actually tested
+
+
+def test_raced_samples_do_not_depend_on_the_drafter_the_draft_length_or_the_batch():
+    """At T>0 without a nucleus, each token is drawn by the race (verify.race_noise): noise fixed by
+    (seed, request, position), so ar, n-gram, recycle's trees and any draft length or batch size give
+    one text per seed, and another seed another text."""
+    from conftest import make_prompts
+
+    target = tiny_llama(seed=3)
+    prompts = [p + p[:4] for p in make_prompts(5, seed=2)]  # repeats, so the n-gram drafter proposes
+    sampling = Sampling(temperature=0.8)
+
+    def run(drafter, num_draft=None, seed=9, batch=5):
+        engine = SpecEngine(target, ByteTokenizer(), drafter, sampling, num_draft=num_draft, seed=seed, eos_ids=[])
+        out = {}
+        for i, res in engine.stream((GenRequest(p, 24) for p in prompts), batch):
+            out[i] = res
+        return [out[i].token_ids for i in range(len(prompts))], sum(r.stats["accepted_tokens"] for r in out.values())
+
+    ar, _ = run(None)
+    for drafter, k, batch in ((NgramDrafter(), 2, 5), (NgramDrafter(), 6, 2), (RecycleDrafter(top_k=3, max_depth=2), None, 3)):
+        text, accepted = run(drafter, k, batch=batch)
+        assert text == ar and accepted > 0
+    assert run(None, seed=10)[0] != ar
+
+
+def test_a_race_with_wrongly_scaled_noise_fails_the_distribution_test(monkeypatch):
+    """The engine's raced draws pass the two-token chi-square test; halving the Gumbel noise (a sharper,
+    wrong distribution) fails it."""
+    from specdec.decode.engine import loop
+
+    vocab = 12
+    target = tiny_llama(vocab=vocab, hidden=32, layers=2, seed=3)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(0.25)
+    prompt = [5, 7, 5, 7, 5]
+    sampling = Sampling(temperature=0.8)
+    engine = SpecEngine(target, ByteTokenizer(), NgramDrafter(), sampling, num_draft=3, seed=123, eos_ids=[])
+    res = engine.generate([GenRequest(prompt, 2) for _ in range(4000)])
+    assert two_token_pvalue(res, target, prompt, sampling) > P_FLOOR
+    real = loop.race_noise
+    monkeypatch.setattr(loop, "race_noise", lambda *a, **k: real(*a, **k) * 0.5)
+    res = SpecEngine(target, ByteTokenizer(), NgramDrafter(), sampling, num_draft=3, seed=123, eos_ids=[]).generate(
+        [GenRequest(prompt, 2) for _ in range(4000)])
+    assert two_token_pvalue(res, target, prompt, sampling) < P_FLOOR

@@ -40,9 +40,14 @@ from specdec.decode.engine.length import DraftLength
 from specdec.decode.engine.ride import Joining, Ride, stack
 from specdec.decode.drafters.base import Drafter, NoDrafter, Proposal, Segment, tree_attention_from_parents
 from specdec.decode.engine.types import GenRequest, GenResult, Scheme
-from specdec.decode.engine.verify import Sampling, Verdict, verify_chain, verify_tree, verify_tree_drafted
+from specdec.decode.engine.verify import (
+    Sampling, Verdict, race_noise, race_scores, verify_chain, verify_tree, verify_tree_drafted,
+)
 from specdec.models import head, threads
 from specdec.models.errors import SpecdecError
+
+
+GREEDY = Sampling()  # verification of race scores (verify.race_scores): their argmax is the draw
 
 
 @dataclass
@@ -59,6 +64,7 @@ class Batch:
     compile: bool = False  # decode steps run compiled (decode.engine.compiled): drafters' own caches too
     groups: list[int | None] = field(default_factory=list)  # each active row's ``GenRequest.group``
     references: list[list[int] | None] = field(default_factory=list)  # each active row's ``GenRequest.reference``
+    keys: list[int] = field(default_factory=list)  # each active row's race identity (``GenRequest.key``)
 
 
 @dataclass
@@ -115,6 +121,8 @@ class SpecEngine:
         if policy == "tree":
             self.drafter.length = self.length
         self.seed = seed
+        output = target.get_output_embeddings() if hasattr(target, "get_output_embeddings") else None
+        self.vocab = output.weight.shape[0] if output is not None else target.config.get_text_config().vocab_size
         self.kernels = kernels
         self.stop = [s for s in (stop or []) if s]
         self.eos_ids = set(eos_ids if eos_ids is not None else _eos_ids(target, tokenizer))
@@ -292,6 +300,7 @@ class SpecEngine:
         batch.rows += new.rows
         batch.groups += new.groups
         batch.references += new.references
+        batch.keys += new.keys
         batch.root = torch.cat([batch.root, new.root])
 
     def _prefill(self, requests, index, rows, generator) -> tuple[Batch, KVState, Segment]:
@@ -327,7 +336,13 @@ class SpecEngine:
         """The batch of prefilled ``requests``, each row's first token drawn from its last prompt token's
         logits [B, 1, V]."""
         empty = torch.zeros(len(requests), 0, dtype=torch.long, device=self.device)
-        verdict = verify_chain(last_logits, empty, None, self.sampling, generator)
+        keys = [i if r.key is None else r.key for r, i in zip(requests, index)]
+        if self.sampling.race:  # the first token of each request is raced like every other (verify.race_noise)
+            positions = torch.tensor([[len(r.prompt_ids)] for r in requests])
+            noise = race_noise(self.seed, keys, positions, last_logits.shape[-1], self.device)
+            verdict = verify_chain(race_scores(last_logits, noise, self.sampling.temperature), empty, None, GREEDY, generator)
+        else:
+            verdict = verify_chain(last_logits, empty, None, self.sampling, generator)
         batch = Batch(
             seqs=[list(r.prompt_ids) for r in requests],
             root=verdict.next_token,
@@ -338,6 +353,7 @@ class SpecEngine:
             rows=list(index),
             groups=[r.group for r in requests],
             references=[r.reference for r in requests],
+            keys=keys,
             compile=self.compile,
         )
         first = verdict.next_token.tolist()
@@ -418,15 +434,30 @@ class SpecEngine:
             valid = torch.cat([ones, steps < lengths[:, None]] if lengths is not None else [ones, ones.expand(bsz, n)], dim=1)
         tree = (attn.expand(bsz, -1, -1), depth.expand(bsz, -1)) if proposal.is_tree else (None, None)
         ride = Ride(self, joining, 1 + n) if joining else None
+        # the race (verify.race_noise) where every draft is one-hot: the logits become race scores and
+        # verification is the greedy prefix match on them
+        noise = None
+        if bsz and self.sampling.race and proposal.draft_probs is None and proposal.scheme == Scheme.standard:
+            offsets = tree[1] if proposal.is_tree else torch.arange(1 + n, device=self.device)[None].expand(bsz, -1)
+            positions = torch.tensor([len(s) for s in batch.seqs])[:, None] + offsets.cpu()
+            positions.masked_fill_(~valid.cpu(), -1)  # slots past a row's drafts draw nothing
+            noise = race_noise(self.seed, batch.keys, positions, self.vocab, self.device)
+        sampling = GREEDY if noise is not None else batch.sampling
         if ride is None:
             start = time.perf_counter()
-            out = state.forward(input_ids, valid if proposal.is_tree or proposal.lengths is not None else None, *tree, hidden=hidden)
+            flat = noise.view(-1, self.vocab) if noise is not None else None
+            with head.racing(self.target, flat, self.sampling.temperature) as raced:
+                out = state.forward(input_ids, valid if proposal.is_tree or proposal.lengths is not None else None, *tree, hidden=hidden)
             if self.length is not None:  # a CPU forward is done when it returns
                 self.length.record_forward(bsz, input_ids.shape[1], time.perf_counter() - start)
             logits, (last_hidden, layers) = out.logits, self.hidden_of(out)
+            if noise is not None and not raced["applied"]:
+                logits = race_scores(logits, noise, self.sampling.temperature)
         else:
             out = state.forward(*ride.inputs(input_ids, valid, *tree), hidden=hidden, **ride.model_kwargs)
             logits, last_hidden, layers = ride.split(out, bsz)
+            if noise is not None:
+                logits = race_scores(logits, noise, self.sampling.temperature)
         verdict = None
         if not bsz:  # only joining rows: nothing to verify
             index = torch.zeros(0, 0, dtype=torch.long, device=self.device)
@@ -435,7 +466,7 @@ class SpecEngine:
             max_depth = proposal.max_depth or int(depth.max().item())
             if proposal.scheme == Scheme.standard:
                 verdict = verify_tree(
-                    logits, proposal.tokens, proposal.parents, batch.sampling, batch.generator, max_depth, attn, depth
+                    logits, proposal.tokens, proposal.parents, sampling, batch.generator, max_depth, attn, depth
                 )
             else:  # siblings sampled from the draft's q: the proposal names the scheme that keeps p exact
                 verdict = verify_tree_drafted(
@@ -447,7 +478,7 @@ class SpecEngine:
             keep_valid = torch.arange(keep, device=self.device)[None] <= verdict.accepted[:, None]
         else:
             verdict = verify_chain(
-                logits, proposal.tokens, proposal.draft_probs, batch.sampling, batch.generator, proposal.lengths, self.kernels
+                logits, proposal.tokens, proposal.draft_probs, sampling, batch.generator, proposal.lengths, self.kernels
             )
             keep = 1 + int(verdict.accepted.max().item())
             index = torch.arange(keep, device=self.device)[None].expand(bsz, keep)
@@ -530,6 +561,7 @@ class SpecEngine:
         batch.rows = [batch.rows[i] for i in keep]
         batch.groups = [batch.groups[i] for i in keep]
         batch.references = [batch.references[i] for i in keep]
+        batch.keys = [batch.keys[i] for i in keep]
         batch.seqs = [batch.seqs[i] for i in keep]
         batch.root = batch.root[idx]
         if keep or joining:

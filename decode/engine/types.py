@@ -30,6 +30,9 @@ class GenRequest:
     # token ids the output is expected to follow (a record's ``source``: the text an edit rewrites),
     # which input-guided drafting copies from; None = the prompt
     reference: list[int] | None = None
+    # the request's identity in the race (verify.race_noise) that draws its tokens at T>0: a job names it
+    # by input line and sample, so a resumed job draws what an uninterrupted one would; None = its index
+    key: int | None = None
 
 
 def add_counts(total: list, counts: list) -> None:

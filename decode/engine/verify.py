@@ -40,6 +40,11 @@ class Sampling:
     def greedy(self) -> bool:
         return self.temperature <= 0.0
 
+    @property
+    def race(self) -> bool:
+        """Whether tokens are drawn by the race (``race_noise``): sampling without a nucleus."""
+        return not self.greedy and self.top_p >= 1.0
+
 
 @dataclass
 class Verdict:
@@ -60,6 +65,58 @@ def logits_to_probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
+
+
+# -- sampling as a race: Gumbel-max with noise fixed by (seed, request, position) -------------------------
+#
+# argmax_i(logit_i / T + g_i), g_i i.i.d. standard Gumbel, is an exact draw from softmax(logit / T). With
+# the noise a function of the request and the position only, a draft token is accepted exactly when
+# it is the token the target draws there, so each token is sampled independently of how it was
+# drafted: a seeded job writes the same text whichever drafter, draft length or batch it ran with.
+# Against one-hot drafts (n-gram, retrieval, heads' candidate trees) this accepts as often as
+# rejection sampling (a draft x is kept with probability p(x) either way) and needs no normalised
+# distribution: only each position's argmax, which the half-precision screen of ``models.head``
+# finds exactly. Nucleus sampling (top-p < 1) and drafts sampled from a draft's q keep rejection
+# sampling.
+
+
+def _race_seed(seed: int, request: int, position: int) -> int:
+    """A 63-bit generator seed per (job seed, request, position): splitmix64 of their combination."""
+    x = (seed * 0x9E3779B97F4A7C15 + request * 0xBF58476D1CE4E5B9 + position * 0x94D049BB133111EB) & (2**64 - 1)
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & (2**64 - 1)
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & (2**64 - 1)
+    return (x ^ (x >> 31)) >> 1
+
+
+def race_noise(seed: int, requests: list[int], positions: torch.Tensor, vocab: int, device) -> torch.Tensor:
+    """[B, W, V] float32 Gumbel noise for row b's slot w, which samples the token at ``positions[b, w]``
+    of request ``requests[b]``; slots of one row at the same position (a tree's siblings) share it, and
+    slots at a negative position (nothing drafted there) get a constant."""
+    bsz, width = positions.shape
+    out = torch.empty(bsz, width, vocab)
+    gen = torch.Generator()
+    for b, pos in enumerate(positions.tolist()):
+        done: dict[int, int] = {}
+        for w, p in enumerate(pos):
+            if p < 0:
+                out[b, w] = 0.5  # any finite noise: no token is drawn there
+                continue
+            if p in done:
+                out[b, w] = out[b, done[p]]
+                continue
+            gen.manual_seed(_race_seed(seed, requests[b], p))
+            torch.rand(vocab, generator=gen, out=out[b, w])
+            done[p] = w
+    # -log(-log(u)); torch.rand's u is a multiple of 2^-24 and may be 0, whose infinite noise would
+    # make every token a candidate of the half-precision screen: 0 counts as half a step
+    out.clamp_(min=2.0**-25).log_().neg_().log_().neg_()
+    return out.to(device)
+
+
+def race_scores(logits: torch.Tensor, noise: torch.Tensor, temperature: float) -> torch.Tensor:
+    """logits / T + noise, in float32: the scores whose argmax is the race's draw (``models.head``
+    computes the same expression for the tokens it recomputes)."""
+    return logits.float() * (1.0 / temperature) + noise
 
 
 def sample_from(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:

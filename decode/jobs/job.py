@@ -131,7 +131,8 @@ class Decoder:
         if source is not None and not isinstance(source, str):
             return "source must be a string"
         reference = self.tokenizer(source, add_special_tokens=False)["input_ids"] if source else None
-        return GenRequest(ids, min(rec.max_new_tokens or self.options.sampling.max_new_tokens, room), reference=reference)
+        return GenRequest(ids, min(rec.max_new_tokens or self.options.sampling.max_new_tokens, room), reference=reference,
+                          key=rec.line * self.options.sampling.num_samples)
 
     def output(self, rec: Record, req: GenRequest, result, wall: float) -> dict:
         text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
@@ -164,7 +165,7 @@ class Decoder:
     def samples(self, rec: Record, req: GenRequest) -> list[GenRequest]:
         """The ``num_samples`` requests a record is decoded as: one group, named by its input line."""
         n = self.options.sampling.num_samples
-        return [req] if n == 1 else [dataclasses.replace(req, group=rec.line) for _ in range(n)]
+        return [req] if n == 1 else [dataclasses.replace(req, group=rec.line, key=req.key + i) for i in range(n)]
 
     def run(self, records, writer: JsonlWriter, strict: bool = False, progress=None) -> JobSummary:
         """Decode ``records`` into ``writer``, skipping input lines it already holds a record for.
