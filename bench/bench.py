@@ -177,7 +177,8 @@ def _bench_causal(cfg: BenchConfig, plan: BenchPlan, records: list, console) -> 
         runners = {spec: m.runner for spec, m in prepared.items()}
         peaks = {spec: _PeakMemory(runner, device) for spec, runner in runners.items()}
         runs = run_passes(runners, len(prompts), base.scheduling.batch_size, cfg.repeats)
-    costs = _ForwardCosts(model, prompts, greedy=base.sampling.temperature == 0)
+    # greedy rounds and sampling races (top-p 1: verify.race_noise) read the screened output layer
+    costs = _ForwardCosts(model, prompts, greedy=base.sampling.temperature == 0 or base.sampling.top_p >= 1.0)
     entries = [_entry(spec, runs[spec], runs["ar"], categories, costs, prepared[spec].draft_model, base) for spec in methods]
     lens = [len(p) for p in prompts]
     for spec, entry in zip(methods, entries):
