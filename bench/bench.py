@@ -6,8 +6,8 @@ method, interleaved batch by batch, and the speedup is the median over passes of
 pass's ``ar``. A dLLM target runs the diffusion bench (``bench.diffusion_bench``). tau counts the
 bonus token (tokens per target forward). Beside every speedup: the distinct-4-gram ratio of the
 outputs (repetition inflates speedups) and the ideal speedup S = tau / (c_round + v) from measured
-forward costs, where c_round is the drafting cost of one round and v the cost of the verification
-forward, both in units of one single-token target forward; efficiency = measured / ideal. With
+forward costs, where c_round is the drafting cost of one round and v the mean cost of the verification
+forwards (each at the width it ran), both in units of one single-token target forward; efficiency = measured / ideal. With
 ``num_samples`` N, a prompt's N samples decode as adjacent rows of one batch (``--batch-size`` prompts,
 N times as many rows) and together are the prompt's output: their tokens and counters summed.
 
@@ -314,6 +314,10 @@ def _joined(results: list, wall: float) -> tuple[list[int], dict]:
         for key, value in res.stats.items():
             if isinstance(value, list):
                 add_counts(stats.setdefault(key, []), value)
+            elif isinstance(value, dict):  # counters by a key (verify_widths)
+                merged = stats.setdefault(key, {})
+                for k, v in value.items():
+                    merged[k] = merged.get(k, 0) + v
             elif isinstance(value, (int, float)) and not key.endswith("wall_s"):
                 stats[key] = stats.get(key, 0) + value
     return [t for res in results for t in res.token_ids], {**stats, "wall_s": wall}
@@ -549,9 +553,15 @@ def _ideal(spec, run: Run, entry: dict, costs, draft_model) -> dict:
         return {"ideal_speedup": None, "efficiency": None} if spec != "ar" else {"ideal_speedup": 1.0, "efficiency": entry["speedup"]}
     rounds = sum(s.get("target_calls", 0) for s in run.stats) - len(run.stats)  # minus prefills
     drafted = sum(s.get("drafted_tokens", 0) for s in run.stats)
-    width = 1 + round(drafted / max(rounds, 1))
     t1 = costs(1)
-    v = costs(width) / t1
+    widths: dict[int, int] = {}
+    for s in run.stats:  # the verify forwards by width: their costs, not the cost at their mean width
+        for w, n in (s.get("verify_widths") or {}).items():
+            widths[int(w)] = widths.get(int(w), 0) + n
+    if widths:
+        v = sum(n * costs(w) for w, n in widths.items()) / sum(widths.values()) / t1
+    else:
+        v = costs(1 + round(drafted / max(rounds, 1))) / t1
     c_round = _draft_cost_per_round(spec, run, costs, draft_model, drafted / max(rounds, 1)) / t1
     ideal = tau / (c_round + v)
     return {"ideal_speedup": round(ideal, 3), "efficiency": round(entry["speedup"] / ideal, 3), "verify_cost": round(v, 3), "draft_cost": round(c_round, 3)}

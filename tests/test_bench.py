@@ -168,6 +168,19 @@ def test_ideal_speedup_charges_a_round_its_drafts_per_row():
     assert got["ideal_speedup"] == round(3.0 / (1.0 + 1.5), 3)
 
 
+def test_ideal_speedup_costs_each_verify_forward_at_its_own_width():
+    """Rounds of width 1 and 9 cost what each costs, not what a forward at their mean width 5 would
+    (the cost is not linear in the width: on a CPU a forward of 2 can cost more than one of 4)."""
+    from specdec.bench.bench import _ideal
+    from specdec.bench.timing import Run
+
+    stats = [{"target_calls": 21, "drafted_tokens": 80, "verify_widths": {"1": 10, "9": 10}}]
+    run = Run(outputs=[[]], stats=stats, walls=[1.0], rounds=20)
+    costs = {1: 1.0, 5: 4.0, 9: 3.0}
+    got = _ideal("ngram", run, {"tau": 2.0, "speedup": 1.0}, lambda w, model=None: costs[w], draft_model=None)
+    assert got["verify_cost"] == 2.0 and got["ideal_speedup"] == 1.0
+
+
 def test_compiled_methods_warm_up_on_the_shortest_and_the_longest_prompts():
     from specdec.bench.bench import spread_by_length
 

@@ -78,6 +78,7 @@ class _Row:
     accepted: int = 0
     pos_drafted: list[int] = field(default_factory=list)
     pos_accepted: list[int] = field(default_factory=list)
+    widths: dict[int, int] = field(default_factory=dict)  # verify forwards by their width (bench's ideal speedup)
 
 
 class SpecEngine:
@@ -518,11 +519,13 @@ class SpecEngine:
             emitted = verdict.next_token[:, None]
             drafted = depths = [0] * bsz
         host = torch.cat([verdict.accepted[:, None], emitted], dim=1).tolist()
+        width = 1 + (proposal.tokens.shape[1] if proposal is not None else 0)
         accepted_counts = []
         for i, line in enumerate(host):
             a = line[0]
             row = rows[batch.rows[i]]
             row.target_calls += 1
+            row.widths[width] = row.widths.get(width, 0) + 1
             row.drafted += drafted[i]
             row.accepted += a
             _count_positions(row, a, depths[i])
@@ -607,6 +610,7 @@ class SpecEngine:
             "accepted_tokens": row.accepted,
             "position_drafted": row.pos_drafted,
             "position_accepted": row.pos_accepted,
+            "verify_widths": dict(sorted(row.widths.items())),
             "row_wall_s": round(now - row.start, 6),  # from its admission to its last token
         }
         return GenResult(token_ids=row.tokens, finish_reason=row.finish or "length", stats=stats)
