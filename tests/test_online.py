@@ -125,8 +125,8 @@ def test_online_sampling_follows_the_target_distribution(variant, monkeypatch):
     assert any(not torch.equal(a, b) for a, b in zip(before, drafter.model.parameters()))
     p = two_token_pvalue(res, target, prompt, sampling)
     print(f"\n{variant}: chi-square p = {p:.3g}, updates {drafter.updates}")
-    if variant == "broken":
-        assert p < 1e-6
+    if variant == "broken":  # the same test fails it (its p has ranged 1e-8..1e-5 over random streams)
+        assert p < P_FLOOR
     else:
         assert p > P_FLOOR
         assert sum(r.stats["accepted_tokens"] for r in res) > 0

@@ -93,8 +93,9 @@ def race_noise(seed: int, requests: list[int], positions: torch.Tensor, vocab: i
     of request ``requests[b]``; slots of one row at the same position (a tree's siblings) share it, and
     slots at a negative position (nothing drafted there) get a constant."""
     bsz, width = positions.shape
-    out = torch.empty(bsz, width, vocab)
-    gen = torch.Generator()
+    # drawn where they are used: a GPU's generator, not a host's copied over each round
+    out = torch.empty(bsz, width, vocab, device=device)
+    gen = torch.Generator(device=device)
     for b, pos in enumerate(positions.tolist()):
         done: dict[int, int] = {}
         for w, p in enumerate(pos):
@@ -110,7 +111,7 @@ def race_noise(seed: int, requests: list[int], positions: torch.Tensor, vocab: i
     # -log(-log(u)); torch.rand's u is a multiple of 2^-24 and may be 0, whose infinite noise would
     # make every token a candidate of the half-precision screen: 0 counts as half a step
     out.clamp_(min=2.0**-25).log_().neg_().log_().neg_()
-    return out.to(device)
+    return out
 
 
 def race_scores(logits: torch.Tensor, noise: torch.Tensor, temperature: float) -> torch.Tensor:
