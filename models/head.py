@@ -169,7 +169,6 @@ def scope(model, greedy: bool):
         head.enabled, head.greedy = before
 
 
-
 @contextlib.contextmanager
 def racing(model, noise: torch.Tensor, temperature: float):
     """Within (inside ``scope``): the output layer returns race scores, logit / T + ``noise`` [rows, V],

@@ -98,6 +98,13 @@ class Drafter:
         """The modules it holds beside the target (a draft model, heads), for the memory model."""
         return [self.model] if isinstance(self.model, torch.nn.Module) else []
 
+    def cost_share(self, target) -> float:
+        """A drafted token's (a draft model's) or a drafted level's (heads') cost as a share of a target
+        forward, by parameters: the fixed cost model of untimed lengths (``decode.engine.length``); 0
+        for drafters that hold no modules."""
+        own = sum(p.numel() for m in self.modules() for p in m.parameters())
+        return min(1.0, own / max(1, sum(p.numel() for p in target.parameters())))
+
     def begin(self, batch, seg: Segment) -> None:
         pass
 

@@ -34,15 +34,6 @@ class ModelDrafter(Drafter):
         self._chains = 0  # chains of the last SpecTr proposal, the draft's rows widened to B x chains (0: none)
         self._templates: dict = {}
 
-    def cost_share(self, target) -> float:
-        """A drafted token's cost as a share of a target forward, from the configs (layers x hidden): the
-        fixed cost model of untimed draft lengths (``decode.engine.length``)."""
-        def size(config):
-            config = getattr(config, "text_config", None) or config
-            return config.num_hidden_layers * config.hidden_size
-
-        return min(1.0, size(self.model.config) / size(target.config))
-
     @property
     def proposes_trees(self) -> bool:
         return self.scheme != Scheme.standard

@@ -17,7 +17,6 @@ Every row gets its own tree; the engine verifies all of them in one target forwa
 from __future__ import annotations
 
 import time
-
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -112,11 +111,6 @@ class HeadTreeDrafter(Drafter):
         # decode.engine.length.DraftLength (on a CPU, where each verified node costs time)
         self.length_policy = "tree" if tree == "dynamic" else None
         self.length = None
-
-    def cost_share(self, target) -> float:
-        """A level of drafting as a share of a target forward, by parameters (untimed tree sizes)."""
-        own = sum(p.numel() for m in self.modules() for p in m.parameters())
-        return min(1.0, own / max(1, sum(p.numel() for p in target.parameters())))
 
     def modules(self) -> list:
         return [self.heads] if isinstance(self.heads, torch.nn.Module) else []

@@ -115,10 +115,12 @@ class SpecEngine:
         policy = self.drafter.length_policy
         on_cpu = next(target.parameters()).device.type == "cpu"
         use_length = adaptive_length if adaptive_length is not None else (num_draft is None and on_cpu)
-        # sampling: lengths from a fixed cost model, so a seeded job's draws do not depend on the machine's load
-        share = self.drafter.cost_share(target) if hasattr(self.drafter, "cost_share") else 0.0
-        self.length = (DraftLength(self.num_draft, seed, timed=self.sampling.greedy, draft_share=share)
-                       if use_length and policy and self.num_draft > 0 else None)
+        self.length = None
+        if use_length and policy and self.num_draft > 0:
+            # sampling: lengths from a fixed cost model, so a seeded job's draws do not depend on the machine's load
+            timed = self.sampling.greedy
+            share = 0.0 if timed else self.drafter.cost_share(target)
+            self.length = DraftLength(self.num_draft, seed, timed=timed, draft_share=share)
         if policy == "tree":
             self.drafter.length = self.length
         self.seed = seed
