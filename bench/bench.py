@@ -34,10 +34,11 @@ from typing import Callable
 
 import torch
 
-from specdec.bench import diffusion_bench
+from specdec.bench import diffusion_bench, quality
 from specdec.decode.diffusion.generator import parse_method as parse_strategy
 from specdec.decode.diffusion.strategies import PUBLIC_STRATEGIES, STRATEGIES
 from specdec.decode.drafters.registry import DrafterChoice, refuse_what_does_not_apply, resolve_drafter
+from specdec.decode.engine.own import OwnLoop
 from specdec.decode.jobs.build import build_engine, load_decode_target
 from specdec.decode.jobs.io import read_records
 from specdec.decode.jobs.memory import draft_width, memory_model
@@ -179,7 +180,8 @@ def _bench_causal(cfg: BenchConfig, plan: BenchPlan, records: list, console) -> 
         runs = run_passes(runners, len(prompts), base.scheduling.batch_size, cfg.repeats)
     # greedy rounds and sampling races (top-p 1: verify.race_noise) read the screened output layer
     costs = _ForwardCosts(model, prompts, greedy=base.sampling.temperature == 0 or base.sampling.top_p >= 1.0)
-    entries = [_entry(spec, runs[spec], runs["ar"], categories, costs, prepared[spec].draft_model, base) for spec in methods]
+    tasks = [(r.prompt, r.extra) for r in records] if any(r.extra.get("answer") is not None for r in records) else None
+    entries = [_entry(spec, runs[spec], runs["ar"], categories, costs, prepared[spec].draft_model, base, tasks, tok) for spec in methods]
     lens = [len(p) for p in prompts]
     for spec, entry in zip(methods, entries):
         estimate = prepared[spec].kv_estimate_bytes
@@ -245,6 +247,9 @@ def _prepare_method(spec: str, model, tok, prompts, method: Method, warmup: int)
 
     def build():
         drafter = method.drafter.build(model, tok, opts)
+        if isinstance(drafter, OwnLoop) or opts.sampling.beams > 1:  # a loop of its own: nothing drafts to time
+            engine = build_engine(model, tok, opts, drafter)
+            return engine, engine, None
         timed = _TimedPropose(drafter)
         drafter.propose = timed  # instance attribute: the engine calls it like the method
         return build_engine(model, tok, opts, drafter), drafter, timed
@@ -260,7 +265,9 @@ def _prepare_method(spec: str, model, tok, prompts, method: Method, warmup: int)
 
     fresh()
     engine, drafter = built["engine"], built["drafter"]
-    bs, n, new_tokens, compiled = max(1, opts.scheduling.batch_size), opts.sampling.num_samples, opts.sampling.max_new_tokens, opts.scheduling.compile
+    bs, new_tokens, compiled = max(1, opts.scheduling.batch_size), opts.sampling.max_new_tokens, opts.scheduling.compile
+    # rows per prompt: its samples, or one where the method makes a prompt's outputs itself
+    n = 1 if getattr(engine, "expands_samples", False) or opts.sampling.beams > 1 else opts.sampling.first_finish or opts.sampling.num_samples
     warm = prompts[:warmup]
     # compiled steps compile once per shape (segment bucket, buffer capacity, batch size): warming up at
     # the full length on prompts from the shortest to the longest meets the capacities the timed passes
@@ -274,6 +281,8 @@ def _prepare_method(spec: str, model, tok, prompts, method: Method, warmup: int)
         for i in range(0, len(warm), bs):
             engine.generate(_sample_requests(warm, i, min(i + bs, len(warm)), warm_tokens, n))
 
+    first_finish = opts.sampling.first_finish > 0
+
     def decode(lo: int, hi: int) -> list:
         out = []
         with pinned():
@@ -281,9 +290,11 @@ def _prepare_method(spec: str, model, tok, prompts, method: Method, warmup: int)
                 t0 = time.perf_counter()
                 res = built["engine"].generate(_sample_requests(prompts, i, min(i + bs, hi), new_tokens, n))
                 wall = time.perf_counter() - t0
-                out += [_joined(res[j : j + n], wall * n / len(res)) for j in range(0, len(res), n)]
+                out += [_joined(res[j : j + n], wall * n / len(res), first_finish) for j in range(0, len(res), n)]
         return out
 
+    if isinstance(engine, OwnLoop):  # the memory model knows the speculative engine's buffers only
+        return _Prepared(Runner(decode, len(prompts), fresh=fresh), engine.model, None)
     # the model's estimate for one batch of rows at the run's longest prompt (weights excluded: they are shared)
     mm = memory_model(model, drafter, max(map(len, prompts)), new_tokens)
     estimate = min(bs, len(prompts)) * n * mm.row_bytes(draft_width(drafter, engine.num_draft))
@@ -305,8 +316,15 @@ def _sample_requests(prompts, lo: int, hi: int, new_tokens: int, n: int) -> list
     return [GenRequest(prompts[i], new_tokens, group=i if n > 1 else None) for i in range(lo, hi) for _ in range(n)]
 
 
-def _joined(results: list, wall: float) -> tuple[list[int], dict]:
-    """One prompt's samples as its output: their tokens one after another, their counters summed."""
+def _joined(results: list, wall: float, first_finish: bool = False) -> tuple[list[int], dict]:
+    """One prompt's outputs (its samples, or a method's several outputs of one request) as its output:
+    their tokens one after another, their counters summed. With First Finish Search, the winner's tokens
+    (``decode.jobs.job``'s choice) and every sample's counters: the work all of them cost."""
+    if first_finish:
+        finished = [r for r in results if r.finish_reason == "stop"]
+        won = min(finished, key=lambda r: len(r.token_ids)) if finished else results[0]
+        return won.token_ids, {**_joined(results, wall)[1], "new_tokens": len(won.token_ids)}
+    results = [r for res in results for r in (res, *res.alternatives)]
     if len(results) == 1:
         return results[0].token_ids, {**results[0].stats, "wall_s": wall}
     stats: dict = {}
@@ -503,7 +521,9 @@ def time_forward(model, prefix: list[int], t: int, repeats: int, batch_size: int
 # -- the report -----------------------------------------------------------------------------------
 
 
-def _entry(spec, run: Run, ar: Run, categories, costs, draft_model, base: DecodeOptions) -> dict:
+def _entry(spec, run: Run, ar: Run, categories, costs, draft_model, base: DecodeOptions, tasks=None, tokenizer=None) -> dict:
+    """A method's report entry. ``tasks``: (prompt, record fields) per prompt where some records carry an
+    ``answer`` (``bench.quality``), else None."""
 
     def summarize(idx: list[int]) -> dict:
         toks = sum(len(run.outputs[i]) for i in idx)
@@ -518,6 +538,12 @@ def _entry(spec, run: Run, ar: Run, categories, costs, draft_model, base: Decode
             if base.sampling.temperature == 0 else None,
             "distinct4": round(distinct_ngram_ratio([run.outputs[i] for i in idx]), 4),
         }
+        if base.sampling.temperature == 0:  # how far an output strays from plain greedy decoding's
+            pairs = [diffusion_bench.token_agreement(run.outputs[i], ar.outputs[i]) for i in idx]
+            out["token_agreement"] = round(sum(m for m, _ in pairs) / max(sum(c for _, c in pairs), 1), 4)
+        if tasks is not None:  # checkable tasks: each output scored against the record's answer
+            out.update(quality.summarise([quality.score(tasks[i][0], tokenizer.decode(run.outputs[i], skip_special_tokens=True),
+                                                        tasks[i][1]) for i in idx]))
         if all(c is not None for c in calls):
             out["target_calls"] = sum(calls)
             out["tau"] = round(toks / sum(calls), 3) if sum(calls) else None
@@ -530,6 +556,8 @@ def _entry(spec, run: Run, ar: Run, categories, costs, draft_model, base: Decode
 
     # the headline is the same summary over every prompt: one way to compute a speedup, for a category or all
     entry = {"method": spec, **summarize(list(range(len(run.outputs)))), "walls_s": [round(w, 4) for w in run.walls]}
+    if any(st.get("approximate") for st in run.stats):
+        entry["approximate"] = True
     if any(t is not None for t in run.pass_taus):
         entry["tau_by_pass"] = run.pass_taus  # equal in every pass at T=0: no pass learns from another
     entry.update(_ideal(spec, run, entry, costs, draft_model))
@@ -602,14 +630,16 @@ def table(report: dict):
     cfg = report["config"]
     fmt = lambda v, p=2: "-" if v is None else (f"{v:.{p}f}" if isinstance(v, float) else str(v))  # noqa: E731
     main = Table(title=f"specdec bench: {cfg['prompts']} prompts, {cfg['max_new_tokens']} new tokens, T={cfg['temperature']}, bs={cfg['batch_size']}")
-    for col in ("method", "tok/s", "speedup", "tau", "same as ar", "distinct4", "ideal", "effic.", "calls", "GB/s", "% peak", "peak MiB", "KV est. MiB"):
+    scored = [k for k in ("list_exact", "code_exact", "code_parses") if any(k in m for m in report["methods"])]
+    for col in ("method", "tok/s", "speedup", "tau", "same as ar", "agree", "distinct4", "ideal", "effic.", "calls", "GB/s", "% peak",
+                "peak MiB", "KV est. MiB", *scored):
         main.add_column(col, justify="left" if col == "method" else "right", overflow="fold")
     for m in report["methods"]:
         main.add_row(
-            m["method"], fmt(m["tokens_per_s"], 1), fmt(m["speedup"]), fmt(m.get("tau")), fmt(m.get("identical_to_ar")),
-            fmt(m["distinct4"], 3), fmt(m.get("ideal_speedup")), fmt(m.get("efficiency")), fmt(m.get("target_calls")),
+            m["method"] + (" (approx.)" if m.get("approximate") else ""), fmt(m["tokens_per_s"], 1), fmt(m["speedup"]), fmt(m.get("tau")),
+            fmt(m.get("identical_to_ar")), fmt(m.get("token_agreement")), fmt(m["distinct4"], 3), fmt(m.get("ideal_speedup")), fmt(m.get("efficiency")), fmt(m.get("target_calls")),
             fmt(m.get("achieved_gbps"), 1), "-" if m.get("peak_fraction") is None else f"{100 * m['peak_fraction']:.1f}",
-            fmt(m.get("peak_mib"), 1), fmt(m.get("kv_estimate_mib"), 2),
+            fmt(m.get("peak_mib"), 1), fmt(m.get("kv_estimate_mib"), 2), *[fmt(m.get(k)) for k in scored],
         )
     if cfg.get("peak_rss_mib") is not None:
         main.caption = f"process peak RSS {cfg['peak_rss_mib']} MiB; KV est. = decode.jobs.memory's estimate for one batch of rows, not measured"

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from specdec.decode.diffusion.generator import Method, build_generator, load_for_decoding, parse_method
 from specdec.decode.options import DecodeOptions
+from specdec.bench import quality
 from specdec.bench.report import provenance
 from specdec.bench.timing import Run, Runner, run_passes, speedup, tokens_per_s
 from specdec.decode.engine.types import GenRequest
@@ -65,12 +66,6 @@ def token_agreement(output: list[int], reference: list[int]) -> tuple[int, int]:
     return sum(a == b for a, b in zip(output, reference)), max(len(output), len(reference))
 
 
-def first_line_matches(completion: str, answer: str) -> bool:
-    """Exact match of the completion's first line, ignoring surrounding whitespace."""
-    lines = completion.strip().splitlines()
-    return bool(lines) and lines[0].strip() == answer.strip()
-
-
 def summarise(label: str, run: Run, reference: Run, records: list[dict], tokenizer) -> dict:
     everything = list(range(len(run.outputs)))
     decoded = sum(st["decoded_tokens"] for st in run.stats)
@@ -90,7 +85,7 @@ def summarise(label: str, run: Run, reference: Run, records: list[dict], tokeniz
         "token_agreement": matched / compared if compared else 1.0,
         "exact_match": sum(out == ref for out, ref in zip(run.outputs, reference.outputs)) / len(run.outputs),
         "task_accuracy": (
-            sum(first_line_matches(tokenizer.decode(out), answer) for out, answer in probes) / len(probes) if probes else None
+            sum(quality.first_line_matches(tokenizer.decode(out), answer) for out, answer in probes) / len(probes) if probes else None
         ),
         "approximate": any(st.get("approximate") for st in run.stats),
     }

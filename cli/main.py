@@ -66,7 +66,7 @@ class Schedule(str, Enum):
     static = "static"
 
 
-DrafterOpt = Annotated[str, typer.Option("--drafter", help="ar, ngram, recycle, copy, input-copy, aded, stand, retrieval:INDEX, layerskip[:i,j], swift, a default-family member (draft, medusa, clover, eagle) or an artifact folder.")]
+DrafterOpt = Annotated[str, typer.Option("--drafter", help="ar, ngram, recycle, copy, input-copy, aded, stand, retrieval:INDEX, layerskip[:i,j], swift, a default-family member (draft, medusa, clover, eagle) or an artifact folder; approximate modes: superposed, ead:DRAFT, skipdecode[:FIRST,LAST], an lud artifact.")]
 
 
 @app.command()
@@ -81,6 +81,10 @@ def decode(
     top_p: o.TopP = 1.0,
     seed: o.Seed = 0,
     num_samples: o.NumSamples = 1,
+    first_finish: Annotated[int, typer.Option("--first-finish", help="First Finish Search: launch N samples of each record (needs --temperature > 0) and keep the first to finish (EOS or a stop string, counted in tokens); the others stop once they cannot finish first.")] = 0,
+    beams: Annotated[int, typer.Option("--beams", help="Beam search with B beams (greedy, no drafting): the B outputs best first, with their scores, in each record's samples.")] = 1,
+    beam_groups: Annotated[int, typer.Option("--beam-groups", help="Diverse Beam Search: the beams in G groups decoded in turn (G divides --beams).")] = 1,
+    diversity_penalty: Annotated[float, typer.Option("--diversity-penalty", help="Diverse Beam Search: subtracted from a token's log-probability for each earlier group's beam that chose it at the same step.")] = 0.0,
     batch_size: o.BatchSize = 8,
     max_memory: Annotated[Optional[str], typer.Option("--max-memory", help="Memory budget (4GiB, 800MB, 512MiB): the largest --batch-size that fits it by specdec's memory model (weights, KV at the model's full context, verify buffers), shrinking the draft's tree tokens / K when one row does not fit.")] = None,
     shared_prefix: Annotated[str, typer.Option("--shared-prefix", help="A prompt prefix the records share is prefilled once for the job: auto (the longest common prefix of 32+ tokens), off, or FILE (its text).")] = "auto",
@@ -94,6 +98,10 @@ def decode(
     min_draft: Annotated[Optional[int], typer.Option("--min-draft", help="Adaptive drafting: fewest drafts per round; 0 lets a round draft nothing.")] = None,
     max_draft: Annotated[Optional[int], typer.Option("--max-draft", help="Adaptive drafting: most drafts per round.")] = None,
     verify: Annotated[Scheme, typer.Option("--verify", help="Draft models at T>0: standard (a chain), rsd (siblings sampled without replacement, recursive rejection) or spectr (k i.i.d. chains, k-sequential selection); --top-k siblings.")] = Scheme.standard,
+    entropy_threshold: Annotated[Optional[float], typer.Option("--entropy-threshold", help="ead:DRAFT (approximate): the target takes over while the draft's mean next-token entropy (nats) over the window is above this (0: always the target; inf: never).")] = None,
+    entropy_window: Annotated[Optional[int], typer.Option("--entropy-window", help="ead:DRAFT: next-token distributions the rolling entropy averages.")] = None,
+    unit_threshold: Annotated[Optional[float], typer.Option("--unit-threshold", help="lud artifacts (approximate): a lexical unit's tokens are emitted together while each one's probability is at least this.")] = None,
+    ngram_weight: Annotated[Optional[float], typer.Option("--ngram-weight", help="superposed (approximate): weight of the n-gram model over the job's prompts in the drafts' scores, in [0, 1).")] = None,
     top_k: Annotated[Optional[int], typer.Option("--top-k", help="Siblings per step for --verify rsd|spectr; children per node for tree drafters.")] = None,
     parallel: Annotated[bool, typer.Option("--parallel", help="Draft models: the draft drafts the next block while the target verifies this one (PEARL; a thread or CUDA stream each).")] = False,
     pre_verify: Annotated[bool, typer.Option("--pre-verify", help="With --parallel: the target tests the first draft while the draft draws the rest, and a round whose first draft every row rejects ends there (PEARL's pre-verify; a second target forward when it is accepted).")] = False,
@@ -122,10 +130,13 @@ def decode(
 
     console = _console()
     opts = DecodeOptions(  # checked once, by run_decode_job, before any model loads
-        sampling=SamplingOptions(max_new_tokens, temperature, top_p, seed, num_samples, list(stop or [])),
+        sampling=SamplingOptions(max_new_tokens, temperature, top_p, seed, num_samples, list(stop or []), first_finish, beams,
+                                 beam_groups, diversity_penalty),
         drafting=DraftingOptions(drafter=drafter, num_draft=num_draft, tree=tree.value if tree else None, tree_tokens=tree_tokens,
                                  top_k=top_k, verify=verify, acceptance=acceptance, stop_threshold=stop_threshold,
-                                 min_draft=min_draft, max_draft=max_draft, parallel=parallel, pre_verify=pre_verify, retrieval=retrieval),
+                                 min_draft=min_draft, max_draft=max_draft, parallel=parallel, pre_verify=pre_verify, retrieval=retrieval,
+                                 entropy_threshold=entropy_threshold, entropy_window=entropy_window, unit_threshold=unit_threshold,
+                                 ngram_weight=ngram_weight),
         scheduling=SchedulingOptions(batch_size, schedule.value, prefill_chunk, shared_prefix, max_memory, compile, kernels.value),
         placement=placement_options(device, dtype, device_map, attn_implementation, trust_remote_code, threads),
         diffusion=DiffusionOptions(strategy, gen_length, block_size, steps, cache.value, filter_dir, adablock),

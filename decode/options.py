@@ -44,6 +44,14 @@ class SamplingOptions:
     # samples per record (T > 0 only), decoded as rows of one job that drafters may share state between
     num_samples: int = 1
     stop: list = field(default_factory=list)
+    # First Finish Search: launch N samples of a record and keep the first to finish (EOS or a stop
+    # string); the others stop as soon as they can no longer finish first (decode.engine.loop)
+    first_finish: int = 0
+    # beam search (decode.engine.beams): B beams in G groups decoded in turn, a group's scores lowered by
+    # diversity_penalty for each earlier group's beam that chose the same token at the step (Diverse Beam Search)
+    beams: int = 1
+    beam_groups: int = 1
+    diversity_penalty: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -78,6 +86,16 @@ class DraftingOptions:
     pre_verify: bool = False
     # RASD: a retrieval index (specdec index build) whose drafts are fused into a draft model's tree
     retrieval: str | None = None
+    # Entropy Adaptive Decoding (ead:DRAFT, approximate): the target generates while the mean entropy (nats)
+    # of the draft's last entropy_window next-token distributions is above entropy_threshold
+    entropy_threshold: float | None = None
+    entropy_window: int | None = None
+    # Lexical Unit Decoding (an lud artifact, approximate): a unit's tokens are emitted together while each
+    # one's probability clears unit_threshold
+    unit_threshold: float | None = None
+    # Superposed Decoding (approximate): the weight of the n-gram model (order max_ngram) interpolated
+    # with the model's next-token probabilities when the drafts are scored
+    ngram_weight: float | None = None
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from specdec.train.dllm import (
 )
 from specdec.train.filter import train_filter
 from specdec.train.prompts import code_prompts
-from specdec.bench.diffusion_bench import first_line_matches
+from specdec.bench.quality import first_line_matches
 from specdec.train.listtasks import OPERATIONS, WORDS, list_tasks
 
 TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)

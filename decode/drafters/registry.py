@@ -68,6 +68,17 @@ def _layerskip(spec: str, target, tokenizer, options: DecodeOptions):
     return draft_model.ModelDrafter(swift.layer_skip_view(target, skip))
 
 
+def _approx(module: str, what: str = "build"):
+    """A function of an approximate mode's module (``decode.approx``), imported when first called."""
+
+    def call(*args):
+        import importlib
+
+        return getattr(importlib.import_module(f"specdec.decode.approx.{module}"), what)(*args)
+
+    return call
+
+
 # drafters that need no artifact: name -> factory(spec, target, tokenizer, options), as DRAFTER_KINDS' factories
 MODEL_FREE_DRAFTERS: dict[str, Factory] = {
     "ar": Factory(lambda spec, target, tokenizer, options: base.NoDrafter(), label="ar (plain decoding)"),
@@ -81,6 +92,11 @@ MODEL_FREE_DRAFTERS: dict[str, Factory] = {
     "aded": Factory(lambda spec, target, tokenizer, options: aded.AdedDrafter(), label="the aded drafter"),
     "stand": Factory(lambda spec, target, tokenizer, options: stand.StandDrafter(), label="the stand drafter"),
     "retrieval": Factory(retrieval.build_retrieval, label="retrieval:INDEX", check=retrieval.check_retrieval_spec),
+    # approximate modes with a loop of their own (decode.engine.own): their records say "approximate": true
+    "superposed": Factory(_approx("superposed"), frozenset({"ngram_weight", "max_ngram"}), "superposed decoding",
+                          check=_approx("superposed", "check_spec")),
+    "ead": Factory(_approx("ead"), frozenset({"entropy_threshold", "entropy_window"}), "ead:DRAFT", check=_approx("ead", "check_spec")),
+    "skipdecode": Factory(_approx("skipdecode"), label="skipdecode[:FIRST,LAST]", check=_approx("skipdecode", "check_spec")),
 }
 MODEL_FREE = tuple(MODEL_FREE_DRAFTERS)
 
@@ -167,6 +183,8 @@ DRAFTER_KINDS: dict[str, Factory] = {
     "medusa": Factory(_heads, HEAD_OPTIONS, "medusa heads"),
     "clover": Factory(_heads, HEAD_OPTIONS, "clover heads"),
     "eagle": Factory(_heads, HEAD_OPTIONS, "eagle heads"),
+    # Lexical Unit Decoding: the target fine-tuned by specdec train-lud (approximate)
+    "lud": Factory(_approx("lud"), frozenset({"unit_threshold"}), "lud artifacts"),
 }
 
 

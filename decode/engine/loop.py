@@ -37,6 +37,7 @@ import torch
 from specdec.decode.engine import hydragen, split
 from specdec.decode.engine.cache import KVState
 from specdec.decode.engine.length import DraftLength
+from specdec.decode.engine.own import append_tokens
 from specdec.decode.engine.ride import Joining, Ride, stack
 from specdec.decode.drafters.base import Drafter, NoDrafter, Proposal, Segment, tree_attention_from_parents
 from specdec.decode.engine.types import GenRequest, GenResult, Scheme
@@ -79,6 +80,7 @@ class _Row:
     pos_drafted: list[int] = field(default_factory=list)
     pos_accepted: list[int] = field(default_factory=list)
     widths: dict[int, int] = field(default_factory=dict)  # verify forwards by their width (bench's ideal speedup)
+    group: int | None = None  # the request's group (its record's samples)
 
 
 class SpecEngine:
@@ -104,6 +106,7 @@ class SpecEngine:
         hold_prefix_once: bool = True,
         prefill_chunk: int = 0,
         adaptive_length: bool | None = None,
+        first_finish: bool = False,
     ):
         self.target = target
         self.tokenizer = tokenizer
@@ -124,6 +127,10 @@ class SpecEngine:
         if policy == "tree":
             self.drafter.length = self.length
         self.seed = seed
+        # First Finish Search: a request group's samples race to finish (``_cancel_beaten``); per group, the
+        # fewest tokens a sample of it finished with
+        self.first_finish = first_finish
+        self._first_finish: dict[int, int] = {}
         output = target.get_output_embeddings() if hasattr(target, "get_output_embeddings") else None
         self.vocab = output.weight.shape[0] if output is not None else target.config.get_text_config().vocab_size
         self.kernels = kernels
@@ -207,7 +214,7 @@ class SpecEngine:
                     break
                 index = list(range(taken, taken + len(new)))
                 for i, r in zip(index, new):
-                    rows[i] = _Row(max_new=r.max_new_tokens, start=time.perf_counter())
+                    rows[i] = _Row(max_new=r.max_new_tokens, start=time.perf_counter(), group=r.group)
                 if self._may_ride(batch, len(joining)) and state.prefix is None and not self._shared_prefix(new):
                     state.admit(KVState(self.target, len(new), self.device, compile=self.compile))
                     joining += [Joining(r, i) for i, r in zip(index, new)]
@@ -537,25 +544,31 @@ class SpecEngine:
         return accepted_counts
 
     def _append(self, row: _Row, seq: list[int], new: list[int]) -> None:
-        for tok in new:
-            if row.finish:
-                break
-            row.tokens.append(tok)
-            seq.append(tok)
-            if tok in self.eos_ids:
-                row.finish = "stop"
-            elif len(row.tokens) >= row.max_new:
-                row.finish = "length"
-        if self.stop and not row.finish:
-            tail = self.tokenizer.decode(row.tokens[-32:])
-            if any(s in tail for s in self.stop):
-                row.finish = "stop"
+        if row.finish:
+            return
+        have = len(row.tokens)
+        row.finish = append_tokens(row.tokens, new, row.max_new, self.eos_ids, self.stop, self.tokenizer)
+        seq.extend(row.tokens[have:])
+        if self.first_finish and row.finish == "stop" and row.group is not None:
+            self._first_finish[row.group] = min(self._first_finish.get(row.group, len(row.tokens)), len(row.tokens))
+
+    def _cancel_beaten(self, batch: Batch, rows: dict[int, _Row]) -> None:
+        """First Finish Search: a sample still going once a sample of its group finished with as many
+        tokens or fewer can no longer finish first; it stops ("cancelled"). Finishing first is counted in
+        tokens, not wall time, so the winner does not depend on the drafter, the batch or the machine."""
+        for i in batch.rows:
+            row = rows[i]
+            limit = self._first_finish.get(row.group)
+            if limit is not None and not row.finish and len(row.tokens) >= limit:
+                row.finish = "cancelled"
 
     def _drop_finished(self, batch: Batch, rows: dict[int, _Row], state: KVState, joining: int = 0) -> None:
         """Finished rows leave the batch, its state and the drafter; the ``joining`` rows that follow the
         batch's in the state stay. A row that stays keeps its place unless it is past the rows that
         stay: such a row takes the place of a finished one, so at most as many rows move as finished
         (the caches move rows in place)."""
+        if self._first_finish:
+            self._cancel_beaten(batch, rows)
         kept = [i for i, r in enumerate(batch.rows) if not rows[r].finish]
         if len(kept) == len(batch.rows):
             return

@@ -48,4 +48,7 @@ class GenResult:
     token_ids: list[int]  # new tokens only, stop string / EOS handling already applied
     finish_reason: str  # "stop" or "length"
     stats: dict = field(default_factory=dict)  # per-record counters: target_calls, drafted_tokens, ...
+    # a method that returns several outputs for one request (beams, superposed drafts): the others, best first
+    alternatives: list["GenResult"] = field(default_factory=list)
+    score: float | None = None  # the method's score of this output (a beam's length-normalised log-probability)
 

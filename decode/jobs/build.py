@@ -12,6 +12,7 @@ from pathlib import Path
 from specdec.decode.drafters.base import Drafter
 from specdec.decode.drafters.registry import DrafterChoice, build_drafter
 from specdec.decode.engine.loop import SpecEngine
+from specdec.decode.engine.own import OwnLoop
 from specdec.decode.engine.verify import Sampling
 from specdec.decode.options import DecodeOptions
 from specdec.kernels import backend
@@ -39,16 +40,26 @@ def shared_prefix_tokens(spec: str, tokenizer):
     return tokenizer(Path(spec).read_text(encoding="utf-8"), add_special_tokens=True)["input_ids"]
 
 
-def build_engine(target, tokenizer, options: DecodeOptions, drafter: Drafter | DrafterChoice | None = None, **engine) -> SpecEngine:
+def build_engine(target, tokenizer, options: DecodeOptions, drafter: Drafter | DrafterChoice | OwnLoop | None = None,
+                 **engine) -> SpecEngine | OwnLoop:
     """The engine ``options`` describe over a loaded ``target``: its drafter (a built one, a resolved
     spec, or None: the spec in ``options.drafting``), sampling and seed, stop strings, draft length,
     kernels (resolved for the device of the target's inputs), shared prefix, compiled steps and prefill
     chunks. ``engine``: ``SpecEngine`` settings no option covers (``eos_ids``, ``min_shared``,
-    ``hold_prefix_once``, ``adaptive_length``, ...)."""
+    ``hold_prefix_once``, ``adaptive_length``, ...).
+
+    A method with a loop of its own (``decode.engine.own``) is returned as it is: beam search (``--beams``)
+    and the approximate modes, which the drafter registry builds from the same options."""
+    if options.sampling.beams > 1:
+        from specdec.decode.engine.beams import BeamSearch
+
+        return BeamSearch(target, tokenizer, options)
     if drafter is None:
         drafter = build_drafter(options.drafting.drafter, target, tokenizer, options)
     if isinstance(drafter, DrafterChoice):
         drafter = drafter.build(target, tokenizer, options)
+    if isinstance(drafter, OwnLoop):
+        return drafter
     sampling, scheduling = options.sampling, options.scheduling
     return SpecEngine(
         target,
@@ -62,5 +73,6 @@ def build_engine(target, tokenizer, options: DecodeOptions, drafter: Drafter | D
         shared_prefix=shared_prefix_tokens(scheduling.shared_prefix, tokenizer),
         compile=scheduling.compile,
         prefill_chunk=scheduling.prefill_chunk,
+        first_finish=sampling.first_finish > 0,
         **engine,
     )

@@ -132,7 +132,7 @@ class Decoder:
             return "source must be a string"
         reference = self.tokenizer(source, add_special_tokens=False)["input_ids"] if source else None
         return GenRequest(ids, min(rec.max_new_tokens or self.options.sampling.max_new_tokens, room), reference=reference,
-                          key=rec.line * self.options.sampling.num_samples)
+                          key=rec.line * self.rows_per_record)
 
     def output(self, rec: Record, req: GenRequest, result, wall: float) -> dict:
         text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
@@ -153,19 +153,52 @@ class Decoder:
         stats.pop("row_wall_s", None)
         stats.pop("verify_widths", None)  # bench's, for its ideal speedup
         out.update(completion=text, finish_reason=finish, stats=stats)
+        if result.score is not None:
+            out["score"] = round(result.score, 6)
+        if stats.get("approximate"):  # an approximate mode's output (decode.engine.own), said where it is read
+            out["approximate"] = True
         return out
 
     def output_samples(self, rec: Record, req: GenRequest, results: list, walls: list[float]) -> dict:
-        """The record of a request's samples: sample 0 in the usual fields (what a record without
-        ``--num-samples`` holds), and with more than one every sample, 0 included, in ``samples``."""
-        outs = [self.output(rec, req, r, w) for r, w in zip(results, walls)]
+        """The record of a request's outputs: the first in the usual fields (what a record without
+        ``--num-samples`` holds), and with more than one every output, the first included, in ``samples``
+        (several samples, beams best first, superposed drafts). With ``--first-finish`` only the winner,
+        its stats saying which sample it was and the tokens every sample spent."""
+        if self.options.sampling.first_finish:
+            return self._first_finish(rec, req, results, walls)
+        pairs = [(r, w) for res, w in zip(results, walls) for r in (res, *res.alternatives)]
+        outs = [self.output(rec, req, r, w) for r, w in pairs]
         if len(outs) > 1:
-            outs[0]["samples"] = [{k: o[k] for k in ("completion", "finish_reason", "stats")} for o in outs]
+            keep = ("completion", "finish_reason", "score", "stats")
+            outs[0]["samples"] = [{k: o[k] for k in keep if k in o} for o in outs]
         return outs[0]
 
+    def _first_finish(self, rec: Record, req: GenRequest, results: list, walls: list[float]) -> dict:
+        """First Finish Search's record: the sample that finished (EOS or a stop string) with the fewest
+        tokens, the lowest sample index among equals; sample 0 when none finished within the budget."""
+        finished = [i for i, r in enumerate(results) if r.finish_reason == "stop"]
+        won = min(finished, key=lambda i: (len(results[i].token_ids), i)) if finished else 0
+        out = self.output(rec, req, results[won], walls[won])
+        out["stats"]["first_finish"] = {
+            "sample": won, "samples": len(results),
+            "tokens_all": sum(r.stats.get("new_tokens", len(r.token_ids)) for r in results),
+            "target_calls_all": sum(r.stats.get("target_calls", 0) for r in results),
+            "cancelled": sum(r.finish_reason == "cancelled" for r in results),
+        }
+        return out
+
+    @property
+    def rows_per_record(self) -> int:
+        """Rows a record is decoded as: its samples (--num-samples, --first-finish), one where the method
+        makes a record's outputs itself (beams, superposed drafts)."""
+        sampling = self.options.sampling
+        if getattr(self.generator, "expands_samples", False) or sampling.beams > 1:
+            return 1
+        return sampling.first_finish or sampling.num_samples
+
     def samples(self, rec: Record, req: GenRequest) -> list[GenRequest]:
-        """The ``num_samples`` requests a record is decoded as: one group, named by its input line."""
-        n = self.options.sampling.num_samples
+        """The requests a record is decoded as (``rows_per_record``): one group, named by its input line."""
+        n = self.rows_per_record
         return [req] if n == 1 else [dataclasses.replace(req, group=rec.line, key=req.key + i) for i in range(n)]
 
     def run(self, records, writer: JsonlWriter, strict: bool = False, progress=None) -> JobSummary:
@@ -219,7 +252,7 @@ class Decoder:
         """Batches of ``batch_size`` rows in input order (a record's samples in the same batch); a batch
         ends when its longest row does, and is written and flushed before the next starts."""
         pending: list[tuple[Record, GenRequest | str]] = []
-        n = self.options.sampling.num_samples
+        n = self.rows_per_record
 
         def flush_batch():
             reqs = [(r, q) for r, q in pending if isinstance(q, GenRequest)]
@@ -250,7 +283,7 @@ class Decoder:
         # [record, request or error, output record once known, (stream index, result) per finished sample]
         queue: deque[list] = deque()  # input order
         waiting: dict[int, list] = {}  # stream index -> its queue entry
-        n = self.options.sampling.num_samples
+        n = self.rows_per_record
         unflushed, last_flush = 0, time.perf_counter()
 
         def write_ready():

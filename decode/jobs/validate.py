@@ -45,7 +45,9 @@ def validate_options(opts: DecodeOptions) -> None:
     temperature = sampling.temperature
     if not _is_number(temperature) or not math.isfinite(temperature) or temperature < 0:
         raise UsageError(f"--temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
-    check_num_samples(sampling.num_samples, temperature)
+    check_num_samples(sampling.num_samples, temperature, drafting.drafter)
+    check_several_outputs(opts)
+    check_approximate(opts)
     top_p = sampling.top_p
     if not _is_number(top_p) or not (0 < top_p <= 1):  # NaN fails both comparisons
         raise UsageError(f"--top-p must be in (0, 1], got {top_p}")
@@ -121,13 +123,76 @@ def check_shared_prefix(spec: str) -> None:
         raise UsageError(f"--shared-prefix {spec}: the file is empty")
 
 
-def check_num_samples(num_samples, temperature) -> None:
-    """N samples of a record at T = 0 would be N copies of one greedy output: refused, not decoded."""
+# drafters whose --num-samples outputs differ at T = 0 (superposed decoding keeps the k best drafts)
+SEVERAL_AT_GREEDY = ("superposed",)
+# the approximate modes decode greedily: their drafts, units or exits stand in for the target's argmax
+APPROXIMATE = ("superposed", "ead", "skipdecode")
+
+
+def check_num_samples(num_samples, temperature, drafter: str = "ar") -> None:
+    """N samples of a record at T = 0 would be N copies of one greedy output: refused, not decoded
+    (except where a method's outputs differ at T = 0, ``SEVERAL_AT_GREEDY``)."""
     _int(num_samples, "--num-samples")
     if num_samples < 1:
         raise UsageError(f"--num-samples must be a positive integer, got {num_samples}")
-    if num_samples > 1 and temperature <= 0:
+    if num_samples > 1 and temperature <= 0 and drafter.partition(":")[0] not in SEVERAL_AT_GREEDY:
         raise UsageError(f"--num-samples {num_samples} needs --temperature > 0: greedy decoding would give {num_samples} identical samples")
+
+
+def check_several_outputs(opts: DecodeOptions) -> None:
+    """--first-finish, --beams, --beam-groups and --diversity-penalty: in range, and only where they mean
+    something (first-finish samples, beam search is deterministic and drafts nothing)."""
+    sampling, drafter = opts.sampling, opts.drafting.drafter
+    _int(sampling.first_finish, "--first-finish")
+    _int(sampling.beams, "--beams")
+    _int(sampling.beam_groups, "--beam-groups")
+    penalty = sampling.diversity_penalty
+    if not _is_number(penalty) or not math.isfinite(penalty) or penalty < 0:
+        raise UsageError(f"--diversity-penalty must be a finite number >= 0, got {penalty}")
+    if sampling.first_finish:
+        if sampling.first_finish < 2:
+            raise UsageError(f"--first-finish must be at least 2 (samples that race to finish), got {sampling.first_finish}")
+        if sampling.temperature <= 0:
+            raise UsageError(f"--first-finish {sampling.first_finish} needs --temperature > 0: greedy samples would all finish together")
+        if sampling.num_samples > 1:
+            raise UsageError("--first-finish does not combine with --num-samples: it launches its own N samples and keeps one")
+    if sampling.beams < 1:
+        raise UsageError(f"--beams must be a positive integer, got {sampling.beams}")
+    if sampling.beam_groups < 1 or sampling.beams % sampling.beam_groups:
+        raise UsageError(f"--beam-groups must divide --beams ({sampling.beams}) into groups of equal size, got {sampling.beam_groups}")
+    if sampling.beams == 1:
+        if sampling.beam_groups > 1 or penalty:
+            raise UsageError("--beam-groups and --diversity-penalty apply to beam search (--beams B, B > 1)")
+        return
+    for name, bad in (("--temperature", sampling.temperature > 0), ("--num-samples", sampling.num_samples > 1),
+                      ("--first-finish", sampling.first_finish > 0), ("--top-p", sampling.top_p < 1)):
+        if bad:
+            raise UsageError(f"--beams does not combine with {name}: beam search keeps the B most likely outputs")
+    if drafter != "ar":
+        raise UsageError(f"--beams does not combine with --drafter {drafter}: a beam's every step needs the "
+                         "target's whole distribution at every beam, which drafting does not save")
+
+
+def check_approximate(opts: DecodeOptions) -> None:
+    """The approximate modes' options in range; those modes decode greedily."""
+    drafting = opts.drafting
+    name = drafting.drafter.partition(":")[0]
+    if opts.sampling.temperature > 0 and name in APPROXIMATE:
+        raise UsageError(f"--drafter {drafting.drafter} decodes greedily (an approximate mode): use --temperature 0")
+    if drafting.entropy_threshold is not None:
+        value = drafting.entropy_threshold
+        if not _is_number(value) or value != value or value < 0:
+            raise UsageError(f"--entropy-threshold must be a number >= 0 (nats; inf: never switch), got {value}")
+    if drafting.entropy_window is not None:
+        _positive_int(drafting.entropy_window, "--entropy-window")
+    if drafting.unit_threshold is not None:
+        value = drafting.unit_threshold
+        if not _is_number(value) or not 0 < value <= 1:
+            raise UsageError(f"--unit-threshold must be in (0, 1], got {value}")
+    if drafting.ngram_weight is not None:
+        value = drafting.ngram_weight
+        if not _is_number(value) or not 0 <= value < 1:
+            raise UsageError(f"--ngram-weight must be in [0, 1), got {value}")
 
 
 def _is_number(value) -> bool:
@@ -169,6 +234,8 @@ def plan_decode(target: str | None, options: DecodeOptions, default_target: Call
     target (``target``, or ``default_target()`` when None), what applies to it. Raises ``UsageError``."""
     validate_options(options)
     drafter = check_drafter_options(options.drafting.drafter, options)
+    if drafter.kind == "lud" and options.sampling.temperature > 0:
+        raise UsageError(f"--drafter {options.drafting.drafter} (lexical units, an approximate mode) decodes greedily: use --temperature 0")
     if paths is not None:
         validate_paths(*paths)
     target = target if target is not None else default_target()
