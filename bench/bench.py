@@ -323,7 +323,8 @@ def _joined(results: list, wall: float, first_finish: bool = False) -> tuple[lis
     if first_finish:
         finished = [r for r in results if r.finish_reason == "stop"]
         won = min(finished, key=lambda r: len(r.token_ids)) if finished else results[0]
-        return won.token_ids, {**_joined(results, wall)[1], "new_tokens": len(won.token_ids)}
+        return won.token_ids, {**_joined(results, wall)[1], "new_tokens": len(won.token_ids), "first_tokens": won.token_ids}
+    first = results[0].token_ids
     results = [r for res in results for r in (res, *res.alternatives)]
     if len(results) == 1:
         return results[0].token_ids, {**results[0].stats, "wall_s": wall}
@@ -338,7 +339,8 @@ def _joined(results: list, wall: float, first_finish: bool = False) -> tuple[lis
                     merged[k] = merged.get(k, 0) + v
             elif isinstance(value, (int, float)) and not key.endswith("wall_s"):
                 stats[key] = stats.get(key, 0) + value
-    return [t for res in results for t in res.token_ids], {**stats, "wall_s": wall}
+    # the first output (sample 0, the best beam or draft) is what agreement and task scores read
+    return [t for res in results for t in res.token_ids], {**stats, "wall_s": wall, "first_tokens": first}
 
 
 class _PeakMemory:
@@ -538,12 +540,14 @@ def _entry(spec, run: Run, ar: Run, categories, costs, draft_model, base: Decode
             if base.sampling.temperature == 0 else None,
             "distinct4": round(distinct_ngram_ratio([run.outputs[i] for i in idx]), 4),
         }
+        # a prompt's several outputs (samples, beams, drafts) are judged by the first
+        first = [run.stats[i].get("first_tokens", run.outputs[i]) for i in idx]
         if base.sampling.temperature == 0:  # how far an output strays from plain greedy decoding's
-            pairs = [diffusion_bench.token_agreement(run.outputs[i], ar.outputs[i]) for i in idx]
+            pairs = [diffusion_bench.token_agreement(f, ar.stats[i].get("first_tokens", ar.outputs[i])) for f, i in zip(first, idx)]
             out["token_agreement"] = round(sum(m for m, _ in pairs) / max(sum(c for _, c in pairs), 1), 4)
         if tasks is not None:  # checkable tasks: each output scored against the record's answer
-            out.update(quality.summarise([quality.score(tasks[i][0], tokenizer.decode(run.outputs[i], skip_special_tokens=True),
-                                                        tasks[i][1]) for i in idx]))
+            out.update(quality.summarise([quality.score(tasks[i][0], tokenizer.decode(f, skip_special_tokens=True), tasks[i][1])
+                                          for f, i in zip(first, idx)]))
         if all(c is not None for c in calls):
             out["target_calls"] = sum(calls)
             out["tau"] = round(toks / sum(calls), 3) if sum(calls) else None
