@@ -104,6 +104,15 @@ MODEL_FREE = tuple(MODEL_FREE_DRAFTERS)
 def _build_draft(path: Path | str, target, tokenizer, options: DecodeOptions):
     """A draft model from an artifact folder or a hub id, checked against the target's tokenizer, drafting
     in the mode the options select (``DRAFT_MODES``)."""
+    model = load_checked_draft(path, target, tokenizer, options)
+    return DRAFTER_KINDS["draft"].mode(options.drafting)(model, tokenizer, options)
+
+
+def load_checked_draft(path: Path | str, target, tokenizer, options: DecodeOptions):
+    """The draft model of an artifact folder or a hub id, loaded beside ``target`` (its input device and
+    dtype) once its tokenizer fingerprint and vocabulary are checked against the target's; a reduced
+    vocabulary's draft comes wrapped (``MappedVocabLM``: target ids in, logits over the target's
+    vocabulary out). Draft models' drafters and EAD's draft (``decode.approx.ead``) load it here."""
     local = Path(path).is_dir()
     cfg = read_config(path) if local else load_model_config(str(path), options.placement).to_dict()
     expected = cfg.get("specdec_target")
@@ -126,7 +135,7 @@ def _build_draft(path: Path | str, target, tokenizer, options: DecodeOptions):
     model = load_draft(path, options.placement, device=input_device(target), dtype=target.dtype)
     if reduced is not None:  # a reduced vocabulary's draft: target ids in, logits over the target's vocabulary out
         model = draft_vocab.MappedVocabLM(model, reduced)
-    return DRAFTER_KINDS["draft"].mode(options.drafting)(model, tokenizer, options)
+    return model
 
 
 def _chain(model, tokenizer, options: DecodeOptions):

@@ -179,6 +179,9 @@ def check_approximate(opts: DecodeOptions) -> None:
     name = drafting.drafter.partition(":")[0]
     if opts.sampling.temperature > 0 and name in APPROXIMATE:
         raise UsageError(f"--drafter {drafting.drafter} decodes greedily (an approximate mode): use --temperature 0")
+    if opts.scheduling.max_memory is not None and (name in APPROXIMATE or opts.sampling.beams > 1):
+        raise UsageError("--max-memory fits the speculative engine's rows and drafts; beam search and the approximate modes "
+                         "batch by --batch-size")
     if drafting.entropy_threshold is not None:
         value = drafting.entropy_threshold
         if not _is_number(value) or value != value or value < 0:
@@ -236,6 +239,8 @@ def plan_decode(target: str | None, options: DecodeOptions, default_target: Call
     drafter = check_drafter_options(options.drafting.drafter, options)
     if drafter.kind == "lud" and options.sampling.temperature > 0:
         raise UsageError(f"--drafter {options.drafting.drafter} (lexical units, an approximate mode) decodes greedily: use --temperature 0")
+    if drafter.kind == "lud" and options.scheduling.max_memory is not None:
+        raise UsageError("--max-memory fits the speculative engine's rows and drafts; lexical-unit decoding batches by --batch-size")
     if paths is not None:
         validate_paths(*paths)
     target = target if target is not None else default_target()
