@@ -113,7 +113,7 @@ def plan_bench(cfg: BenchConfig, default_target: Callable[[], str] | None = None
                 raise UsageError(f"method {spec!r}: {exc}") from None
             unresolved[spec] = exc  # a strategy's options are its own (decode.diffusion.strategies)
             continue
-        opts = base.with_overrides(overrides)
+        opts = base.with_overrides({**overrides, "drafter": head})  # what a decode with --drafter HEAD would check
         validate_options(opts)
         refuse_what_does_not_apply(choice.factory, opts.drafting)
         parsed[spec] = (opts, choice)

@@ -10,6 +10,7 @@ Set ``SPECDEC_DEBUG=1`` to see the traceback of an unexpected error.
 from __future__ import annotations
 
 import os
+import re
 import sys
 from enum import Enum
 from pathlib import Path
@@ -192,7 +193,7 @@ def bench(
         placement=placement_options(device, dtype, device_map, attn_implementation, trust_remote_code, threads),
     )
     cfg = BenchConfig(
-        in_path=in_path, target=target, methods=[m for m in methods.split(",") if m],
+        in_path=in_path, target=target, methods=[m for m in re.split(r",(?!\d)", methods) if m],  # layerskip:3,5 and skipdecode:18,9 keep their commas
         repeats=repeats, warmup=warmup, limit=limit, busy=busy, command=cli_command(), options=options,
     )
     report = run_bench(cfg, console, default_target=lambda: default_target(console))

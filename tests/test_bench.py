@@ -257,3 +257,27 @@ def test_a_method_held_at_its_own_threads_leaves_the_others_theirs():
         with threads.held(1):
             assert torch.get_num_threads() == 1
         assert torch.get_num_threads() == 3 and threads.governor() is None
+
+
+def test_bench_scores_approximate_modes_and_several_outputs_against_greedy(tiny_family, tmp_path):
+    """An approximate mode is labelled, its agreement with ar's output and its task scores reported;
+    a method with several outputs per prompt (superposed drafts) is judged by its first, its tokens/s
+    counting all of them."""
+    prompts = tmp_path / "tasks.jsonl"
+    rows = [{"prompt": "reverse: a b\nanswer:", "answer": "b a"},
+            {"prompt": "def f(x):\n    \"\"\"Twice x.\"\"\"\n", "answer": "    return 2 * x\n", "task": "code"}]
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    report_path = tmp_path / "r.json"
+    res = invoke(["bench", "--in", prompts, "--target", tiny_family / "target", "--max-new-tokens", "10", "--warmup", "0",
+                  "--methods", "ar,skipdecode:2,2,skipdecode:2,1,superposed+num-samples=3", "--out", report_path])
+    assert res.exit_code == 0, res.output
+    methods = {m["method"]: m for m in json.loads(report_path.read_text())["methods"]}
+    assert "approximate" not in methods["ar"] and methods["ar"]["token_agreement"] == 1.0
+    # every layer at every step: greedy itself, labelled approximate all the same (the mode is)
+    assert methods["skipdecode:2,2"]["approximate"] and methods["skipdecode:2,2"]["token_agreement"] == 1.0
+    assert methods["skipdecode:2,1"]["approximate"] and methods["skipdecode:2,1"]["token_agreement"] < 1.0
+    for m in methods.values():
+        assert set(m) >= {"list_exact", "code_exact", "code_parses"}
+        assert all(0 <= m[k] <= 1 for k in ("list_exact", "code_exact", "code_parses"))
+    sup = methods["superposed+num-samples=3"]
+    assert sup["approximate"] and sup["new_tokens"] > methods["ar"]["new_tokens"]  # three drafts a prompt
