@@ -1,4 +1,4 @@
-"""CLI commands: train-draft, train-acceptance, train-heads, export (torch is imported lazily).
+"""CLI commands: train-draft, train-acceptance, train-heads, train-lud, export (torch is imported lazily).
 
 Each command only declares options and hands off to one library function; errors reach the one
 boundary in ``cli.main``. Under several processes: ``accelerate launch --num_processes N -m specdec
@@ -229,6 +229,41 @@ def train_heads_cmd(
     _report(metrics, out, ("top1_accuracy", "expected_tau", "steps", "stopped"))
 
 
+def train_lud_cmd(
+    target: o.TargetRequired,
+    data: o.Data,
+    out: o.OutDir,
+    unit_size: Annotated[Optional[int], typer.Option("--unit-size", min=2, help="Tokens per lexical unit: the last real position and m-1 placeholders each predict one (default 3).")] = None,
+    recipe: o.Recipe = None,
+    max_steps: o.MaxSteps = None,
+    budget_minutes: o.Budget = None,
+    resume: o.Resume = False,
+    batch_size: o.TrainBatch = None,
+    seq_len: o.SeqLen = None,
+    lr: o.Lr = None,
+    seed: o.TrainSeed = None,
+    checkpoint_every: o.CkptEvery = None,
+    mixed_precision: o.MixedPrecision = None,
+    device: o.Device = "auto",
+    dtype: o.DtypeOpt = o.Dtype.auto,
+    device_map: o.DeviceMapOpt = None,
+    attn_implementation: o.AttnImpl = None,
+    trust_remote_code: o.TrustRemoteCode = False,
+    threads: o.Threads = 0,
+) -> None:
+    """Fine-tune the target with LoRA to predict lexical units of several tokens (Lexical Unit Decoding)."""
+    from specdec.train.lud import default_config, train_lud
+
+    shared = dict(max_steps=max_steps, budget_minutes=budget_minutes, batch=batch_size, seq_len=seq_len, lr=lr, seed=seed,
+                  checkpoint_every=checkpoint_every, mixed_precision=mixed_precision.value if mixed_precision else None)
+    # the packaged recipes/lud.yaml where there is one, else the trainer's own default recipe
+    packaged = recipe is not None or (RECIPES / "lud.yaml").is_file()
+    cfg = _config(recipe, "lud.yaml", "lud", **shared) if packaged else default_config(**shared)
+    place = o.placement(device, dtype, device_map, attn_implementation, trust_remote_code, threads)
+    metrics = train_lud(target, data, out, cfg, unit_size=unit_size, resume=resume, placement=place)
+    _report(metrics, out, ("unit_accuracy", "unit_ce", "steps", "stopped"))
+
+
 def export_cmd(
     src: Annotated[Path, typer.Argument(help="A medusa or eagle artifact directory.")],
     to: Annotated[ExportTo, typer.Option("--to", help="hf (the method's own checkpoint layout), vllm, speculators (EAGLE-3 "
@@ -247,4 +282,5 @@ def register(app: typer.Typer) -> None:
     app.command("train-draft")(train_draft_cmd)
     app.command("train-acceptance")(train_acceptance_cmd)
     app.command("train-heads")(train_heads_cmd)
+    app.command("train-lud")(train_lud_cmd)
     app.command("export")(export_cmd)
