@@ -13,6 +13,7 @@ An approximate mode's output may differ from the target's own decoding: each of 
 from __future__ import annotations
 
 import itertools
+import time
 from typing import Iterable, Iterator
 
 from specdec.decode.engine.types import GenRequest, GenResult
@@ -50,7 +51,11 @@ class OwnLoop:
         requests = iter(requests)
         taken = 0
         while chunk := list(itertools.islice(requests, batch_size)):
-            for j, result in enumerate(self.generate(chunk)):
+            start = time.perf_counter()
+            results = self.generate(chunk)
+            wall = time.perf_counter() - start
+            for j, result in enumerate(results):
+                result.stats.setdefault("row_wall_s", wall)  # the job's wall_s: where a method times no row, its batch's
                 yield taken + j, result
             taken += len(chunk)
 
