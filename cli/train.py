@@ -1,4 +1,4 @@
-"""CLI commands: train-draft, train-acceptance, train-heads, train-lud, export (torch is imported lazily).
+"""CLI commands: train-draft, train-acceptance, train-heads, train-lud, export, plan (torch is imported lazily).
 
 Each command only declares options and hands off to one library function; errors reach the one
 boundary in ``cli.main``. Under several processes: ``accelerate launch --num_processes N -m specdec
@@ -20,6 +20,7 @@ class HeadKind(str, Enum):
     medusa = "medusa"
     clover = "clover"
     eagle = "eagle"
+    chimera = "chimera"
 
 
 class LoraSave(str, Enum):
@@ -42,6 +43,11 @@ class ExportTo(str, Enum):
 class HeadLayout(str, Enum):
     specdec = "specdec"
     published = "published"
+
+
+class LawForm(str, Enum):
+    sigmoid = "sigmoid"
+    log_linear = "log-linear"
 
 
 def _config(recipe: Path | None, default: str, section: str, **overrides):
@@ -179,13 +185,18 @@ def train_acceptance_cmd(
 
 
 def train_heads_cmd(
-    kind: Annotated[HeadKind, typer.Option("--kind", help="medusa, clover or eagle.")],
+    kind: Annotated[HeadKind, typer.Option("--kind", help="medusa, clover, eagle or chimera.")],
     target: o.TargetRequired,
     data: o.Data,
     out: o.OutDir,
-    num_heads: Annotated[Optional[int], typer.Option("--num-heads", help="Medusa/Clover heads (default 4).")] = None,
+    num_heads: Annotated[Optional[int], typer.Option("--num-heads", help="Medusa/Clover/Chimera heads (default 4).")] = None,
     eagle3: Annotated[bool, typer.Option("--eagle3", help="EAGLE: multi-layer features and unrolled training-time steps.")] = False,
     unroll: Annotated[Optional[int], typer.Option("--unroll", help="EAGLE: unrolled training-time steps (1 = EAGLE-1).")] = None,
+    fspad: Annotated[bool, typer.Option("--fspad", help="EAGLE: FSPAD (feature sampling: the token's embedding gates the fused "
+                     "feature; partial alignment: the feature loss covers only the first --fspad-align of its dimensions). "
+                     "Recipe: fspad / fspad_align in the eagle section's extra.")] = False,
+    fspad_align: Annotated[Optional[float], typer.Option("--fspad-align", help="FSPAD: the fraction of the predicted feature's "
+                           "dimensions regressed onto the target's, in (0, 1] (default 0.5; implies --fspad).")] = None,
     draft_vocab: o.DraftVocab = None,
     teacher_cache: Annotated[Optional[Path], typer.Option("--teacher-cache", help="File for the target's features and top-k logits over the training blocks, computed once (used whenever --draft-vocab is given).")] = None,
     layout: Annotated[HeadLayout, typer.Option("--layout", help="EAGLE: specdec (its own architecture) or published (EAGLE-1, or "
@@ -207,7 +218,7 @@ def train_heads_cmd(
     trust_remote_code: o.TrustRemoteCode = False,
     threads: o.Threads = 0,
 ) -> None:
-    """Train Medusa / Clover / EAGLE heads on the frozen target."""
+    """Train Medusa / Clover / EAGLE / Chimera heads on the frozen target."""
     from specdec.train.heads import train_heads
 
     kind = kind.value
@@ -216,6 +227,12 @@ def train_heads_cmd(
                   mixed_precision=mixed_precision.value if mixed_precision else None)
     place = o.placement(device, dtype, device_map, attn_implementation, trust_remote_code, threads)
     hp = {"num_heads": num_heads, "unroll": unroll}
+    if fspad or fspad_align is not None:
+        if kind != "eagle":
+            from specdec.models.errors import UsageError
+
+            raise UsageError(f"--fspad applies to --kind eagle, not --kind {kind}")
+        hp.update(fspad=True, fspad_align=fspad_align)
     if eagle3:
         hp.update(eagle3=True, feature_layers="eagle3")
     if layout is HeadLayout.published:
@@ -278,9 +295,80 @@ def export_cmd(
     typer.echo(str(dst))
 
 
+def plan_cmd(
+    target: o.TargetRequired,
+    data: Annotated[Optional[list[Path]], typer.Option("--data", help="Train quick drafts on this text (JSONL, Parquet or text; repeatable), one per --sizes, at equal small budgets.")] = None,
+    sizes: Annotated[Optional[str], typer.Option("--sizes", help="The quick drafts' sizes as --arch strings, ';' between them (a repeated key also starts a new size), e.g. 'layers=1,hidden=64,heads=2;layers=2,hidden=128,heads=4' (default: three sizes from layers=1,hidden=64 to layers=4,hidden=256).")] = None,
+    artifacts: Annotated[Optional[str], typer.Option("--artifacts", help="Comma-separated train-draft artifact folders whose metrics (parameters, training tokens, held-out agreement) are the points, instead of --data.")] = None,
+    budget_minutes: Annotated[Optional[float], typer.Option("--budget-minutes", min=0.0, help="Each quick draft's training budget (default 1 minute unless --max-steps is given).")] = None,
+    max_steps: o.MaxSteps = None,
+    batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Rows decoded together: the costs are measured at it.")] = 1,
+    train_budget_minutes: Annotated[Optional[float], typer.Option("--train-budget-minutes", help="The real draft's training budget: acceptance is predicted at the tokens it buys at the measured training rate (default: the points' median training time).")] = None,
+    law: Annotated[LawForm, typer.Option("--law", help="sigmoid: a = sigmoid(alpha + beta ln N + gamma ln D); log-linear: the same line clipped to (0, 1).")] = LawForm.sigmoid,
+    repeats: Annotated[int, typer.Option("--repeats", min=1, help="Timed forwards per measured cost (the median is kept).")] = 10,
+    drafts_dir: Annotated[Optional[Path], typer.Option("--drafts-dir", help="Keep the quick drafts here (default: a temporary folder, removed).")] = None,
+    out: Annotated[Optional[str], typer.Option("--out", help="Write the JSON report here.")] = None,
+    plot: Annotated[Optional[str], typer.Option("--plot", help="Write a PNG plot: acceptance against size with the fit, and expected speedup against k.")] = None,
+    recipe: o.Recipe = None,
+    seed: o.TrainSeed = None,
+    device: o.Device = "auto",
+    dtype: o.DtypeOpt = o.Dtype.auto,
+    device_map: o.DeviceMapOpt = None,
+    attn_implementation: o.AttnImpl = None,
+    trust_remote_code: o.TrustRemoteCode = False,
+    threads: o.Threads = 0,
+) -> None:
+    """Recommend a draft size, draft length and the expected speedup: fit acceptance against draft size and training tokens, time the forwards here."""
+    import importlib.util
+
+    from specdec.bench.report import cli_command
+    from specdec.cli.main import _console
+    from specdec.decode.jobs.validate import validate_output_path
+    from specdec.models.errors import UsageError
+    from specdec.train.plan import PlanConfig, parse_sizes, plot as draw, run_plan, summary_line, table
+    from specdec.train.recipe import draft_knobs
+
+    dirs = [a.strip() for a in (artifacts or "").split(",") if a.strip()]
+    if artifacts is not None and not dirs:
+        raise UsageError("--artifacts names no folder")
+    if artifacts is not None and (budget_minutes is not None or max_steps is not None or drafts_dir is not None or recipe is not None):
+        raise UsageError("--budget-minutes, --max-steps, --drafts-dir and --recipe set the quick drafts trained on --data, not --artifacts")
+    for flag, path in (("--out", out), ("--plot", plot)):
+        if path:
+            validate_output_path(path, flag)
+    if plot and importlib.util.find_spec("matplotlib") is None:
+        raise UsageError("--plot needs matplotlib, which is not installed (pip install matplotlib)")
+    cfg = PlanConfig(target=target, data=list(data or []), sizes=parse_sizes(sizes) if sizes is not None else [], artifacts=dirs,
+                     batch_size=batch_size, train_budget_minutes=train_budget_minutes, form=law.value, repeats=repeats,
+                     drafts_dir=drafts_dir, placement=o.placement(device, dtype, device_map, attn_implementation, trust_remote_code, threads),
+                     command=cli_command())
+    if cfg.data:
+        if budget_minutes is None and max_steps is None:
+            budget_minutes = 1.0
+        train_cfg = _config(recipe, "draft.yaml", "draft", max_steps=max_steps, budget_minutes=budget_minutes, seed=seed,
+                            checkpoint_every=0)
+        train_cfg.save_final_checkpoint = False  # quick drafts: no resume
+        cfg.train_config, cfg.knobs = train_cfg, draft_knobs(train_cfg.extra)
+    console = _console()
+    report = run_plan(cfg, say=lambda text: console.print(f"[dim]{text}[/dim]"))
+    console.print(table(report))
+    for note in report["notes"]:
+        console.print(f"note: {note}")
+    if plot:
+        draw(report, plot)
+        console.print(f"plot written to {plot}")
+    if out:
+        from specdec.models.artifacts import write_json
+
+        write_json(out, report)
+        console.print(f"report written to {out}")
+    typer.echo(summary_line(report))
+
+
 def register(app: typer.Typer) -> None:
     app.command("train-draft")(train_draft_cmd)
     app.command("train-acceptance")(train_acceptance_cmd)
     app.command("train-heads")(train_heads_cmd)
     app.command("train-lud")(train_lud_cmd)
     app.command("export")(export_cmd)
+    app.command("plan")(plan_cmd)

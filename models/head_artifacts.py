@@ -8,7 +8,7 @@ from pathlib import Path
 
 from specdec.models.artifacts import load_weights, read_config, write_json
 from specdec.models.errors import SpecdecError, UsageError
-from specdec.models.heads import KINDS, CloverHeads, EagleHead, MedusaHeads
+from specdec.models.heads import KINDS, ChimeraHeads, CloverHeads, EagleHead, MedusaHeads
 
 
 # ---------------------------------------------------------------------------------------------
@@ -23,6 +23,9 @@ def build_heads(kind: str, target, hp: dict):
     elif kind == "clover":
         m = CloverHeads(cfg.hidden_size, cfg.vocab_size, int(hp.get("num_heads", 4)), int(hp.get("attn_heads", cfg.num_attention_heads)),
                         int(hp.get("window", 64)))
+    elif kind == "chimera":
+        m = ChimeraHeads(cfg.hidden_size, cfg.vocab_size, int(hp.get("num_heads", 4)), int(hp.get("num_layers", 1)),
+                         int(hp.get("attn_heads", cfg.num_attention_heads)), int(hp.get("window", 64)))
     elif kind == "eagle" and hp.get("layout"):  # EAGLE-1 / EAGLE-3 as published (models/interop.py)
         from specdec.models.interop import build_published_eagle  # a module above heads: no cycle
 
@@ -33,7 +36,8 @@ def build_heads(kind: str, target, hp: dict):
             n = cfg.num_hidden_layers
             layers = sorted({min(2, n), max(n // 2, 1), max(n - 3, 1)})
         m = EagleHead(cfg, layers, float(hp.get("noise", 0.2)), float(hp.get("ce_weight", 0.1)), float(hp.get("reg_weight", 1.0)),
-                      int(hp.get("unroll", 7 if hp.get("eagle3") else 1)))
+                      int(hp.get("unroll", 7 if hp.get("eagle3") else 1)), fspad=bool(hp.get("fspad")),
+                      fspad_align=float(hp.get("fspad_align") or 0.5))
     else:
         raise UsageError(f"--kind must be one of {', '.join(KINDS)}, not {kind!r}")
     return m
@@ -70,7 +74,7 @@ def _load_heads(artifact_dir: str | Path, target):
     cfg = read_config(artifact_dir)
     kind = cfg.get("kind")
     if kind not in KINDS:
-        raise SpecdecError(f"{artifact_dir} is not a medusa/clover/eagle artifact (kind {kind!r})")
+        raise SpecdecError(f"{artifact_dir} is not a {'/'.join(KINDS)} artifact (kind {kind!r})")
     if cfg.get("hidden_size") != target.config.hidden_size or cfg.get("vocab_size") != target.config.vocab_size:
         raise SpecdecError(f"{artifact_dir} was trained for a target with hidden size {cfg.get('hidden_size')} and "
                            f"vocabulary {cfg.get('vocab_size')}; this target has {target.config.hidden_size} and {target.config.vocab_size}")

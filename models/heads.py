@@ -1,10 +1,10 @@
-"""The modules of Medusa, Clover and EAGLE artifacts, and their artifact I/O.
+"""The modules of Medusa, Clover, EAGLE and Chimera artifacts, and their artifact I/O.
 
 Every head module exposes the same three things:
   forward(hidden_states, input_ids, target_logits) -> (loss, parts)   training (one call per step)
   chain_logits(hidden_states, input_ids, k) -> [k, B, T, V]            teacher-forced chains for metrics:
       entry k at position t predicts token t+2+k from the target's states up to t
-  plus the decode-side steps decode/drafters/heads.py calls (medusa_logits / clover step / eagle step).
+  plus the decode-side steps decode/drafters/heads.py calls (medusa_logits / clover step / eagle step / chimera encode + decoded).
 The target's embedding and LM head are used frozen and are not part of the artifact; the artifact
 holds only the trained head weights (model.safetensors) and config.json with the target's
 tokenizer fingerprint.
@@ -29,7 +29,7 @@ class ResBlock(nn.Module):
         return x + F.silu(self.linear(x))
 
 
-KINDS = ("medusa", "clover", "eagle")
+KINDS = ("medusa", "clover", "eagle", "chimera")
 
 
 def _frozen(target):
@@ -239,6 +239,84 @@ class CloverHeads(_TargetHead, nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------
+# Chimera (Zeng et al. 2024): trigram encoder + full-context decoder + residual decoding heads
+
+
+class ChimeraHeads(_TargetHead, nn.Module):
+    """A lightweight draft made of the target's own parts and three small ones.
+
+    Position s (whose last hidden state h_s predicted token s+1) gets the decoder input
+        x_s = fc([trigram(tok_{s-1}, tok_s, tok_{s+1}), h_s]),
+    the trigram encoder being SiLU(Linear(3H -> H)) over the three tokens' RMS-normalised (frozen) target
+    input embeddings (a token before the sequence's start is a zero vector). The full-context decoder is
+    one pre-norm causal self-attention + MLP block over x (the last ``window`` positions, like Clover's);
+    residual decoding head i (``num_layers`` Medusa ResBlocks, then the target's frozen LM head, as
+    Clover's heads) reads its output at s and predicts token s+2+i.
+
+    At decode s is the last committed position and tok_{s+1} the round's root, so the trigram is the
+    sequence's last three tokens; all heads read that one state (a Medusa-shaped tree). A fresh module is
+    Medusa with shared LM heads: fc starts as "h_s", the decoder and the ResBlocks as identities.
+    """
+
+    kind = "chimera"
+
+    def __init__(self, hidden: int, vocab: int, num_heads: int = 4, num_layers: int = 1, attn_heads: int = 4, window: int = 64,
+                 decay: float = 0.8):
+        super().__init__()
+        self.num_heads, self.num_layers, self.attn_heads, self.window, self.decay = num_heads, num_layers, attn_heads, window, decay
+        self.embed_norm = nn.RMSNorm(hidden, eps=1e-6)
+        self.trigram = nn.Linear(3 * hidden, hidden)  # the trigram encoder
+        self.fc = nn.Linear(2 * hidden, hidden)  # [trigram encoding, h_s] -> decoder input
+        with torch.no_grad():
+            self.fc.weight.zero_()
+            self.fc.weight[:, hidden:].copy_(torch.eye(hidden))
+            self.fc.bias.zero_()
+        self.decoder = _Block(hidden, attn_heads)  # the full-context decoder
+        self.heads = nn.ModuleList(nn.Sequential(*[ResBlock(hidden) for _ in range(num_layers)]) for _ in range(num_heads))
+        self._target = None
+
+    def attach(self, target, init_from_lm_head: bool = False):
+        self._target = _frozen(target)
+        return self
+
+    def hparams(self) -> dict:
+        return {"num_heads": self.num_heads, "num_layers": self.num_layers, "attn_heads": self.attn_heads, "window": self.window}
+
+    def encode(self, prev, prev_valid, tokens, nxt, h):
+        """Decoder inputs x [..., H] of positions with tokens ``tokens``, the tokens before (``prev``, a zero
+        vector where ``prev_valid`` is False) and after them (``nxt``), and last hidden states ``h`` [..., H]."""
+        embed, _ = self._target
+        e = self.embed_norm(embed(torch.stack([prev, tokens, nxt], -1)).to(h.dtype))  # [..., 3, H]
+        keep = torch.stack([prev_valid, torch.ones_like(prev_valid), torch.ones_like(prev_valid)], -1)
+        g = F.silu(self.trigram((e * keep[..., None].to(e.dtype)).flatten(-2)))
+        return self.fc(torch.cat([g, h], -1))
+
+    def decoded(self, x, mem, mask):
+        """The full-context decoder: queries x [B, Q, H] over decoder inputs mem [B, S, H], mask [B, Q, S]."""
+        return self.decoder(x, mem, mask)
+
+    def head_logits(self, d):
+        """[num_heads, ..., V] from decoder outputs d [..., H]."""
+        return torch.stack([self.target_logits(head(d)) for head in self.heads])
+
+    def states(self, hidden_states, input_ids):
+        """Decoder outputs [B, T, H] at every position, teacher-forced (the last position's next token is a pad)."""
+        h = hidden_states[-1]
+        b, t, _ = h.shape
+        prev = F.pad(input_ids[:, :-1], (1, 0), value=0)
+        prev_valid = (torch.arange(t, device=h.device) > 0)[None].expand(b, t)
+        nxt = F.pad(input_ids[:, 1:], (0, 1), value=0)
+        x = self.encode(prev, prev_valid, input_ids, nxt, h)
+        return self.decoded(x, x, window_mask(t, self.window, h.device)[None].expand(b, t, t))
+
+    def chain_logits(self, hidden_states, input_ids, k):
+        return self.head_logits(self.states(hidden_states, input_ids))[:k]
+
+    def forward(self, hidden_states, input_ids, target_logits):
+        return decayed_head_loss(self.head_logits(self.states(hidden_states, input_ids)), self.labels(input_ids), self.decay)
+
+
+# ---------------------------------------------------------------------------------------------
 # EAGLE (Li et al. 2024): fc(concat(embed(x_{t+1}), f_t)) -> one decoder layer -> f_hat_{t+1}
 
 
@@ -340,14 +418,51 @@ def rope_frequencies(config, head_dim: int) -> tuple[torch.Tensor, float]:
     return 1.0 / rope_theta(config) ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim), 1.0
 
 
+class FeatureSampler(nn.Module):
+    """FSPAD's feature sampling (Gui et al. 2024, "Boosting Lossless Speculative Decoding via Feature
+    Sampling and Partial Alignment Distillation"; the authors' ``Efc`` in ``cnets_fspad.py``).
+
+    EAGLE's entry already pairs f_t with the embedding e of the token the target emitted after it (at
+    decode: the root token the target sampled, or a tree node's token; at training: the data token
+    t+1, the token the target was fed there), but only linearly: x = fc([e, f_t]). FSPAD lets the
+    token *select* ("sample") the part of the uncertain feature that belongs to it: a gated MLP whose
+    gate is computed from the token's embedding and whose value is the fused entry,
+        x + down(SiLU(gate(e)) * up(RMSNorm(x))).
+    ``down`` starts at zero, so a fresh sampler is the identity and an fspad head starts as EAGLE."""
+
+    def __init__(self, hidden: int, intermediate: int, eps: float):
+        super().__init__()
+        self.norm = _RMSNorm(hidden, eps)
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        nn.init.zeros_(self.down_proj.weight)
+
+    def forward(self, x, e):
+        """x [..., H] the fused entry fc([e, f]), e [..., H] the token's embedding."""
+        return x + self.down_proj(F.silu(self.gate_proj(e)) * self.up_proj(self.norm(x)))
+
+
 class EagleHead(_TargetHead, nn.Module):
+    """EAGLE (and EAGLE-3 with ``feature_layers`` / ``unroll``); with ``fspad`` the FSPAD variant:
+    (1) feature sampling: the entry passes through a ``FeatureSampler`` (the token's embedding gates
+    the fused feature; used identically at training and at decode, through ``entry``);
+    (2) partial alignment distillation: the feature-regression loss covers only the first
+    ``fspad_align`` fraction of the predicted feature's dimensions (``aligned_dims``); the rest are
+    shaped by the token loss (soft CE to the target's distribution) alone. The whole predicted feature
+    still goes to the LM head and is fed to the next step, as in EAGLE."""
+
     kind = "eagle"
 
     def __init__(self, target_config, feature_layers: list[int] | None = None, noise: float = 0.2, ce_weight: float = 0.1,
-                 reg_weight: float = 1.0, unroll: int = 1, decay: float = 0.8):
+                 reg_weight: float = 1.0, unroll: int = 1, decay: float = 0.8, fspad: bool = False, fspad_align: float = 0.5):
         super().__init__()
         hidden = target_config.hidden_size
         heads = target_config.num_attention_heads
+        self._sampler_dims = (hidden, getattr(target_config, "intermediate_size", 4 * hidden), getattr(target_config, "rms_norm_eps", 1e-6))
+        self.sampler, self.fspad_align = None, None
+        if fspad:
+            self.enable_fspad(fspad_align)
         self.feature_layers = list(feature_layers) if feature_layers else None
         self.noise, self.ce_weight, self.reg_weight, self.unroll, self.decay = noise, ce_weight, reg_weight, unroll, decay
         # EAGLE-3: low/mid/high layer features fused into one
@@ -377,8 +492,44 @@ class EagleHead(_TargetHead, nn.Module):
         return self
 
     def hparams(self) -> dict:
+        # getattr: the published heads (models.interop) build themselves without EagleHead.__init__
+        fspad = {"fspad": True, "fspad_align": self.fspad_align} if getattr(self, "sampler", None) is not None else {}
         return {"feature_layers": self.feature_layers, "unroll": self.unroll, "noise": self.noise, "ce_weight": self.ce_weight,
-                "reg_weight": self.reg_weight}
+                "reg_weight": self.reg_weight, **fspad}
+
+    # -- FSPAD --------------------------------------------------------------------------------
+
+    def enable_fspad(self, align: float = 0.5) -> "EagleHead":
+        """Make this head FSPAD's: add the (identity-initialised) feature sampler, and regress only the
+        first ``align`` fraction of the predicted feature's dimensions. Call before training starts."""
+        align = float(align)
+        if not 0.0 < align <= 1.0:
+            raise ValueError(f"fspad_align must be in (0, 1], not {align}")
+        if self.sampler is None:
+            p = next(self.parameters(), None)
+            self.sampler = FeatureSampler(*self._sampler_dims)
+            if p is not None:
+                self.sampler.to(device=p.device, dtype=p.dtype)
+        self.fspad_align = align
+        return self
+
+    def aligned_dims(self, hidden: int) -> int:
+        """How many leading feature dimensions the regression loss covers (all of them without FSPAD)."""
+        if getattr(self, "fspad_align", None) is None:
+            return hidden
+        return max(1, min(hidden, round(self.fspad_align * hidden)))
+
+    def regression_loss(self, pred, true):
+        """Smooth-L1 between the predicted and the target's features over the aligned dimensions (EAGLE's
+        term over all of them; FSPAD's partial alignment over the first ``aligned_dims``)."""
+        k = self.aligned_dims(pred.shape[-1])
+        return F.smooth_l1_loss(pred[..., :k].float(), true[..., :k].float())
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        # an FSPAD artifact rebuilt by a builder that does not pass ``fspad``: its sampler's weights say so
+        if getattr(self, "sampler", None) is None and any(k.startswith("sampler.") for k in state_dict):
+            self.enable_fspad(0.5)
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     def features(self, hidden_states):
         """The drafter's input feature per position: the last layer, or fused chosen layers."""
@@ -388,7 +539,10 @@ class EagleHead(_TargetHead, nn.Module):
 
     def entry(self, tokens, feats):
         embed, _ = self._target
-        return self.fc(torch.cat([embed(tokens).to(feats.dtype), feats], dim=-1))
+        e = embed(tokens).to(feats.dtype)
+        x = self.fc(torch.cat([e, feats], dim=-1))
+        sampler = getattr(self, "sampler", None)
+        return x if sampler is None else sampler(x, e)  # FSPAD: the token samples the feature
 
     def rope(self, position_ids):
         """(cos, sin) [B, T, D] for position ids [B, T]."""
@@ -448,7 +602,7 @@ class EagleHead(_TargetHead, nn.Module):
                 break
             pred = fh[u, :, :valid]
             true = f[:, 1 + u : 1 + u + valid].to(pred.dtype)
-            reg = F.smooth_l1_loss(pred.float(), true.float())
+            reg = self.regression_loss(pred, true)
             log_q = F.log_softmax(self.lm_logits(pred).float(), -1)
             ce = soft_ce(log_q, target_logits, 1 + u, valid)
             loss = loss + self.decay**u * (self.reg_weight * reg + self.ce_weight * ce)

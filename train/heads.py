@@ -1,4 +1,4 @@
-"""train-heads: Medusa, Clover and EAGLE drafting heads on a frozen target, through the shared loop;
+"""train-heads: Medusa, Clover, EAGLE and Chimera drafting heads on a frozen target, through the shared loop;
 export to the methods' public checkpoint layouts."""
 
 from __future__ import annotations
@@ -93,6 +93,7 @@ def train_heads(
     if kind not in KINDS:
         raise UsageError(f"--kind must be one of {', '.join(KINDS)}, not {kind!r}")
     hp = {**cfg.extra, **{k: v for k, v in hp.items() if v is not None}}
+    fspad = _fspad_settings(kind, hp)
     out_dir = Path(out_dir)
     accelerator = make_accelerator(cfg)
     target, tokenizer = load_teacher(target_dir, placement, accelerator)
@@ -107,6 +108,8 @@ def train_heads(
         hp["draft_ids"] = vocab.d2t[:-1]
     heads = build_heads(kind, target, hp).attach(target, init_from_lm_head=bool(hp.get("init_from_lm_head", True)))
     hp.pop("draft_ids", None)
+    if fspad:
+        heads.enable_fspad(hp["fspad_align"])
     if vocab is not None and not published:
         heads.set_vocab(vocab)
     cache = None
@@ -153,6 +156,27 @@ def train_heads(
                                "draft_vocab": draft_vocab, "teacher_topk": teacher_topk if cache is not None else None, **hp})
     write_json(out_dir / "metrics.json", metrics)
     return metrics
+
+
+def _fspad_settings(kind: str, hp: dict) -> bool:
+    """Validate FSPAD's settings (``fspad``, ``fspad_align`` in the recipe's extra or from the CLI);
+    ``hp["fspad_align"]`` gets its default 0.5. Returns whether FSPAD is on."""
+    if not hp.get("fspad"):
+        hp.pop("fspad_align", None)  # an aligned fraction means nothing without fspad
+        hp.pop("fspad", None)
+        return False
+    if kind != "eagle":
+        raise UsageError(f"--fspad applies to --kind eagle (it changes EAGLE's feature drafter), not --kind {kind}")
+    if hp.get("layout"):
+        raise UsageError("--fspad cannot train --layout published: the published EAGLE-1 / EAGLE-3 checkpoints (vLLM, SGLang, "
+                         "speculators) have no place for FSPAD's feature sampler (an embedding-gated MLP after fc); use --layout specdec")
+    align = hp.get("fspad_align")
+    align = 0.5 if align is None else float(align)
+    if not 0.0 < align <= 1.0:
+        raise UsageError(f"--fspad-align must be in (0, 1] (the regressed fraction of the feature's dimensions), not {align}")
+    hp["fspad"], hp["fspad_align"] = True, align
+    return True
+
 
 # ---------------------------------------------------------------------------------------------
 # Export
@@ -202,6 +226,8 @@ def export_artifact(src: Path, dst: Path, to: str) -> Path:
             conf = {"architectures": ["MedusaModel"], "model_type": "medusa", "num_heads": n, "num_hidden_layers": layers, "medusa_fc_bias": True,
                     "hidden_size": cfg["hidden_size"], "vocab_size": cfg["vocab_size"], "truncated_vocab_size": cfg["vocab_size"]}
     elif kind == "eagle":
+        if cfg.get("fspad"):  # the EAGLE-1 layout has no place for the sampler: an export without it would draft differently
+            raise UsageError(f"{src} is an FSPAD head (feature sampler after fc): the EAGLE-1 --to {to} layout cannot express it")
         out = {}
         for k, v in weights.items():
             if k.startswith("decoder.layers."):

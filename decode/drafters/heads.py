@@ -1,4 +1,4 @@
-"""Drafters for Medusa, Clover and EAGLE artifacts: token trees from the target's own hidden states.
+"""Drafters for Medusa, Clover, EAGLE and Chimera artifacts: token trees from the target's own hidden states.
 
 All three read the target's last hidden states from the engine (``needs_hidden = True``): the
 prefill's in ``begin`` and each verify forward's in ``observe``, where ``seg.keep_index`` /
@@ -29,7 +29,7 @@ from specdec.models.errors import SpecdecError
 from specdec.models.head_artifacts import load_heads
 from specdec.models.masks import additive_mask
 
-DEFAULTS = {"medusa": (24, 4), "clover": (24, 4), "eagle": (32, 5)}  # (tree tokens, depth)
+DEFAULTS = {"medusa": (24, 4), "clover": (24, 4), "eagle": (32, 5), "chimera": (24, 4)}  # (tree tokens, depth)
 # a dynamic tree spends its tokens where acceptance is likely, so it can afford to go deeper
 DYNAMIC_DEPTH = {"eagle": 8}
 
@@ -387,6 +387,83 @@ class CloverDrafter(HeadTreeDrafter):
         return torch.log_softmax(self.heads.head_logits(head, state).float(), -1)
 
 
+class ChimeraDrafter(HeadTreeDrafter):
+    """Chimera: every head reads one decoder state per round, the last committed position's (its trigram
+    ending in the root), so candidates of depth d come from head d whatever the parent, as Medusa's. The
+    decoder's inputs x_s (``ChimeraHeads.encode``) are computed once per committed position, when the
+    token after it is known (the next kept token, or the new root), and kept over the last ``window``
+    positions (right-aligned per row, as Clover keeps the target's states); ``last`` is each row's last
+    committed token, the trigram's first token for the next segment's first position."""
+
+    def begin(self, batch, seg: Segment) -> None:
+        self.mem, self.mem_valid, self.last, self.last_valid = self._entries(seg.input_ids, seg.input_valid, seg.hidden, batch.root)
+        self._trim()
+
+    def _observe(self, batch, seg: Segment) -> None:
+        tokens = seg.input_ids.gather(1, seg.keep_index)  # [root, accepted path...]
+        hidden = seg.hidden.gather(1, seg.keep_index[..., None].expand(-1, -1, seg.hidden.shape[-1]))
+        x, fresh, self.last, self.last_valid = self._entries(tokens, seg.keep_valid, hidden, batch.root, self.last, self.last_valid)
+        self.mem = torch.cat([self.mem, x], 1)
+        self.mem_valid = torch.cat([self.mem_valid, fresh], 1)
+        self._trim()
+
+    def _entries(self, tokens, valid, hidden, root, last=None, last_valid=None):
+        """Decoder inputs of a segment's positions [B, 1+K, H], which of them are new and valid, and each
+        row's last token after it. Tokens [B, K] with holes (``valid``), the hidden states [B, K, H] after
+        them, ``root`` [B] the token after the last valid one, ``last`` [B] the token before the first one."""
+        bsz, _, hsz = hidden.shape
+        if last is None:
+            last = torch.zeros(bsz, dtype=torch.long, device=tokens.device)
+            last_valid = torch.zeros(bsz, dtype=torch.bool, device=tokens.device)
+        tok = torch.cat([last[:, None], tokens], 1)
+        val = torch.cat([last_valid[:, None], valid], 1)
+        hid = torch.cat([hidden.new_zeros(bsz, 1, hsz), hidden], 1)
+        # right-align each row's valid tokens: a valid token's neighbours are then the columns beside it
+        order = torch.sort(val.long(), dim=1, stable=True).indices
+        tok, val = tok.gather(1, order), val.gather(1, order)
+        hid = hid.gather(1, order[..., None].expand(-1, -1, hsz))
+        prev = torch.nn.functional.pad(tok[:, :-1], (1, 0), value=0)
+        prev_valid = torch.nn.functional.pad(val[:, :-1], (1, 0), value=False)
+        nxt = torch.cat([tok[:, 1:], root[:, None]], 1)
+        x = self.heads.encode(prev, prev_valid, tok, nxt, hid.to(next(self.heads.parameters()).dtype))
+        return x, val & (order > 0), tok[:, -1], val[:, -1]
+
+    def _trim(self) -> None:
+        self.mem, self.mem_valid = _window(self.mem, self.mem_valid, self.heads.window)
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        self.mem, self.mem_valid = self.mem[rows], self.mem_valid[rows]
+        self.last, self.last_valid = self.last[rows], self.last_valid[rows]
+        self._trim()
+
+    def admit(self, batch, seg: Segment) -> None:
+        x, fresh, last, last_valid = self._entries(seg.input_ids, seg.input_valid, seg.hidden, batch.root)
+        x, fresh = _window(x, fresh, self.heads.window)
+        width = max(self.mem.shape[1], x.shape[1])
+        self.mem = torch.cat([left_pad(self.mem, width, 0.0), left_pad(x, width, 0.0)], 0)
+        self.mem_valid = torch.cat([left_pad(self.mem_valid, width, False), left_pad(fresh, width, False)], 0)
+        self.last, self.last_valid = torch.cat([self.last, last]), torch.cat([self.last_valid, last_valid])
+        self._trim()
+
+    def _reset_tree(self, batch) -> None:
+        # the query: each row's last decoder input (right-aligned, so the last column)
+        d = self.heads.decoded(self.mem[:, -1:], self.mem, self.mem_valid[:, None, :])[:, 0]
+        self._logp = torch.log_softmax(self.heads.head_logits(d).float(), -1)  # [heads, B, V]
+
+    def _child_logprobs(self, tree, nodes, level, batch):
+        return self._logp[level][:, None].expand(-1, nodes.shape[1], -1)
+
+
+def _window(mem: torch.Tensor, valid: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's valid entries right-aligned, the last ``window`` columns kept, then leading columns no row uses dropped."""
+    order = torch.sort(valid.long(), dim=1, stable=True).indices
+    mem = mem.gather(1, order[..., None].expand(-1, -1, mem.shape[-1]))
+    valid = valid.gather(1, order)
+    mem, valid = mem[:, -window:], valid[:, -window:]
+    first = int(valid.any(0).long().argmax().item())
+    return mem[:, first:], valid[:, first:]
+
+
 class _SlotCache(SlotBook):
     """The EAGLE layer's keys/values per row: committed entries on a shared slot axis with per-row
     holes and positions (``SlotBook``, as the target's ``KVState``), then, during a round, scratch
@@ -527,11 +604,11 @@ class EagleDrafter(HeadTreeDrafter):
         return torch.log_softmax(self.heads.lm_logits(fh).float(), -1)
 
 
-DRAFTERS = {"medusa": MedusaDrafter, "clover": CloverDrafter, "eagle": EagleDrafter}
+DRAFTERS = {"medusa": MedusaDrafter, "clover": CloverDrafter, "eagle": EagleDrafter, "chimera": ChimeraDrafter}
 
 
 def build_head_drafter(artifact_dir: Path, target, tokenizer, options) -> Drafter:
-    """Factory for ``--drafter DIR`` of kind medusa/clover/eagle.
+    """Factory for ``--drafter DIR`` of kind medusa/clover/eagle/chimera.
 
     options: ``num_draft`` (tree depth; None = the kind's default), ``tree`` ("static" or "dynamic";
     None = dynamic for EAGLE, static for the others), ``tree_tokens`` (nodes per tree; None = default),
@@ -546,7 +623,7 @@ def build_head_drafter(artifact_dir: Path, target, tokenizer, options) -> Drafte
         kind = cfg["kind"]
     else:
         if kind not in DRAFTERS:
-            raise SpecdecError(f"{artifact_dir} is not a medusa/clover/eagle artifact (kind {kind!r})")
+            raise SpecdecError(f"{artifact_dir} is not a {'/'.join(DRAFTERS)} artifact (kind {kind!r})")
         check_fingerprint(cfg["target"], tokenizer_fingerprint(tokenizer), f"{kind} artifact {artifact_dir}")
         heads, _ = load_heads(artifact_dir, target)
     return DRAFTERS[kind](

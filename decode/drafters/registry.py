@@ -192,6 +192,7 @@ DRAFTER_KINDS: dict[str, Factory] = {
     "medusa": Factory(_heads, HEAD_OPTIONS, "medusa heads"),
     "clover": Factory(_heads, HEAD_OPTIONS, "clover heads"),
     "eagle": Factory(_heads, HEAD_OPTIONS, "eagle heads"),
+    "chimera": Factory(_heads, HEAD_OPTIONS, "chimera heads"),
     # Lexical Unit Decoding: the target fine-tuned by specdec train-lud (approximate)
     "lud": Factory(_approx("lud"), frozenset({"unit_threshold"}), "lud artifacts"),
 }
