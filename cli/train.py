@@ -85,9 +85,14 @@ def _fmt(v):
 
 
 def train_draft_cmd(
-    target: o.TargetRequired,
     data: o.Data,
     out: o.OutDir,
+    target: Annotated[Optional[str], typer.Option("--target", help="Model folder, hub id or default-family member.")] = None,
+    targets: Annotated[Optional[str], typer.Option("--targets", help="S2D: comma-separated targets sharing one tokenizer; one sorted draft serves each with its first layers (instead of --target).")] = None,
+    s2d_depths: Annotated[Optional[str], typer.Option("--s2d-depths", help="S2D: comma-separated depth (draft layers) per --targets entry (default: by target size, the largest gets every layer).")] = None,
+    long_context: Annotated[bool, typer.Option("--long-context", help="LongSpec: a draft whose cache keeps --sinks sink tokens and the last --window tokens, trained at anchor-offset positions.")] = False,
+    window: Annotated[Optional[int], typer.Option("--window", help="--long-context: the recent tokens the draft attends to (default 256).")] = None,
+    sinks: Annotated[Optional[int], typer.Option("--sinks", help="--long-context: the first tokens the draft always attends to (default 4).")] = None,
     init: Annotated[Optional[Path], typer.Option("--init", help="Start from this causal LM checkpoint (same vocabulary).")] = None,
     arch: Annotated[Optional[str], typer.Option("--arch", help="New small Llama: layers=N,hidden=N,heads=N[,kv_heads=N,ffn=N].")] = None,
     recipe: o.Recipe = None,
@@ -115,8 +120,23 @@ def train_draft_cmd(
     threads: o.Threads = 0,
 ) -> None:
     """Distil a draft model from the target (forward KL + CE)."""
+    from specdec.models.errors import UsageError
     from specdec.train.draft import train_draft
     from specdec.train.recipe import draft_knobs
+
+    if (target is None) == (targets is None):
+        raise UsageError("give --target, or --targets A,B,... (S2D: one sorted draft for several targets)")
+    chosen = [t.strip() for t in targets.split(",") if t.strip()] if targets is not None else target
+    depths = None
+    if s2d_depths is not None:
+        if targets is None:
+            raise UsageError("--s2d-depths goes with --targets")
+        try:
+            depths = [int(d) for d in s2d_depths.split(",") if d.strip()]
+        except ValueError:
+            raise UsageError(f"--s2d-depths: integers are needed, not {s2d_depths!r}") from None
+    if not long_context and (window is not None or sinks is not None):
+        raise UsageError("--window and --sinks go with --long-context")
 
     cfg = _config(recipe, "draft.yaml", "draft", max_steps=max_steps, budget_minutes=budget_minutes, batch=batch_size,
                   seq_len=seq_len, lr=lr, seed=seed, checkpoint_every=checkpoint_every,
@@ -125,8 +145,9 @@ def train_draft_cmd(
     flags = {"kd_weight": kd_weight, "temperature": temperature, "cache_teacher": cache_teacher,
              "ce_labels": ce_labels.value if ce_labels else None}
     knobs = draft_knobs(cfg.extra) | {k: v for k, v in flags.items() if v is not None}
-    metrics = train_draft(target, data, out, cfg, init=init, arch=arch, lora=lora, lora_save=lora_save.value, resume=resume,
-                          placement=place, draft_vocab=draft_vocab, **knobs)
+    metrics = train_draft(chosen, data, out, cfg, init=init, arch=arch, lora=lora, lora_save=lora_save.value, resume=resume,
+                          placement=place, draft_vocab=draft_vocab, s2d_depths=depths, long_context=long_context,
+                          window=256 if window is None else window, sinks=4 if sinks is None else sinks, **knobs)
     _report(metrics, out, ("heldout_ce", "top1_agreement", "expected_tau", "steps", "stopped"))
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from specdec.train.teacher import TEACHER_CACHE_FORMAT, eval_batch, teacher_cache_key  # noqa: F401
 from specdec.models.artifacts import SpecdecError, UsageError, check_fingerprint, read_config, tokenizer_fingerprint, write_json
-from specdec.train.loop import TrainConfig, run_training, save_config
+from specdec.train.loop import StepSeeded, TrainConfig, run_training, save_config
 
 TAU_KS = tuple(range(1, 9))
 
@@ -301,6 +301,131 @@ def evaluate_draft(draft, target, heldout, batch: int = 8, temperature: float = 
 
 
 # ---------------------------------------------------------------------------------------------
+# S2D: one sorted draft for several targets
+
+def assign_depths(sizes: list[int], layers: int, given: list[int] | None = None) -> list[int]:
+    """Each target's sub-model depth: ``given`` (one per target, in order, each 1..layers), else by size:
+    the targets ranked by parameter count (ties: as given), the r-th smallest of n gets
+    ceil(layers * (r + 1) / n) layers, so the largest gets the whole draft."""
+    import math
+
+    if given is not None:
+        if len(given) != len(sizes):
+            raise UsageError(f"--s2d-depths gives {len(given)} depths for {len(sizes)} targets")
+        bad = [d for d in given if not 1 <= d <= layers]
+        if bad:
+            raise UsageError(f"--s2d-depths: depth {bad[0]} is not between 1 and the draft's {layers} layers")
+        if max(given) != layers:
+            raise UsageError(f"--s2d-depths: the deepest must be the draft's {layers} layers (the layers above "
+                             f"{max(given)} would serve no target)")
+        return list(given)
+    order = sorted(range(len(sizes)), key=lambda i: (sizes[i], i))
+    depths = [layers] * len(sizes)
+    for rank, i in enumerate(order):
+        depths[i] = max(1, math.ceil(layers * (rank + 1) / len(sizes)))
+    return depths
+
+
+class DepthTaps:
+    """The logits of a causal LM's depth-n sub-models (its first n decoder layers, then its final norm and
+    output layer), from one forward of the whole model: forward hooks keep the outputs of the layers asked
+    for, and ``logits(n)`` runs the final norm and the output layer on layer n's. What the sub-model
+    computes alone (``layer_skip_view`` of the top layers): a decoder layer only sees the layers below."""
+
+    _NORMS = ("norm", "final_layernorm", "ln_f", "final_layer_norm")
+
+    def __init__(self, model, depths):
+        import torch
+
+        from specdec.models.arch import decoder_layers, text_config
+
+        parent, _, layers = decoder_layers(model)
+        self.layers = len(layers)
+        self.norm = next((getattr(parent, n) for n in self._NORMS if isinstance(getattr(parent, n, None), torch.nn.Module)), None)
+        if self.norm is None:
+            raise SpecdecError(f"S2D: no final norm found beside the decoder layers of this {type(model).__name__}")
+        self.head = model.get_output_embeddings()
+        self.softcap = getattr(text_config(model.config), "final_logit_softcapping", None)
+        self.out: dict[int, object] = {}
+        self.handles = [layers[d - 1].register_forward_hook(self._keeper(d)) for d in sorted(set(depths)) if d < self.layers]
+
+    def _keeper(self, depth: int):
+        def keep(module, args, output):
+            self.out[depth] = output[0] if isinstance(output, tuple) else output
+
+        return keep
+
+    def logits(self, depth: int, full=None):
+        """Depth ``depth``'s logits of the last forward (``full``: the whole model's, for the full depth)."""
+        import torch
+
+        if depth >= self.layers:
+            return full
+        logits = self.head(self.norm(self.out[depth]))
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles, self.out = [], {}
+
+
+# ---------------------------------------------------------------------------------------------
+# LongSpec: a constant-cache draft trained at anchor-offset positions
+
+
+def anchor_positions(rows: int, seq_len: int, sinks: int, max_positions: int, generator) -> "torch.Tensor":
+    """Anchor-offset position ids [rows, seq_len] for training blocks: a block's first ``sinks`` tokens keep
+    positions 0..sinks-1 (the attention sinks a long text starts with); the rest of row r continue from an
+    anchor a_r drawn uniformly from [seq_len, max_positions - (seq_len - sinks)]: positions a_r,
+    a_r + 1, ..., a_r + seq_len - sinks - 1. So every non-sink token sits beyond the block's own length,
+    up to the model's last position, while the distances inside the window stay the text's own: short
+    blocks train the positions a long context reaches. Where the model has no room for that
+    (max_positions < 2 seq_len - sinks) the positions stay 0..seq_len-1."""
+    import torch
+
+    sinks = min(sinks, seq_len)
+    base = torch.arange(seq_len, dtype=torch.long).expand(rows, -1).clone()
+    high = max_positions - (seq_len - sinks)
+    if high < seq_len or sinks >= seq_len:
+        return base
+    anchors = torch.randint(seq_len, high + 1, (rows, 1), generator=generator)
+    base[:, sinks:] = anchors + torch.arange(seq_len - sinks, dtype=torch.long)[None]
+    return base
+
+
+def sink_window_visible(seq_len: int, sinks: int, window: int) -> "torch.Tensor":
+    """[seq_len, seq_len] bool: a query sees the keys at or before it that are sinks (the block's first
+    ``sinks`` tokens) or at most ``window`` tokens back, what the drafter's cache holds at decode
+    (``decode.drafters.long_draft``: the sinks and the last ``window`` tokens, plus the token itself)."""
+    import torch
+
+    q = torch.arange(seq_len)[:, None]
+    k = torch.arange(seq_len)[None]
+    return (k <= q) & ((k < sinks) | (q - k <= window))
+
+
+class AnchorCollate(StepSeeded):
+    """Stacks a micro-batch's blocks and draws its anchor-offset ``position_ids`` (``anchor_positions``), a
+    function of the seed and of the micro-batch's index (a ``StepSeeded``: a resumed run draws the same)."""
+
+    def __init__(self, seed: int, sinks: int, max_positions: int):
+        super().__init__(seed)
+        self.sinks, self.max_positions = sinks, max_positions
+
+    def __call__(self, items) -> dict:
+        import torch
+
+        _, gen = self.draw()
+        ids = torch.stack([torch.as_tensor(it["input_ids"]) for it in items])
+        idx = torch.tensor([int(it["idx"]) for it in items])
+        return {"input_ids": ids, "idx": idx,
+                "position_ids": anchor_positions(ids.shape[0], ids.shape[1], self.sinks, self.max_positions, gen)}
+
+
+# ---------------------------------------------------------------------------------------------
 # The trainer
 
 
@@ -324,9 +449,31 @@ def train_draft(
     draft_vocab: int | None = None,
     teacher_cache: str | Path | None = None,
     charge_teacher: bool = True,
+    s2d_depths: list[int] | None = None,
+    long_context: bool = False,
+    window: int = 256,
+    sinks: int = 4,
 ) -> dict:
     """Train a draft and write its artifact; returns metrics (empty on non-main processes).
-    ``placement`` (models.loading.Placement): how the frozen target loads."""
+    ``placement`` (models.loading.Placement): how the frozen target loads.
+
+    S2D (sorted speculative decoding): ``target_dir`` a list of several targets sharing one tokenizer (their
+    fingerprints and vocabulary sizes must match). The draft (the first target's architecture, sized by
+    ``arch``) serves target i with its depth-d_i sub-model: its first d_i decoder layers, then its final
+    norm and output layer (``assign_depths``: ``s2d_depths``, else by the targets' sizes, the largest
+    getting the whole draft). Every step distils each target's depth from that target (the KD loss of each
+    pair, averaged over the targets; one forward of the draft gives every depth, ``DepthTaps``): the
+    depths assigned to some target train, depths no target was assigned get no loss of their own (a
+    prefix depth shares its layers with every deeper one). config.json's ``specdec_s2d`` records
+    ``depths`` (target name -> depth) and ``targets`` (name, source, ``target_identity``, depth), which
+    decoding matches the loaded target against (``decode.drafters.draft_model.s2d_depth``).
+    metrics.json holds each target's held-out metrics at its depth and its loss curve (``s2d``).
+
+    LongSpec (``long_context``): the draft attends to ``sinks`` sink tokens and the last ``window`` tokens
+    (``sink_window_visible``; a block no longer than sinks + window + 1 needs no mask) and trains at
+    anchor-offset positions (``anchor_positions``, drawn per micro-batch by ``AnchorCollate``) while the
+    teacher sees the block at its own positions; config.json's ``specdec_long`` records ``window`` and
+    ``sinks``, and decoding keeps the draft's cache at that size (``decode.drafters.long_draft``)."""
     import torch
     from transformers import AutoConfig
 
@@ -346,9 +493,29 @@ def train_draft(
         raise UsageError("ce_labels must be data or target")
     if draft_vocab and (init or lora):
         raise UsageError("--draft-vocab builds a new draft over the reduced vocabulary: it does not combine with --init or --lora")
+    target_dirs = list(target_dir) if isinstance(target_dir, (list, tuple)) else [target_dir]
+    if not target_dirs:
+        raise UsageError("give a target")
+    sorted_draft = len(target_dirs) > 1 or s2d_depths is not None
+    if sorted_draft and draft_vocab:
+        raise UsageError("--targets (S2D) does not combine with --draft-vocab")
+    if long_context and (window < 1 or sinks < 0):
+        raise UsageError("--window must be at least 1 and --sinks at least 0")
     accelerator = make_accelerator(cfg)
-    target, tokenizer = load_teacher(target_dir, placement, accelerator)
+    target, tokenizer = load_teacher(target_dirs[0], placement, accelerator)
     fp = tokenizer_fingerprint(tokenizer)
+    teachers = [target]  # S2D: every target, in the order given
+    for other_dir in target_dirs[1:]:
+        other, other_tok = load_teacher(other_dir, placement, accelerator)
+        theirs = tokenizer_fingerprint(other_tok)
+        if (theirs.get("tokenizer_hash"), theirs.get("vocab_size")) != (fp.get("tokenizer_hash"), fp.get("vocab_size")):
+            raise SpecdecError(f"--targets: {other_dir} has another tokenizer than {target_dirs[0]} (vocabulary "
+                               f"{theirs.get('vocab_size')}, hash {theirs.get('tokenizer_hash')}; vs {fp.get('vocab_size')}, "
+                               f"hash {fp.get('tokenizer_hash')}): the targets of one sorted draft must share a tokenizer")
+        if other.config.vocab_size != target.config.vocab_size:
+            raise SpecdecError(f"--targets: {other_dir} has vocabulary size {other.config.vocab_size}, "
+                               f"{target_dirs[0]} has {target.config.vocab_size}")
+        teachers.append(other)
     if init:
         init_cfg = read_config(init)
         if "specdec_target" in init_cfg:
@@ -381,6 +548,7 @@ def train_draft(
         )
 
     cached, cache_s = None, 0.0
+    cached_all: list[dict] = []  # each target's cached teacher (S2D: several)
     if vocab is not None and kd_weight > 0:
         from specdec.train import teacher
 
@@ -396,17 +564,20 @@ def train_draft(
         if charge_teacher and cfg.budget_minutes > 0:
             cfg = dataclasses.replace(cfg, budget_minutes=max(cfg.budget_minutes - teacher.compute_seconds(path) / 60, 0.01))
     elif cache_teacher and kd_weight > 0:
-        path = out_dir / "teacher_cache.safetensors"
-        start = time.perf_counter()
-        if accelerator.is_main_process:
-            cache_teacher_logits(target, train, path, min(teacher_topk, target.config.vocab_size))
-        accelerator.wait_for_everyone()
         from safetensors import safe_open
 
-        with safe_open(str(path), framework="pt") as f:
-            compute_s = float(f.metadata()["compute_s"])
-            cached = {k: f.get_tensor(k).to(accelerator.device) for k in ("values", "indices")}
-        cached["indices"] = cached["indices"].long()  # gather's index type, converted once
+        start, compute_s = time.perf_counter(), 0.0
+        for i, teacher_model in enumerate(teachers):  # S2D: one cache per target
+            path = out_dir / ("teacher_cache.safetensors" if i == 0 else f"teacher_cache-{i}.safetensors")
+            if accelerator.is_main_process:
+                cache_teacher_logits(teacher_model, train, path, min(teacher_topk, target.config.vocab_size))
+            accelerator.wait_for_everyone()
+            with safe_open(str(path), framework="pt") as f:
+                compute_s += float(f.metadata()["compute_s"])
+                got = {k: f.get_tensor(k).to(accelerator.device) for k in ("values", "indices")}
+            got["indices"] = got["indices"].long()  # gather's index type, converted once
+            cached_all.append(got)
+        cached = cached_all[0]
         cache_s = time.perf_counter() - start
         # the teacher's forwards are training time: a run compares at equal minutes. They are charged
         # as recorded when the cache was made, so a resumed run or one reusing the cache gets the same
@@ -419,24 +590,84 @@ def train_draft(
     if vocab is not None:
         labels_map = torch.where(t2d == vocab.size - 1, -100, t2d)  # no label outside the draft vocabulary
 
+    # LongSpec: the student runs at the collate's anchor-offset positions, under the sinks + window mask
+    # where a block is longer than what that hides nothing of; the teacher sees the block as it is
+    long_meta = {"window": int(window), "sinks": int(sinks)} if long_context else None
+    collate = None
+    visible = None
+    if long_context:
+        from specdec.models.arch import text_config
+
+        max_positions = int(getattr(text_config(draft.config), "max_position_embeddings", 0) or cfg.seq_len)
+        collate = AnchorCollate(cfg.seed, sinks, max_positions)
+        long_meta["max_positions"] = max_positions
+        if cfg.seq_len > sinks + window + 1:
+            visible = sink_window_visible(cfg.seq_len, sinks, window).to(accelerator.device)
+
+    def student_kwargs(batch) -> dict:
+        if not long_context:
+            return {}
+        kw = {"position_ids": batch["position_ids"]}
+        if visible is not None:
+            from specdec.models.arch import layer_types
+            from specdec.models.masks import additive_mask
+
+            ids = batch["input_ids"]
+            mask = additive_mask(visible[: ids.shape[1], : ids.shape[1]][None, None].expand(ids.shape[0], 1, -1, -1),
+                                 next(draft.parameters()).dtype)
+            types = sorted(set(layer_types(draft.config)))
+            kw["attention_mask"] = mask if len(types) == 1 else {t: mask for t in types}
+        return kw
+
+    def teacher_of(i: int, ids, batch):
+        if kd_weight <= 0:
+            return None
+        if cached_all:
+            c = cached_all[i]
+            return (c["values"][batch["idx"]], c["indices"][batch["idx"]])
+        with torch.no_grad():
+            return teachers[i](input_ids=ids).logits
+
+    # S2D: the depth each target's sub-model has, and the hooks that give every depth from one forward
+    layers = None
+    depths: list[int] = []
+    taps = None
+    names: list[str] = []
+    if sorted_draft:
+        from specdec.models.arch import decoder_layers
+
+        layers = len(decoder_layers(draft)[2])
+        depths = assign_depths([sum(p.numel() for p in t.parameters()) for t in teachers], layers, s2d_depths)
+        taps = DepthTaps(draft, depths)
+        names = _target_names(target_dirs)
+
     def loss_fn(model, batch):
         ids = batch["input_ids"]
+        kw = student_kwargs(batch)
         if t2d is not None:
-            logits = model(input_ids=t2d[ids]).logits
+            logits = model(input_ids=t2d[ids], **kw).logits
             teacher_top = (cached["values"][batch["idx"]], cached["indices"][batch["idx"]]) if cached is not None else None
             return kd_loss(logits, ids, teacher_top, kd_weight if teacher_top is not None else 0.0, temperature, ce_labels,
                            labels=labels_map[ids])
-        logits = model(input_ids=ids).logits
-        if kd_weight <= 0:
-            teacher = None
-        elif cached is not None:
-            teacher = (cached["values"][batch["idx"]], cached["indices"][batch["idx"]])
-        else:
-            with torch.no_grad():
-                teacher = target(input_ids=ids).logits
-        return kd_loss(logits, ids, teacher, kd_weight, temperature, ce_labels)
+        logits = model(input_ids=ids, **kw).logits
+        if taps is None:
+            return kd_loss(logits, ids, teacher_of(0, ids, batch), kd_weight, temperature, ce_labels)
+        # S2D: each target distils its own depth of this one forward; the mean over the targets trains
+        total, parts = 0.0, {}
+        for i, depth in enumerate(depths):
+            with accelerator.autocast():  # the head in the precision the forward ran in
+                sub = taps.logits(depth, logits)
+            loss, _ = kd_loss(sub, ids, teacher_of(i, ids, batch), kd_weight, temperature, ce_labels)
+            total = total + loss
+            parts[f"loss_t{i}"] = float(loss.detach())
+        taps.out.clear()
+        return total / len(depths), parts
 
-    result = run_training(cfg, draft, loss_fn, train, out_dir, resume=resume, accelerator=accelerator)
+    try:
+        result = run_training(cfg, draft, loss_fn, train, out_dir, resume=resume, accelerator=accelerator, collate_fn=collate)
+    finally:
+        if taps is not None:
+            taps.close()
     if not result.is_main:
         return {}
     model = result.model
@@ -458,16 +689,53 @@ def train_draft(
         from specdec.train.teacher import heldout_coverage
 
         metrics.update(draft_vocab=vocab.size, vocab_coverage_heldout=heldout_coverage(vocab, held))
-    _save_draft(model, tokenizer, out_dir, fp, lora, lora_save, init, vocab)
-    save_config(cfg, out_dir, {"trainer": "draft", "target": str(target_dir), "data": [str(f) for f in data_files],
+    s2d_meta = None
+    if taps is not None:
+        from specdec.decode.drafters.draft_model import target_identity
+        from specdec.decode.drafters.self_speculation import layer_skip_view
+
+        s2d_meta = {"depths": dict(zip(names, depths)), "layers": layers, "targets": [], "rule": S2D_RULE}
+        per_target = {}
+        for i, (name, depth, teacher_model) in enumerate(zip(names, depths, teachers)):
+            sub = model if depth >= layers else layer_skip_view(model, list(range(depth, layers)))
+            got = evaluate_draft(sub, teacher_model, held, batch=cfg.batch, temperature=temperature)
+            curve = [log[f"loss_t{i}"] for log in result.logs if f"loss_t{i}" in log]
+            per_target[name] = {"depth": depth, "source": str(target_dirs[i]), "loss_curve": curve, **got}
+            if i == 0:
+                metrics.update(got)  # the top-level held-out metrics: the first target's, at its depth
+            s2d_meta["targets"].append({"name": name, "source": str(target_dirs[i]), "depth": depth,
+                                        "identity": target_identity(teacher_model.config)})
+        metrics["s2d"] = per_target
+    if long_meta is not None:
+        metrics["long_context"] = long_meta
+    _save_draft(model, tokenizer, out_dir, fp, lora, lora_save, init, vocab, s2d=s2d_meta, long=long_meta)
+    extra = {"targets": [str(t) for t in target_dirs], "s2d_depths": depths} if sorted_draft else {}
+    if long_meta is not None:
+        extra["long_context"] = long_meta
+    save_config(cfg, out_dir, {"trainer": "draft", "target": str(target_dirs[0]), "data": [str(f) for f in data_files],
                                "init": str(init) if init else None, "arch": arch, "kd_weight": kd_weight,
                                "temperature": temperature, "lora": lora, "lora_save": lora_save,
-                               "cache_teacher": cache_teacher, "ce_labels": ce_labels})
+                               "cache_teacher": cache_teacher, "ce_labels": ce_labels, **extra})
     write_json(out_dir / "metrics.json", metrics)
     return metrics
 
 
-def _save_draft(model, tokenizer, out_dir: Path, fp: dict, lora: bool, lora_save: str, init, vocab=None) -> None:
+def _target_names(sources) -> list[str]:
+    """Each target's name in an S2D artifact: its folder's (or hub id's) last part, made unique with ``#i``."""
+    names: list[str] = []
+    for i, src in enumerate(sources):
+        name = str(src).rstrip("/").rsplit("/", 1)[-1] or f"target{i}"
+        names.append(name if name not in names else f"{name}#{i}")
+    return names
+
+
+S2D_RULE = ("the depth of the recorded target whose identity (sha256 of its config's architecture fields) is the "
+            "decoding target's; of several such, the one whose source or name matches the target's name_or_path; "
+            "else the full depth")
+
+
+def _save_draft(model, tokenizer, out_dir: Path, fp: dict, lora: bool, lora_save: str, init, vocab=None,
+                s2d: dict | None = None, long: dict | None = None) -> None:
     if lora and lora_save == "merged":
         model = model.merge_and_unload()
     if lora and lora_save == "adapter":
@@ -483,4 +751,10 @@ def _save_draft(model, tokenizer, out_dir: Path, fp: dict, lora: bool, lora_save
     if vocab is not None:  # a draft over a reduced vocabulary: its ids map to the target's (models.vocab)
         vocab.save(out_dir)
         config["specdec_draft_vocab"] = vocab.size
+    # S2D: the depth each target's sub-model runs at (decode.drafters.draft_model.s2d_view); LongSpec: the draft's
+    # cache keeps the sinks and the window (decode.drafters.long_draft). An --init draft's own are not this one's
+    for key, value in (("specdec_s2d", s2d), ("specdec_long", long)):
+        config.pop(key, None)
+        if value is not None:
+            config[key] = value
     write_json(out_dir / "config.json", config)

@@ -3,6 +3,10 @@ for ``--verify rsd|spectr`` a tree of sampled siblings, one draft forward per dr
 
 from __future__ import annotations
 
+import hashlib
+import json
+from pathlib import Path
+
 import torch
 
 from specdec.decode.drafters.base import Drafter, Proposal, Segment, TreeTemplate, draw
@@ -209,3 +213,69 @@ class ModelDrafter(Drafter):
         state.commit_prefix(seg.input_ids.shape[1], seg.input_valid)
         self.state.admit(state)
         self.fed += [len(seq) - 1 for seq in batch.seqs]  # the prompt; its first token (the root) is pending
+
+
+# ---------------------------------------------------------------------------------------------
+# S2D: a sorted draft's sub-model for this target (train.draft trains it, with ``specdec_s2d`` in its config)
+
+# the config fields that make a target's identity at decode (``target_identity``): its architecture, read
+# alike from the folder it was trained from and from the model a decode loaded (any dtype, device map)
+_IDENTITY_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                  "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
+                  "rope_theta", "rope_parameters", "rope_scaling", "tie_word_embeddings", "sliding_window", "layer_types")
+
+
+def target_identity(config) -> str:
+    """A target's identity for S2D's depth rule: the sha256 (16 hex digits) of its decoder config's
+    architecture fields (``_IDENTITY_KEYS``). Two targets of one architecture share it (their names
+    then decide, ``s2d_depth``)."""
+    from specdec.models.arch import text_config
+
+    cfg = text_config(config) if not isinstance(config, dict) else config
+    cfg = cfg.to_dict() if hasattr(cfg, "to_dict") else dict(cfg)
+    picked = {k: cfg.get(k) for k in _IDENTITY_KEYS if cfg.get(k) is not None}
+    return hashlib.sha256(json.dumps(picked, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _source_names(source) -> set[str]:
+    """The names a target's source answers to: as given, resolved when it is a folder, and its last part."""
+    text = str(source)
+    names = {text, text.rstrip("/").rsplit("/", 1)[-1]}
+    if text and Path(text).is_dir():
+        names.add(str(Path(text).resolve()))
+    return {n for n in names if n}
+
+
+def s2d_depth(meta: dict | None, config, name: str | None, layers: int) -> int:
+    """The depth a sorted (S2D) draft of ``layers`` layers runs at for a target: the depth recorded for the
+    recorded target whose identity (``target_identity``: its architecture's config hash) is this
+    target's; where several recorded targets share it, the one whose source (as given, resolved, or its
+    folder's name) matches ``name`` (the target's ``name_or_path``); else (no match, or still ambiguous)
+    the full depth."""
+    if not meta:
+        return layers
+    ident = target_identity(config)
+    found = [t for t in meta.get("targets", []) if t.get("identity") == ident]
+    if len(found) > 1 and name:
+        wanted = _source_names(name)
+        found = [t for t in found if wanted & (_source_names(t.get("source", "")) | {t.get("name", "")})]
+    if len(found) != 1:
+        return layers
+    return max(1, min(int(found[0]["depth"]), layers))
+
+
+def s2d_view(model, meta: dict | None, target):
+    """(the draft as it serves ``target``, the depth it runs at): an S2D artifact's (``meta``: its config's
+    ``specdec_s2d``) sub-model at the depth ``s2d_depth`` picks for the target, its top layers removed
+    (``layer_skip_view``: weights shared; the final norm and the output layer stay); (model, None) for a
+    draft that is not sorted."""
+    if not meta:
+        return model, None
+    from specdec.decode.drafters.self_speculation import layer_skip_view
+    from specdec.models.arch import decoder_layers
+
+    layers = len(decoder_layers(model)[2])
+    depth = s2d_depth(meta, target.config, getattr(target, "name_or_path", None) or getattr(target.config, "_name_or_path", None), layers)
+    if depth >= layers:
+        return model, layers
+    return layer_skip_view(model, list(range(depth, layers))), depth

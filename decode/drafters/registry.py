@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from specdec.decode.drafters import aded, base, copying, draft_model, model_free, retrieval, stand
+from specdec.decode.drafters import aded, base, copying, draft_model, long_draft, model_free, retrieval, stand
 from specdec.decode.drafters import self_speculation as swift
 from specdec.decode.drafters.adaptive import build_adaptive
 from specdec.decode.drafters.heads import build_head_drafter
@@ -103,8 +103,10 @@ MODEL_FREE = tuple(MODEL_FREE_DRAFTERS)
 
 def _build_draft(path: Path | str, target, tokenizer, options: DecodeOptions):
     """A draft model from an artifact folder or a hub id, checked against the target's tokenizer, drafting
-    in the mode the options select (``DRAFT_MODES``)."""
+    in the mode the options select (``DRAFT_MODES``). A sorted (S2D) draft runs as the sub-model of the depth
+    its config records for this target (``draft_model.s2d_view``)."""
     model = load_checked_draft(path, target, tokenizer, options)
+    model, _ = draft_model.s2d_view(model, getattr(getattr(model, "config", None), "specdec_s2d", None), target)
     return DRAFTER_KINDS["draft"].mode(options.drafting)(model, tokenizer, options)
 
 
@@ -142,6 +144,9 @@ def _chain(model, tokenizer, options: DecodeOptions):
     # two siblings per step unless --top-k says otherwise: each level of siblings costs the target a
     # wider forward, not the draft another call
     drafting = options.drafting
+    long = long_draft.long_context(model)
+    if long is not None:  # LongSpec: the draft's cache keeps its sinks and window (decode.drafters.long_draft)
+        return long_draft.LongDrafter(model, long["window"], long["sinks"], scheme=drafting.verify, width=drafting.top_k or 2)
     return draft_model.ModelDrafter(model, scheme=drafting.verify, width=drafting.top_k or 2)
 
 
