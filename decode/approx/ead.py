@@ -93,6 +93,7 @@ class EadDecoder(OwnLoop):
     """Entropy Adaptive Decoding over ``target`` with ``draft`` (same tokenizer and vocabulary); greedy."""
 
     approximate = True
+    argmax_only = True  # the output layer screened (OwnLoop.output_layer)
 
     def __init__(self, target, tokenizer, options, draft, threshold: float | None = None, window: int | None = None):
         super().__init__(target, tokenizer, options)
@@ -125,7 +126,8 @@ class EadDecoder(OwnLoop):
             if row.max_new <= 0:
                 row.finish = "length"
         if live:
-            self._decode(live)
+            with self.output_layer():  # the target's tokens are its argmax; the draft's entropies come from its own layer
+                self._decode(live)
         return [self._result(row) for row in rows]
 
     @torch.no_grad()

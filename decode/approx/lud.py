@@ -151,6 +151,7 @@ class LudDecoder(OwnLoop):
     """Lexical Unit Decoding over a merged copy of the target (``merged``); greedy only."""
 
     approximate = True
+    argmax_only = True  # the output layer screened (OwnLoop.output_layer)
 
     def __init__(self, target, tokenizer, options, artifact):
         super().__init__(target, tokenizer, options)
@@ -173,7 +174,6 @@ class LudDecoder(OwnLoop):
 
     def generate(self, requests: list[GenRequest]) -> list[GenResult]:
         from specdec.decode.engine.cache import KVState
-        from specdec.models import head
 
         results: list[GenResult | None] = [None] * len(requests)
         tokens = [[] for _ in requests]
@@ -189,7 +189,8 @@ class LudDecoder(OwnLoop):
         pending = {i: list(requests[i].prompt_ids) for i in active}
         state = KVState(self.merged, len(active), self.device)
         m, g = self.unit_size, self.unit_size - 1
-        with torch.inference_mode(), head.scope(self.merged, greedy=False):
+        # the units' tokens are argmaxes and their probabilities only gate them: the screened layer
+        with torch.inference_mode(), self.output_layer(self.merged):
             while active:
                 width = max(len(pending[i]) for i in active)
                 bsz = len(active)

@@ -81,6 +81,7 @@ class SkipDecoder(OwnLoop):
     (None: L and ceil(L / 2)); greedy."""
 
     approximate = True
+    argmax_only = True  # the output layer screened (OwnLoop.output_layer)
 
     def __init__(self, target, tokenizer, options, first: int | None = None, last: int | None = None, spec: str = "skipdecode"):
         super().__init__(target, tokenizer, options)
@@ -115,9 +116,10 @@ class SkipDecoder(OwnLoop):
         groups: dict[int, list[int]] = {}
         for i, req in enumerate(requests):  # the schedule is batch-level: one static batch per budget
             groups.setdefault(req.max_new_tokens, []).append(i)
-        for budget, index in groups.items():
-            for i, result in zip(index, self._decode([requests[i] for i in index], budget)):
-                results[i] = result
+        with self.output_layer():  # each step's argmax only
+            for budget, index in groups.items():
+                for i, result in zip(index, self._decode([requests[i] for i in index], budget)):
+                    results[i] = result
         return results
 
     @torch.no_grad()

@@ -156,6 +156,7 @@ class SuperposedDecoder(OwnLoop):
     """Superposed Decoding: ``num_samples`` drafts from one forward per step (see the module's docstring)."""
 
     approximate = True
+    argmax_only = True  # the output layer screened (OwnLoop.output_layer)
     expands_samples = True
 
     def __init__(self, target, tokenizer, options):
@@ -169,7 +170,9 @@ class SuperposedDecoder(OwnLoop):
             raise SpecdecError("superposed decoding needs the target's input embeddings (get_input_embeddings)")
 
     def generate(self, requests: list[GenRequest]) -> list[GenResult]:
-        return [self.decode(req) for req in requests]
+        # the argmax exact, the other top-k probabilities from the screened layer (within its bound): this mode is approximate anyway
+        with self.output_layer():
+            return [self.decode(req) for req in requests]
 
     def _forward(self, cache, **inputs) -> torch.Tensor:
         out = self.target(**inputs, past_key_values=cache, use_cache=True, logits_to_keep=1)

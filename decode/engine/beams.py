@@ -81,7 +81,8 @@ class BeamSearch(OwnLoop):
         self.penalty = float(sampling.diversity_penalty)
 
     def generate(self, requests: list[GenRequest]) -> list[GenResult]:
-        return [self.decode(req) for req in requests]
+        with self.output_layer():  # exact log-probabilities: they are the beams' scores
+            return [self.decode(req) for req in requests]
 
     def decode(self, req: GenRequest) -> GenResult:
         """One request's B outputs: the best as the result, the others best first as its alternatives."""

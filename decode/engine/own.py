@@ -25,9 +25,14 @@ class OwnLoop:
     ``approximate``: its output may differ from the target's greedy decoding or sampling (records say so).
     ``expands_samples``: it makes a record's ``--num-samples`` outputs itself from one request (its
     result's ``alternatives``), rather than decoding each sample as a row of its own.
-    ``model``: a second model it runs beside the target (EAD's draft), for the bench's reports."""
+    ``model``: a second model it runs beside the target (EAD's draft), for the bench's reports.
+    ``argmax_only``: it reads each position's argmax of the target's logits, and the other logits at most as
+    heuristics (a confidence, a candidate's rank): ``output_layer`` then screens the output layer in half
+    precision as greedy rounds of the engine do (``models.head``: the argmax exact, every other logit within
+    the screen's bound of its float32 value), which on a 262k-token vocabulary is most of a step's cost."""
 
     approximate = False
+    argmax_only = False
     expands_samples = False
     model = None
     admits = True  # the job's continuous schedule hands it requests as they come (in batches here)
@@ -58,6 +63,13 @@ class OwnLoop:
                 result.stats.setdefault("row_wall_s", wall)  # the job's wall_s: where a method times no row, its batch's
                 yield taken + j, result
             taken += len(chunk)
+
+    def output_layer(self, model=None):
+        """Within: ``model``'s (the target's) output layer as ``models.head`` runs it inside the engine,
+        screened where ``argmax_only``, else exact."""
+        from specdec.models import head
+
+        return head.scope(model if model is not None else self.target, greedy=self.argmax_only)
 
     def append(self, tokens: list[int], new: list[int], max_new: int) -> str | None:
         """Append ``new`` to an output's ``tokens`` as the engine does (``append_tokens``); its finish
