@@ -181,13 +181,17 @@ def _bench_causal(cfg: BenchConfig, plan: BenchPlan, records: list, console) -> 
     # greedy rounds and sampling races (top-p 1: verify.race_noise) read the screened output layer
     costs = _ForwardCosts(model, prompts, greedy=base.sampling.temperature == 0 or base.sampling.top_p >= 1.0)
     tasks = [(r.prompt, r.extra) for r in records] if any(r.extra.get("answer") is not None for r in records) else None
-    entries = [_entry(spec, runs[spec], runs["ar"], categories, costs, prepared[spec].draft_model, base, tasks, tok) for spec in methods]
+    entries = [_entry(spec, runs[spec], runs["ar"], categories, costs, prepared[spec].draft_model, base, tasks, tok,
+                      spec.startswith("hf-") or _one_row_per_prompt(plan.methods[spec].options, prepared[spec])) for spec in methods]
     lens = [len(p) for p in prompts]
     for spec, entry in zip(methods, entries):
+        sampling = plan.methods[spec].options.sampling
+        if (sampling.first_finish or sampling.num_samples) > 1:  # tokens/s counts every sample's tokens
+            entry["rows_per_prompt"] = sampling.first_finish or sampling.num_samples
         estimate = prepared[spec].kv_estimate_bytes
         entry.update(peak_mib=peaks[spec].mib(), kv_estimate_mib=None if estimate is None else round(estimate / (1 << 20), 3))
         # transformers' own runs report no forward counts; the model reads a prompt's stats as one row's
-        if not spec.startswith("hf-") and base.sampling.num_samples == 1:
+        if not spec.startswith("hf-") and _one_row_per_prompt(plan.methods[spec].options, prepared[spec]):
             entry.update(roofline(runs[spec].stats, lens, base.scheduling.batch_size, statistics.median(runs[spec].walls), peak, model,
                                   prepared[spec].draft_model))
     nominal = nominal_bandwidth(device)
@@ -237,6 +241,7 @@ class _Prepared:
     runner: Runner
     draft_model: object = None
     kv_estimate_bytes: int | None = None
+    own_loop: bool = False  # beam search or an approximate mode (decode.engine.own)
 
 
 def _prepare_method(spec: str, model, tok, prompts, method: Method, warmup: int) -> _Prepared:
@@ -294,7 +299,7 @@ def _prepare_method(spec: str, model, tok, prompts, method: Method, warmup: int)
         return out
 
     if isinstance(engine, OwnLoop):  # the memory model knows the speculative engine's buffers only
-        return _Prepared(Runner(decode, len(prompts), fresh=fresh), engine.model, None)
+        return _Prepared(Runner(decode, len(prompts), fresh=fresh), engine.model, None, own_loop=True)
     # the model's estimate for one batch of rows at the run's longest prompt (weights excluded: they are shared)
     mm = memory_model(model, drafter, max(map(len, prompts)), new_tokens)
     estimate = min(bs, len(prompts)) * n * mm.row_bytes(draft_width(drafter, engine.num_draft))
@@ -523,7 +528,15 @@ def time_forward(model, prefix: list[int], t: int, repeats: int, batch_size: int
 # -- the report -----------------------------------------------------------------------------------
 
 
-def _entry(spec, run: Run, ar: Run, categories, costs, draft_model, base: DecodeOptions, tasks=None, tokenizer=None) -> dict:
+def _one_row_per_prompt(options: DecodeOptions, prepared: "_Prepared") -> bool:
+    """Whether a method decodes each prompt as one row of the speculative engine: what the ideal speedup and the
+    roofline model (several samples, beams and loops of their own are not)."""
+    sampling = options.sampling
+    return sampling.num_samples == 1 and not sampling.first_finish and sampling.beams == 1 and not prepared.own_loop
+
+
+def _entry(spec, run: Run, ar: Run, categories, costs, draft_model, base: DecodeOptions, tasks=None, tokenizer=None,
+           own_row: bool = True) -> dict:
     """A method's report entry. ``tasks``: (prompt, record fields) per prompt where some records carry an
     ``answer`` (``bench.quality``), else None."""
 
@@ -564,7 +577,10 @@ def _entry(spec, run: Run, ar: Run, categories, costs, draft_model, base: Decode
         entry["approximate"] = True
     if any(t is not None for t in run.pass_taus):
         entry["tau_by_pass"] = run.pass_taus  # equal in every pass at T=0: no pass learns from another
-    entry.update(_ideal(spec, run, entry, costs, draft_model))
+    if own_row:
+        entry.update(_ideal(spec, run, entry, costs, draft_model))
+    else:  # several rows or outputs per prompt: a round's costs and the counters are not one row's
+        entry.update(ideal_speedup=None, efficiency=None)
     cats = sorted(set(categories))
     if len(cats) > 1 or cats != ["all"]:
         entry["by_category"] = {c: summarize([i for i, k in enumerate(categories) if k == c]) for c in cats}
