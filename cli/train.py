@@ -21,6 +21,8 @@ class HeadKind(str, Enum):
     clover = "clover"
     eagle = "eagle"
     chimera = "chimera"
+    ppd = "ppd"
+    hidden_transfer = "hidden-transfer"
 
 
 class LoraSave(str, Enum):
@@ -206,7 +208,9 @@ def train_acceptance_cmd(
 
 
 def train_heads_cmd(
-    kind: Annotated[HeadKind, typer.Option("--kind", help="medusa, clover, eagle or chimera.")],
+    kind: Annotated[HeadKind, typer.Option("--kind", help="medusa, clover, eagle, chimera, ppd (parallel prompt decoding: "
+                "trained prompt embeddings) or hidden-transfer (linear maps of an intermediate layer's hidden states); ppd and "
+                "hidden-transfer draft chains at positions riding the verify forward, --num-heads of them (default 3).")],
     target: o.TargetRequired,
     data: o.Data,
     out: o.OutDir,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from specdec.models.artifacts import load_weights, read_config, write_json
 from specdec.models.errors import SpecdecError, UsageError
-from specdec.models.heads import KINDS, ChimeraHeads, CloverHeads, EagleHead, MedusaHeads
+from specdec.models.heads import KINDS, RIDE_KINDS, ChimeraHeads, CloverHeads, EagleHead, MedusaHeads, PromptTokens, TransferMaps
 
 
 # ---------------------------------------------------------------------------------------------
@@ -38,8 +38,14 @@ def build_heads(kind: str, target, hp: dict):
         m = EagleHead(cfg, layers, float(hp.get("noise", 0.2)), float(hp.get("ce_weight", 0.1)), float(hp.get("reg_weight", 1.0)),
                       int(hp.get("unroll", 7 if hp.get("eagle3") else 1)), fspad=bool(hp.get("fspad")),
                       fspad_align=float(hp.get("fspad_align") or 0.5))
+    elif kind == "ppd":  # riding the target's forward (decode.drafters.parallel_prompts)
+        m = PromptTokens(cfg.hidden_size, int(hp.get("num_heads") or 3), int(hp.get("placeholder") or 0))
+    elif kind == "hidden-transfer":
+        layer = hp.get("layer")
+        m = TransferMaps(cfg.hidden_size, cfg.num_hidden_layers, int(hp.get("num_heads") or 3), int(hp.get("placeholder") or 0),
+                         None if layer is None else int(layer))
     else:
-        raise UsageError(f"--kind must be one of {', '.join(KINDS)}, not {kind!r}")
+        raise UsageError(f"--kind must be one of {', '.join(KINDS + RIDE_KINDS)}, not {kind!r}")
     return m
 
 
@@ -73,8 +79,8 @@ def load_heads(artifact_dir: str | Path, target):
 def _load_heads(artifact_dir: str | Path, target):
     cfg = read_config(artifact_dir)
     kind = cfg.get("kind")
-    if kind not in KINDS:
-        raise SpecdecError(f"{artifact_dir} is not a {'/'.join(KINDS)} artifact (kind {kind!r})")
+    if kind not in KINDS + RIDE_KINDS:
+        raise SpecdecError(f"{artifact_dir} is not a {'/'.join(KINDS + RIDE_KINDS)} artifact (kind {kind!r})")
     if cfg.get("hidden_size") != target.config.hidden_size or cfg.get("vocab_size") != target.config.vocab_size:
         raise SpecdecError(f"{artifact_dir} was trained for a target with hidden size {cfg.get('hidden_size')} and "
                            f"vocabulary {cfg.get('vocab_size')}; this target has {target.config.hidden_size} and {target.config.vocab_size}")

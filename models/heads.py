@@ -620,3 +620,145 @@ def soft_ce(log_q, teacher, start: int, n: int):
         return -(p * log_q.gather(-1, indices.long())).sum(-1).mean()
     p = F.softmax(teacher[:, start : start + n].float(), -1)
     return -(p * log_q).sum(-1).mean()
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs that ride the target's own forward (decode.drafters.parallel_prompts): PPD and Hidden Transfer.
+# Both predict tokens t+2..t+m+1 at m extra positions of a forward whose last real position is t; what
+# differs is what they inject there, through forward hooks on the target (``injecting``), the same in
+# training (``forward`` on a packed batch of train.lud.pack) and at decode (the engine's riding positions).
+
+RIDE_KINDS = ("ppd", "hidden-transfer")
+
+
+class _RideHeads(_TargetHead, nn.Module):
+    """m riding positions (``num_heads``): position j (0-based) after the last real position t predicts
+    token t+2+j. ``placeholder``: their input id (its embedding is replaced or left unused)."""
+
+    def __init__(self, num_heads: int, placeholder: int):
+        super().__init__()
+        self.num_heads, self.placeholder = int(num_heads), int(placeholder)
+        self._target, self._model = None, None
+
+    def attach(self, target, init_from_lm_head: bool = False):
+        self._target = _frozen(target)
+        self._model = (target,)  # a tuple: not a submodule (neither trained nor saved)
+        return self
+
+    def hparams(self) -> dict:
+        return {"num_heads": self.num_heads, "placeholder": self.placeholder}
+
+    def injecting(self, cols: torch.Tensor, src: torch.Tensor):
+        """A context manager: within it, the target's forwards take this module's inputs at columns ``cols``
+        [B, K*m] (K groups of m riding positions, in order), ``src`` [B, K*m] the column of each group's last
+        real position."""
+        raise NotImplementedError
+
+    @staticmethod
+    def _hooked(module, hook):
+        import contextlib
+
+        @contextlib.contextmanager
+        def scope():
+            handle = module.register_forward_hook(hook)
+            try:
+                yield
+            finally:
+                handle.remove()
+
+        return scope()
+
+    def packed_logits(self, target, batch: dict, masks) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits [B, K*m, V], labels [B, K*m]) of the riding positions of a packed batch (``train.lud.pack``
+        with unit size m + 1: each cut's last real position, then its m placeholders, which come last in the
+        input); ``masks`` makes its 4-D attention mask (``train.lud.MaskMaker``)."""
+        m, ids = self.num_heads, batch["input_ids"]
+        bsz = ids.shape[0]
+        groups = batch["unit_pos"].view(bsz, -1, m + 1)
+        cols = groups[..., 1:].reshape(bsz, -1)
+        src = groups[..., :1].expand(-1, -1, m).reshape(bsz, -1)
+        labels = self.labels(batch["unit_labels"].view(bsz, -1, m + 1)[..., 1:].reshape(bsz, -1))
+        with self.injecting(cols, src):
+            logits = target(input_ids=ids, attention_mask=masks(batch["visible"], batch["position_ids"]),
+                            position_ids=batch["position_ids"], logits_to_keep=cols.shape[1]).logits  # the placeholders: last
+        return logits, labels
+
+    def forward(self, target, batch: dict, masks):
+        """Training (the target frozen): the mean CE of the riding positions' predictions on a packed batch."""
+        logits, labels = self.packed_logits(target, batch, masks)
+        m = self.num_heads
+        ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none")
+        ce = ce.view(labels.shape[0], -1, m)
+        return ce.mean(), {f"ce{j}": float(ce[..., j].mean().detach()) for j in range(m)}
+
+
+class PromptTokens(_RideHeads):
+    """PPD (parallel prompt decoding, Chen et al. 2024): m trained soft prompt embeddings, one per future
+    position, replace the input embeddings (the embedding module's outputs, so a scaled embedding's scale
+    is learnt in) at the riding positions. One embedding per position (the paper's ensemble of e prompt
+    tokens per position, their logits averaged, is not implemented: e = 1)."""
+
+    kind = "ppd"
+
+    def __init__(self, hidden: int, num_heads: int = 3, placeholder: int = 0):
+        super().__init__(num_heads, placeholder)
+        self.prompts = nn.Parameter(torch.zeros(self.num_heads, hidden))
+
+    def attach(self, target, init_from_lm_head: bool = False):
+        super().attach(target)
+        if init_from_lm_head:  # a fresh set starts at the mean input embedding (the module's output, scale included)
+            embed = target.get_input_embeddings()
+            with torch.no_grad():
+                ids = torch.arange(min(4096, embed.weight.shape[0]), device=embed.weight.device)
+                self.prompts.copy_(embed(ids).float().mean(0).expand_as(self.prompts))
+        return self
+
+    def injecting(self, cols, src):
+        m = self.num_heads
+        rows = torch.arange(cols.shape[0], device=cols.device)[:, None].expand_as(cols)
+        which = torch.arange(cols.shape[1], device=cols.device) % m
+
+        def hook(module, args, out):
+            return out.index_put((rows, cols), self.prompts[which].to(out.dtype).expand(cols.shape[0], -1, -1))
+
+        return self._hooked(self._model[0].get_input_embeddings(), hook)
+
+
+def transfer_layer(num_layers: int) -> int:
+    """Hidden Transfer's default layer: the output of decoder layer round(2L/3) (1-based) is replaced, so the last
+    L - round(2L/3) layers run the pseudo states; returned 0-based."""
+    return max(0, round(2 * num_layers / 3) - 1)
+
+
+class TransferMaps(_RideHeads):
+    """Hidden Transfer (Wu et al. 2024): linear maps W_1..W_m (H x H, initialised to the identity) turn the
+    hidden state that decoder layer ``layer`` (0-based) outputs at the last real position into pseudo
+    hidden states of the m riding positions, which replace that layer's outputs there and run through the
+    remaining layers in the same forward."""
+
+    kind = "hidden-transfer"
+
+    def __init__(self, hidden: int, num_layers: int, num_heads: int = 3, placeholder: int = 0, layer: int | None = None):
+        super().__init__(num_heads, placeholder)
+        self.layer = transfer_layer(num_layers) if layer is None else int(layer)
+        if not 0 <= self.layer < num_layers - 1:
+            raise ValueError(f"the transfer layer must be 0..{num_layers - 2} (some layer must follow it), not {self.layer}")
+        self.maps = nn.Parameter(torch.eye(hidden).repeat(self.num_heads, 1, 1))
+
+    def hparams(self) -> dict:
+        return {**super().hparams(), "layer": self.layer}
+
+    def injecting(self, cols, src):
+        from specdec.models.arch import decoder_layers
+
+        bsz, k = cols.shape[0], cols.shape[1] // self.num_heads
+        rows = torch.arange(bsz, device=cols.device)[:, None].expand_as(cols)
+
+        def hook(module, args, out):
+            h = out[0] if isinstance(out, tuple) else out
+            base = h[rows, src].view(bsz, k, self.num_heads, h.shape[-1])  # each group's last real state, per map
+            pseudo = torch.einsum("bkmh,mgh->bkmg", base, self.maps.to(h.dtype)).reshape(bsz, -1, h.shape[-1]).to(h.dtype)  # (autocast)
+            h = h.index_put((rows, cols), pseudo)
+            return (h, *out[1:]) if isinstance(out, tuple) else h
+
+        return self._hooked(decoder_layers(self._model[0])[2][self.layer], hook)

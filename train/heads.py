@@ -11,7 +11,7 @@ import torch
 
 from specdec.models.artifacts import load_weights, read_config, tokenizer_fingerprint, write_json
 from specdec.models.errors import SpecdecError, UsageError
-from specdec.models.heads import KINDS
+from specdec.models.heads import KINDS, RIDE_KINDS
 from specdec.models.head_artifacts import build_heads, save_heads
 from specdec.train.loop import TrainConfig, run_training, save_config
 from specdec.train.teacher import heldout_coverage, training_vocab
@@ -90,9 +90,13 @@ def train_heads(
     from specdec.train.data import load_blocks, load_teacher
     from specdec.train.loop import make_accelerator
 
-    if kind not in KINDS:
-        raise UsageError(f"--kind must be one of {', '.join(KINDS)}, not {kind!r}")
+    if kind not in KINDS + RIDE_KINDS:
+        raise UsageError(f"--kind must be one of {', '.join(KINDS + RIDE_KINDS)}, not {kind!r}")
     hp = {**cfg.extra, **{k: v for k, v in hp.items() if v is not None}}
+    if kind in RIDE_KINDS:  # PPD, Hidden Transfer: trained through the target's own forward
+        if draft_vocab or teacher_cache:
+            raise UsageError(f"--draft-vocab and --teacher-cache apply to {'/'.join(KINDS)} heads, not to --kind {kind}")
+        return _train_riding(kind, target_dir, data_files, out_dir, cfg, resume, placement, hp)
     fspad = _fspad_settings(kind, hp)
     out_dir = Path(out_dir)
     accelerator = make_accelerator(cfg)
@@ -156,6 +160,77 @@ def train_heads(
                                "draft_vocab": draft_vocab, "teacher_topk": teacher_topk if cache is not None else None, **hp})
     write_json(out_dir / "metrics.json", metrics)
     return metrics
+
+
+def _train_riding(kind: str, target_dir, data_files, out_dir, cfg: TrainConfig, resume: bool, placement, hp: dict) -> dict:
+    """PPD prompt embeddings or Hidden Transfer maps (``models.heads.PromptTokens`` / ``TransferMaps``) on the frozen
+    target: each training block gets ``cuts`` cut points (extra ``cuts``, default 16), each followed by m
+    placeholder positions (extra ``num_heads``, default 3) that see the block up to the cut; one forward per block
+    covers every cut (``train.lud.pack``, the packing of Lexical Unit Decoding, unit size m + 1). Placeholder j
+    after the cut's last real token x_t learns x_{t+2+j} (x_{t+1} is the target's own next token), the module's
+    inputs injected by hooks on the target as at decode (``decode.drafters.parallel_prompts``)."""
+    from specdec.train.data import load_blocks, load_teacher
+    from specdec.train.loop import make_accelerator
+    from specdec.train.lud import LudCollate, MaskMaker, choose_placeholder, special_prefix
+
+    out_dir = Path(out_dir)
+    accelerator = make_accelerator(cfg)
+    target, tokenizer = load_teacher(target_dir, placement, accelerator)
+    target.requires_grad_(False)  # gradients flow through it to the injected inputs only
+    fp = tokenizer_fingerprint(tokenizer)
+    m = hp["num_heads"] = int(hp.get("num_heads") or 3)
+    if m < 1 or cfg.seq_len < m + 2:
+        raise UsageError(f"--kind {kind} needs --num-heads >= 1 and --seq-len >= num_heads + 2 (got {m} and {cfg.seq_len})")
+    vocab = target.get_input_embeddings().weight.shape[0]
+    if hp.get("placeholder") is None:
+        try:
+            hp["placeholder"] = choose_placeholder(tokenizer, vocab)
+        except SpecdecError:  # its input is replaced (PPD) or only its own positions read it (Hidden Transfer): any id serves
+            hp["placeholder"] = 0
+    train, held = load_blocks(data_files, tokenizer, cfg.seq_len, cfg.heldout, cfg.seed)
+    torch.manual_seed(cfg.seed)
+    heads = build_heads(kind, target, hp).attach(target, init_from_lm_head=True)
+    masks = MaskMaker(target.config, target.dtype)
+    collate = LudCollate(cfg.seed, m + 1, int(hp.get("cuts") or 16), int(hp["placeholder"]), special_prefix(tokenizer))
+
+    def loss_fn(model, batch):
+        return model(target, batch, masks)
+
+    result = run_training(cfg, heads, loss_fn, train, out_dir, resume=resume, accelerator=accelerator, collate_fn=collate, label=kind)
+    if not result.is_main:
+        return {}
+    heads = result.model.float().attach(target)
+    metrics = evaluate_riding(heads, target, held, collate, masks)
+    metrics.update(kind=kind, num_heads=m, placeholder=int(hp["placeholder"]), steps=result.steps, stopped=result.stopped,
+                   train_wall_s=round(result.wall_s, 3), loss_curve=result.losses,
+                   final_loss=result.losses[-1] if result.losses else None,
+                   train_tokens=result.steps * cfg.batch * cfg.grad_accum * cfg.seq_len * accelerator.num_processes)
+    if kind == "hidden-transfer":
+        metrics["layer"] = heads.layer
+    save_heads(heads, out_dir, fp, target.config)
+    save_config(cfg, out_dir, {"trainer": "heads", "kind": kind, "target": str(target_dir), "data": [str(f) for f in data_files], **hp})
+    write_json(out_dir / "metrics.json", metrics)
+    return metrics
+
+
+def evaluate_riding(heads, target, heldout, collate, masks, blocks: int = 32, batch: int = 8) -> dict:
+    """Held-out top-1 accuracy and CE of each riding position against the data (cut points drawn with a fixed seed)."""
+    m = heads.num_heads
+    hits, ce, count = torch.zeros(m), torch.zeros(m), 0
+    gen = torch.Generator().manual_seed(0)
+    device = target.get_input_embeddings().weight.device
+    n = min(len(heldout), blocks)
+    with torch.no_grad():
+        for i in range(0, n, batch):
+            packed = {k: v.to(device) for k, v in collate.make(heldout[i : min(i + batch, n)]["input_ids"], gen).items()}
+            logits, labels = heads.packed_logits(target, packed, masks)
+            bsz = labels.shape[0]
+            hits += (logits.argmax(-1) == labels).view(bsz, -1, m).sum((0, 1)).float().cpu()
+            ce += torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                                    reduction="none").view(bsz, -1, m).sum((0, 1)).cpu()
+            count += labels.numel() // m
+    count = max(count, 1)
+    return {"top1_accuracy": (hits / count).tolist(), "heldout_ce": (ce / count).tolist(), "heldout_blocks": n}
 
 
 def _fspad_settings(kind: str, hp: dict) -> bool:

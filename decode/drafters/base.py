@@ -16,6 +16,7 @@ the options that factory takes; the CLI never branches on names.
 """
 from __future__ import annotations
 
+import contextlib
 import heapq
 from dataclasses import dataclass
 from typing import Callable
@@ -63,6 +64,10 @@ class Segment:
     keep_index: torch.Tensor | None = None  # [B, M] segment slots each row kept (root + accepted path)
     keep_valid: torch.Tensor | None = None  # [B, M]
     accepted: list[int] | None = None  # per row, accepted draft nodes this round
+    # ``Drafter.ride_positions`` > 0: the outputs at the m positions that rode the verify forward after each
+    # row's chain (never committed to the cache); None when no position rode this forward
+    ride_logits: torch.Tensor | None = None  # [B, m, V]
+    ride_hidden: torch.Tensor | None = None  # [B, m, H] last hidden states, when the drafter asked for them
 
 
 class Drafter:
@@ -74,6 +79,12 @@ class Drafter:
     needs_hidden = False  # the target's last hidden states in every segment (Medusa, Clover, EAGLE)
     hidden_layers: tuple[int, ...] | None = None  # extra hidden-state layers the drafter reads (EAGLE-3)
     needs_prefill_logits = False  # every prompt token's logits in begin/admit segments (else the last one's)
+    # positions that ride the verify forward (PPD, Hidden Transfer: decode.drafters.parallel_prompts): the engine
+    # appends this many input positions (``ride_ids``) after each row's chain, at positions continuing after its
+    # last draft, seeing the committed text, the root and every draft of the row; ``riding`` is entered around
+    # that forward (hooks that inject the drafter's inputs), their outputs come back as ``Segment.ride_logits`` /
+    # ``ride_hidden``, and their slots are never committed (dropped as rejected drafts are). Chains only.
+    ride_positions = 0
     # -- what its proposals hold
     default_k = 4  # drafted tokens (or tree nodes) per round when the user fixes no --num-draft
     proposes_trees = False  # token trees (else chains)
@@ -107,6 +118,16 @@ class Drafter:
 
     def begin(self, batch, seg: Segment) -> None:
         pass
+
+    def ride_ids(self, bsz: int, device) -> torch.Tensor:
+        """[B, ride_positions] input ids of the riding positions (placeholders whose inputs ``riding`` replaces)."""
+        return torch.zeros(bsz, self.ride_positions, dtype=torch.long, device=device)
+
+    def riding(self, start: int, last: torch.Tensor):
+        """A context manager entered around a verify forward that carries ``ride_positions`` riding positions
+        at input columns start..start+m-1; ``last`` [B]: each row's last real column (root 0, or its last
+        draft). Default: nothing injected."""
+        return contextlib.nullcontext()
 
     def propose(self, batch) -> Proposal | None:
         return None

@@ -191,6 +191,13 @@ def _heads(path, target, tokenizer, options: DecodeOptions):
     return build_head_drafter(path, target, tokenizer, options.drafting)
 
 
+def _riding(path, target, tokenizer, options: DecodeOptions):
+    """PPD / Hidden Transfer: chains predicted at positions riding the verify forward (decode.drafters.parallel_prompts)."""
+    from specdec.decode.drafters.parallel_prompts import build_riding_drafter
+
+    return build_riding_drafter(path, target, tokenizer, options.drafting)
+
+
 # kind (config.json "specdec_kind"/"kind") -> factory(path, target, tokenizer, options)
 DRAFTER_KINDS: dict[str, Factory] = {
     "draft": Factory(_build_draft, label="draft models", modes=DRAFT_MODES),
@@ -198,6 +205,9 @@ DRAFTER_KINDS: dict[str, Factory] = {
     "clover": Factory(_heads, HEAD_OPTIONS, "clover heads"),
     "eagle": Factory(_heads, HEAD_OPTIONS, "eagle heads"),
     "chimera": Factory(_heads, HEAD_OPTIONS, "chimera heads"),
+    # chains only (no tree options): their drafts ride the target's verify forward
+    "ppd": Factory(_riding, label="ppd prompt tokens"),
+    "hidden-transfer": Factory(_riding, label="hidden-transfer maps"),
     # Lexical Unit Decoding: the target fine-tuned by specdec train-lud (approximate)
     "lud": Factory(_approx("lud"), frozenset({"unit_threshold"}), "lud artifacts"),
 }

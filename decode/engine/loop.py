@@ -26,6 +26,7 @@ through the contract in ``decode.drafters.base`` (its steps and declared capabil
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import time
@@ -193,7 +194,8 @@ class SpecEngine:
         """Whether new rows can join the running state with their prompts riding its verify forwards:
         a split verification (PEARL's pre-verify) has no one forward to ride."""
         running = joining > 0 or (batch is not None and bool(batch.rows))
-        return bool(self.prefill_chunk) and running and not self.drafter.pre_verify
+        # nor do drafters whose positions ride the verify forward (Drafter.ride_positions): one thing rides at a time
+        return bool(self.prefill_chunk) and running and not self.drafter.pre_verify and not self.drafter.ride_positions
 
     @torch.inference_mode()
     def _run(self, requests: Iterator[GenRequest], batch_size: int) -> Iterator[tuple[int, GenResult]]:
@@ -423,7 +425,9 @@ class SpecEngine:
 
     def _verify(self, state: KVState, batch: Batch, proposal: Proposal | None, joining: list[Joining] = ()) -> tuple[Segment, Verdict]:
         """One target forward over [root, drafts...] and the shared verification routine. The prompts of
-        ``joining`` rows ride along, a chunk each, in rows of their own after the batch's."""
+        ``joining`` rows ride along, a chunk each, in rows of their own after the batch's; or the drafter's
+        riding positions (``Drafter.ride_positions``: PPD, Hidden Transfer) follow each row's chain, their
+        outputs handed over in the segment (``ride_logits``), their slots never committed."""
         bsz = len(batch.seqs)
         root = batch.root[:, None]
         hidden = self.wants_hidden
@@ -453,14 +457,34 @@ class SpecEngine:
             positions.masked_fill_(~valid.cpu(), -1)  # slots past a row's drafts draw nothing
             noise = race_noise(self.seed, batch.keys, positions, self.vocab, self.device)
         sampling = GREEDY if noise is not None else batch.sampling
+        # the drafter's riding positions (Drafter.ride_positions) follow each row's chain: valid, at positions
+        # continuing after its last draft, causal; their outputs are split off after the forward and their
+        # slots are never committed (commit_prefix keeps the first 1 + accepted slots only)
+        m = self.drafter.ride_positions if bsz and batch.num_draft > 0 and ride is None else 0
+        riding = contextlib.nullcontext()
+        if m:
+            if proposal.is_tree:
+                raise SpecdecError(f"the {type(self.drafter).__name__} drafter rides the verify forward: it proposes chains, not trees")
+            last = proposal.lengths if proposal.lengths is not None else torch.full((bsz,), n, device=self.device)
+            riding = self.drafter.riding(1 + n, last)
+            input_ids = torch.cat([input_ids, self.drafter.ride_ids(bsz, self.device)], dim=1)
+            valid = torch.cat([valid, ones.expand(bsz, m)], dim=1)
+        ride_logits = ride_hidden = None
         if ride is None:
             start = time.perf_counter()
-            flat = noise.view(-1, self.vocab) if noise is not None else None
-            with head.racing(self.target, flat, self.sampling.temperature) as raced:
+            # riding positions: the raced output layer would take noise for every position; race_scores below instead
+            flat = noise.view(-1, self.vocab) if noise is not None and not m else None
+            with head.racing(self.target, flat, self.sampling.temperature) as raced, riding:
                 out = state.forward(input_ids, valid if proposal.is_tree or proposal.lengths is not None else None, *tree, hidden=hidden)
             if self.length is not None:  # a CPU forward is done when it returns
                 self.length.record_forward(bsz, input_ids.shape[1], time.perf_counter() - start)
             logits, (last_hidden, layers) = out.logits, self.hidden_of(out)
+            if m:  # the riding positions' outputs go to the drafter; everything below sees [root, drafts...] only
+                ride_logits, logits = logits[:, 1 + n :], logits[:, : 1 + n]
+                if last_hidden is not None:
+                    ride_hidden, last_hidden = last_hidden[:, 1 + n :], last_hidden[:, : 1 + n]
+                    layers = tuple(h[:, : 1 + n] for h in layers) if layers is not None else None
+                input_ids, valid = input_ids[:, : 1 + n], valid[:, : 1 + n]
             if noise is not None and not raced["applied"]:
                 logits = race_scores(logits, noise, self.sampling.temperature)
         else:
@@ -498,7 +522,8 @@ class SpecEngine:
             state.commit_gather(commit_index, commit_valid)
         else:  # every row keeps the first slots of its segment
             state.commit_prefix(commit_index.shape[1], commit_valid)
-        seg = Segment(input_ids, valid, logits, last_hidden, layers, keep_index=index, keep_valid=keep_valid)
+        seg = Segment(input_ids, valid, logits, last_hidden, layers, keep_index=index, keep_valid=keep_valid,
+                      ride_logits=ride_logits, ride_hidden=ride_hidden)
         return seg, verdict
 
     @property
