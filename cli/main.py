@@ -38,10 +38,7 @@ app.add_typer(recipe_app, name="recipe")
 
 
 def _console():
-    from rich.console import Console
-
-    # a log or a pipe has no width: rich's default of 80 columns folds bench's tables into slivers
-    return Console(stderr=True, width=None if sys.stderr.isatty() else 160)
+    return o.console()
 
 
 def default_target(console) -> str:

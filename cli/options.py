@@ -62,7 +62,7 @@ MaxNewTokens = Annotated[int, typer.Option("--max-new-tokens", help="New-token b
 Temperature = Annotated[float, typer.Option("--temperature", help="0 = greedy.")]
 TopP = Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass, in (0, 1].")]
 Seed = Annotated[int, typer.Option("--seed", help="Seed for sampling (training: init, data order).")]
-NumSamples = Annotated[int, typer.Option("--num-samples", help="Independent samples per prompt (needs --temperature > 0), decoded as rows of one batch: drafters such as stand share what they learn between them.")]
+NumSamples = Annotated[int, typer.Option("--num-samples", help="Independent samples per prompt (needs --temperature > 0), decoded as rows of one batch: drafters such as stand share what they learn between them. With --drafter superposed: its k drafts (greedy).")]
 Data = Annotated[list[Path], typer.Option("--data", help="Training data: JSONL (e.g. the output of specdec decode), Parquet or text; repeat for several files.")]
 OutDir = Annotated[Path, typer.Option("--out", help="Artifact folder to write (checkpoints go under OUT/checkpoints).")]
 DraftVocab = Annotated[Optional[int], typer.Option("--draft-vocab", min=2, help="Draft only the N - 1 most frequent tokens of the training data (a draft-to-target id map in the artifact): the target's output layer is read at N rows; verification stays exact.")]
@@ -83,3 +83,13 @@ def placement(device: str, dtype: Dtype, device_map: DeviceMap | None, attn_impl
     from specdec.models.loading import Placement
 
     return Placement(device, dtype.value, device_map.value if device_map else None, attn_implementation, trust_remote_code, threads)
+
+
+def console():
+    """The console progress, tables and summaries go to: stderr, so stdout carries only JSONL."""
+    import sys
+
+    from rich.console import Console
+
+    # a log or a pipe has no width: rich's default of 80 columns folds bench's tables into slivers
+    return Console(stderr=True, width=None if sys.stderr.isatty() else 160)

@@ -347,7 +347,6 @@ def plan_cmd(
     import importlib.util
 
     from specdec.bench.report import cli_command
-    from specdec.cli.main import _console
     from specdec.decode.jobs.validate import validate_output_path
     from specdec.models.errors import UsageError
     from specdec.train.plan import PlanConfig, parse_sizes, plot as draw, run_plan, summary_line, table
@@ -374,7 +373,7 @@ def plan_cmd(
                             checkpoint_every=0)
         train_cfg.save_final_checkpoint = False  # quick drafts: no resume
         cfg.train_config, cfg.knobs = train_cfg, draft_knobs(train_cfg.extra)
-    console = _console()
+    console = o.console()
     report = run_plan(cfg, say=lambda text: console.print(f"[dim]{text}[/dim]"))
     console.print(table(report))
     for note in report["notes"]:

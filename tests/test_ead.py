@@ -135,13 +135,15 @@ def test_defaults_and_bad_values(pair):
 
 
 def test_spec_names_a_draft_model(tiny_family):
+    from specdec.decode.drafters.registry import ead_draft
+
     draft = str(tiny_family / "draft")
-    assert ead.check_spec(f"ead:{draft}") == draft
+    assert str(ead_draft(f"ead:{draft}").source) == draft
     for spec in ("ead", "ead:", "ead: ", "ead:ngram", "ead:layerskip:1"):
         with pytest.raises(UsageError):
-            ead.check_spec(spec)
+            ead_draft(spec)
     with pytest.raises(SpecdecError):
-        ead.check_spec(f"ead:{tiny_family / 'no-such-draft'}")
+        ead_draft(f"ead:{tiny_family / 'no-such-draft'}")
 
 
 # -- the CLI --------------------------------------------------------------------------------------------

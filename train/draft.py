@@ -692,7 +692,7 @@ def train_draft(
     s2d_meta = None
     if taps is not None:
         from specdec.decode.drafters.draft_model import target_identity
-        from specdec.decode.drafters.self_speculation import layer_skip_view
+        from specdec.models.views import layer_skip_view
 
         s2d_meta = {"depths": dict(zip(names, depths)), "layers": layers, "targets": [], "rule": S2D_RULE}
         per_target = {}

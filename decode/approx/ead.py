@@ -34,36 +34,6 @@ DEFAULT_THRESHOLD = 1.5  # nats: the target takes over while the draft's rolling
 DEFAULT_WINDOW = 5  # next-token distributions the rolling entropy averages
 
 
-def check_spec(spec: str) -> str:
-    """The draft ``ead:DRAFT`` names (an artifact folder, a default-family member or a hub id of a draft
-    model), resolved as the registry resolves drafter specs, without loading anything; a ``UsageError``
-    when it names none or names something that is not a draft model."""
-    from specdec.decode.drafters.registry import MODEL_FREE, resolve_drafter
-
-    _, _, draft = spec.partition(":")
-    draft = draft.strip()
-    if not draft:
-        raise UsageError("ead:DRAFT names the draft model that generates while it is sure (an artifact folder, "
-                         "a default-family member such as draft, or a hub id): none given")
-    if draft.partition(":")[0] in MODEL_FREE:
-        raise UsageError(f"{spec!r}: EAD's DRAFT is a draft model, not the {draft.partition(':')[0]!r} drafter")
-    choice = resolve_drafter(draft)
-    if choice.kind != "draft":
-        raise UsageError(f"{spec!r}: {draft} is a {choice.kind} artifact; EAD's DRAFT is a draft model (a small causal LM)")
-    return draft
-
-
-def build(spec: str, target, tokenizer, options) -> "EadDecoder":
-    """The registry's factory for ``ead:DRAFT``: the draft loaded and checked against the target's
-    tokenizer and vocabulary as draft models' drafters are (``registry.load_checked_draft``)."""
-    from specdec.decode.drafters.registry import load_checked_draft, resolve_drafter
-
-    choice = resolve_drafter(check_spec(spec))
-    draft = load_checked_draft(choice.source, target, tokenizer, options)
-    drafting = options.drafting
-    return EadDecoder(target, tokenizer, options, draft, threshold=drafting.entropy_threshold, window=drafting.entropy_window)
-
-
 def entropy(logits: torch.Tensor) -> torch.Tensor:
     """The entropy (nats) of softmax(logits) over the last axis, in float32 at least; -inf logits (a
     reduced vocabulary's tokens it never drafts) count as probability 0."""

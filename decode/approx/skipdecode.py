@@ -14,7 +14,7 @@ are there, nothing is recomputed. The layers below L - n_t are never read again,
 are dropped as n_t shrinks (the project's ``KVState``: the buffers keep every slot of sliding-window
 layers too, the window lives in the masks, so positions and masks are those of the full model's rows).
 A step runs a weight-sharing view of the target without its bottom L - n_t layers
-(``self_speculation.layer_skip_view``).
+(``models.views.layer_skip_view``).
 
 The schedule is batch-level, as in the paper: ``generate`` decodes the requests that share a budget as one
 left-padded static batch (every row is at the same step at once), each such batch on the schedule of its
@@ -103,7 +103,7 @@ class SkipDecoder(OwnLoop):
         if n == self.num_layers:
             return self.target
         if n not in self._views:
-            from specdec.decode.drafters.self_speculation import layer_skip_view
+            from specdec.models.views import layer_skip_view
 
             self._views[n] = layer_skip_view(self.target, list(range(self.num_layers - n)))
         return self._views[n]

@@ -271,7 +271,7 @@ def s2d_view(model, meta: dict | None, target):
     draft that is not sorted."""
     if not meta:
         return model, None
-    from specdec.decode.drafters.self_speculation import layer_skip_view
+    from specdec.models.views import layer_skip_view
     from specdec.models.arch import decoder_layers
 
     layers = len(decoder_layers(model)[2])

@@ -68,15 +68,62 @@ def _layerskip(spec: str, target, tokenizer, options: DecodeOptions):
     return draft_model.ModelDrafter(swift.layer_skip_view(target, skip))
 
 
-def _approx(module: str, what: str = "build"):
-    """A function of an approximate mode's module (``decode.approx``), imported when first called."""
+# the approximate modes (decode.approx) are imported when first built or checked: they are loops of their own
+# that most decodes never load
+def _superposed(spec, target, tokenizer, options: DecodeOptions):
+    from specdec.decode.approx import superposed
 
-    def call(*args):
-        import importlib
+    return superposed.build(spec, target, tokenizer, options)
 
-        return getattr(importlib.import_module(f"specdec.decode.approx.{module}"), what)(*args)
 
-    return call
+def _check_superposed(spec: str) -> None:
+    from specdec.decode.approx import superposed
+
+    superposed.check_spec(spec)
+
+
+def _skipdecode(spec, target, tokenizer, options: DecodeOptions):
+    from specdec.decode.approx import skipdecode
+
+    return skipdecode.build(spec, target, tokenizer, options)
+
+
+def _check_skipdecode(spec: str) -> None:
+    from specdec.decode.approx import skipdecode
+
+    skipdecode.check_spec(spec)
+
+
+def ead_draft(spec: str) -> "DrafterChoice":
+    """The draft model ``ead:DRAFT`` names (an artifact folder, a default-family member or a hub id),
+    resolved as every drafter spec is, without loading anything; a ``UsageError`` when it names none or
+    something that is not a draft model."""
+    _, _, draft = spec.partition(":")
+    draft = draft.strip()
+    if not draft:
+        raise UsageError("ead:DRAFT names the draft model that generates while it is sure (an artifact folder, "
+                         "a default-family member such as draft, or a hub id): none given")
+    if draft.partition(":")[0] in MODEL_FREE_DRAFTERS:
+        raise UsageError(f"{spec!r}: EAD's DRAFT is a draft model, not the {draft.partition(':')[0]!r} drafter")
+    choice = resolve_drafter(draft)
+    if choice.kind != "draft":
+        raise UsageError(f"{spec!r}: {draft} is a {choice.kind} artifact; EAD's DRAFT is a draft model (a small causal LM)")
+    return choice
+
+
+def _ead(spec, target, tokenizer, options: DecodeOptions):
+    """Entropy Adaptive Decoding over the draft ``ead:DRAFT`` names, loaded and checked as draft models are."""
+    from specdec.decode.approx.ead import EadDecoder
+
+    draft = load_checked_draft(ead_draft(spec).source, target, tokenizer, options)
+    drafting = options.drafting
+    return EadDecoder(target, tokenizer, options, draft, threshold=drafting.entropy_threshold, window=drafting.entropy_window)
+
+
+def _lud(path, target, tokenizer, options: DecodeOptions):
+    from specdec.decode.approx import lud
+
+    return lud.build(path, target, tokenizer, options)
 
 
 # drafters that need no artifact: name -> factory(spec, target, tokenizer, options), as DRAFTER_KINDS' factories
@@ -93,10 +140,9 @@ MODEL_FREE_DRAFTERS: dict[str, Factory] = {
     "stand": Factory(lambda spec, target, tokenizer, options: stand.StandDrafter(), label="the stand drafter"),
     "retrieval": Factory(retrieval.build_retrieval, label="retrieval:INDEX", check=retrieval.check_retrieval_spec),
     # approximate modes with a loop of their own (decode.engine.own): their records say "approximate": true
-    "superposed": Factory(_approx("superposed"), frozenset({"ngram_weight", "max_ngram"}), "superposed decoding",
-                          check=_approx("superposed", "check_spec")),
-    "ead": Factory(_approx("ead"), frozenset({"entropy_threshold", "entropy_window"}), "ead:DRAFT", check=_approx("ead", "check_spec")),
-    "skipdecode": Factory(_approx("skipdecode"), label="skipdecode[:FIRST,LAST]", check=_approx("skipdecode", "check_spec")),
+    "superposed": Factory(_superposed, frozenset({"ngram_weight", "max_ngram"}), "superposed decoding", check=_check_superposed),
+    "ead": Factory(_ead, frozenset({"entropy_threshold", "entropy_window"}), "ead:DRAFT", check=lambda spec: ead_draft(spec) and None),
+    "skipdecode": Factory(_skipdecode, label="skipdecode[:FIRST,LAST]", check=_check_skipdecode),
 }
 MODEL_FREE = tuple(MODEL_FREE_DRAFTERS)
 
@@ -209,7 +255,7 @@ DRAFTER_KINDS: dict[str, Factory] = {
     "ppd": Factory(_riding, label="ppd prompt tokens"),
     "hidden-transfer": Factory(_riding, label="hidden-transfer maps"),
     # Lexical Unit Decoding: the target fine-tuned by specdec train-lud (approximate)
-    "lud": Factory(_approx("lud"), frozenset({"unit_threshold"}), "lud artifacts"),
+    "lud": Factory(_lud, frozenset({"unit_threshold"}), "lud artifacts"),
 }
 
 

@@ -38,7 +38,7 @@ import torch
 from specdec.decode.engine import hydragen, split
 from specdec.decode.engine.cache import KVState
 from specdec.decode.engine.length import DraftLength
-from specdec.decode.engine.own import append_tokens
+from specdec.decode.engine.own import append_tokens, eos_ids as _eos_ids
 from specdec.decode.engine.ride import Joining, Ride, stack
 from specdec.decode.drafters.base import Drafter, NoDrafter, Proposal, Segment, tree_attention_from_parents
 from specdec.decode.engine.types import GenRequest, GenResult, Scheme
@@ -666,15 +666,6 @@ def _count_positions(row: _Row, accepted: int, drafted: int) -> None:
         row.pos_drafted[i] += 1
         if i < accepted:
             row.pos_accepted[i] += 1
-
-
-def _eos_ids(model, tokenizer) -> list[int]:
-    ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    if ids is None:
-        ids = getattr(tokenizer, "eos_token_id", None)
-    if ids is None:
-        return []
-    return list(ids) if isinstance(ids, (list, tuple)) else [int(ids)]
 
 
 def _join(head: Segment, tail: Segment, bsz: int, keep_all: bool) -> Segment:

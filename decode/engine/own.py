@@ -38,12 +38,10 @@ class OwnLoop:
     admits = True  # the job's continuous schedule hands it requests as they come (in batches here)
 
     def __init__(self, target, tokenizer, options):
-        from specdec.decode.engine.loop import _eos_ids
-
         self.target = target
         self.tokenizer = tokenizer
         self.options = options
-        self.eos_ids = set(_eos_ids(target, tokenizer))
+        self.eos_ids = set(eos_ids(target, tokenizer))
         self.stop = [s for s in options.sampling.stop if s]
         self.device = next(target.parameters()).device
 
@@ -90,3 +88,13 @@ def append_tokens(tokens: list[int], new: list[int], max_new: int, eos_ids, stop
     if stop and any(s in tokenizer.decode(tokens[-32:]) for s in stop):
         return "stop"
     return None
+
+
+def eos_ids(model, tokenizer) -> list[int]:
+    """The ids that end an output: the model's generation config's, else the tokenizer's."""
+    ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if ids is None:
+        ids = getattr(tokenizer, "eos_token_id", None)
+    if ids is None:
+        return []
+    return list(ids) if isinstance(ids, (list, tuple)) else [int(ids)]
