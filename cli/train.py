@@ -294,13 +294,11 @@ def train_lud_cmd(
     threads: o.Threads = 0,
 ) -> None:
     """Fine-tune the target with LoRA to predict lexical units of several tokens (Lexical Unit Decoding)."""
-    from specdec.train.lud import default_config, train_lud
+    from specdec.train.lud import train_lud
 
-    shared = dict(max_steps=max_steps, budget_minutes=budget_minutes, batch=batch_size, seq_len=seq_len, lr=lr, seed=seed,
-                  checkpoint_every=checkpoint_every, mixed_precision=mixed_precision.value if mixed_precision else None)
-    # the packaged recipes/lud.yaml where there is one, else the trainer's own default recipe
-    packaged = recipe is not None or (RECIPES / "lud.yaml").is_file()
-    cfg = _config(recipe, "lud.yaml", "lud", **shared) if packaged else default_config(**shared)
+    cfg = _config(recipe, "lud.yaml", "lud", max_steps=max_steps, budget_minutes=budget_minutes, batch=batch_size,
+                  seq_len=seq_len, lr=lr, seed=seed, checkpoint_every=checkpoint_every,
+                  mixed_precision=mixed_precision.value if mixed_precision else None)
     place = o.placement(device, dtype, device_map, attn_implementation, trust_remote_code, threads)
     metrics = train_lud(target, data, out, cfg, unit_size=unit_size, resume=resume, placement=place)
     _report(metrics, out, ("unit_accuracy", "unit_ce", "steps", "stopped"))

@@ -36,36 +36,13 @@ import torch.nn.functional as F
 
 from specdec.models.artifacts import tokenizer_fingerprint, write_json
 from specdec.models.errors import SpecdecError, UsageError
-from specdec.train.loop import StepSeeded, TrainConfig, config_from_dict, run_training, save_config
+from specdec.train.loop import StepSeeded, TrainConfig, run_training, save_config
 
 KIND = "lud"
 # the default recipe (no --recipe): small enough for Gemma 3 270M on a 2-core CPU. A recipe's ``lud:``
 # section (or the whole file) replaces it; trainer knobs go under ``extra``.
-DEFAULT_RECIPE = {
-    "lr": 5.0e-4,
-    "steps": 300,  # a cap: under --budget-minutes the clock stops training
-    "batch": 4,
-    "seq_len": 64,
-    "warmup": 10,
-    "checkpoint_every": 50,
-    "mixed_precision": "auto",
-    "heldout": 0.02,
-    "clock_schedule": True,
-    "extra": {"unit_size": 3, "cuts": 16, "lora_rank": 8, "lora_alpha": 16, "ntp_weight": 1.0},
-}
 KNOBS = {"unit_size": 3, "cuts": 16, "lora_rank": 8, "lora_alpha": 16, "ntp_weight": 1.0, "placeholder_id": None}
 EVAL_BLOCKS = 32  # held-out blocks the before/after metrics read at most
-
-
-def default_config(max_steps=None, budget_minutes=None, batch=None, seq_len=None, lr=None, seed=None,
-                   checkpoint_every=None, mixed_precision=None) -> TrainConfig:
-    """DEFAULT_RECIPE with the shared command-line overrides (None: the recipe's)."""
-    over = {"steps": max_steps, "budget_minutes": budget_minutes, "batch": batch, "seq_len": seq_len, "lr": lr,
-            "seed": seed, "checkpoint_every": checkpoint_every, "mixed_precision": mixed_precision}
-    data = {k: v for k, v in DEFAULT_RECIPE.items()}
-    data["extra"] = dict(DEFAULT_RECIPE["extra"])
-    data.update({k: v for k, v in over.items() if v is not None})
-    return config_from_dict(data, where="the default lud recipe")
 
 
 # ---------------------------------------------------------------------------------------------
