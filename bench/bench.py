@@ -575,6 +575,10 @@ def _entry(spec, run: Run, ar: Run, categories, costs, draft_model, base: Decode
     entry = {"method": spec, **summarize(list(range(len(run.outputs)))), "walls_s": [round(w, 4) for w in run.walls]}
     if any(st.get("approximate") for st in run.stats):
         entry["approximate"] = True
+    for name in ("target_cache_bytes", "draft_cache_bytes"):  # key/value memory: the largest any batch held
+        held = max((st.get(name) or 0 for st in run.stats), default=0)
+        if held:
+            entry[name.replace("_bytes", "_mb")] = round(held / 2**20, 2)
     if any(t is not None for t in run.pass_taus):
         entry["tau_by_pass"] = run.pass_taus  # equal in every pass at T=0: no pass learns from another
     if own_row:

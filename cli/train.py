@@ -222,6 +222,9 @@ def train_heads_cmd(
                      "Recipe: fspad / fspad_align in the eagle section's extra.")] = False,
     fspad_align: Annotated[Optional[float], typer.Option("--fspad-align", help="FSPAD: the fraction of the predicted feature's "
                            "dimensions regressed onto the target's, in (0, 1] (default 0.5; implies --fspad).")] = None,
+    ensemble: Annotated[Optional[int], typer.Option("--ensemble", help="PPD: prompt embeddings per future position, riding "
+                        "as chains blind to each other, their logits averaged (default 1; recipe: ensemble in the ppd "
+                        "section's extra).")] = None,
     draft_vocab: o.DraftVocab = None,
     teacher_cache: Annotated[Optional[Path], typer.Option("--teacher-cache", help="File for the target's features and top-k logits over the training blocks, computed once (used whenever --draft-vocab is given).")] = None,
     layout: Annotated[HeadLayout, typer.Option("--layout", help="EAGLE: specdec (its own architecture) or published (EAGLE-1, or "
@@ -251,7 +254,7 @@ def train_heads_cmd(
                   seq_len=seq_len, lr=lr, seed=seed, checkpoint_every=checkpoint_every,
                   mixed_precision=mixed_precision.value if mixed_precision else None)
     place = o.placement(device, dtype, device_map, attn_implementation, trust_remote_code, threads)
-    hp = {"num_heads": num_heads, "unroll": unroll}
+    hp = {"num_heads": num_heads, "unroll": unroll, "ensemble": ensemble}
     if fspad or fspad_align is not None:
         if kind != "eagle":
             from specdec.models.errors import UsageError

@@ -39,7 +39,7 @@ def build_heads(kind: str, target, hp: dict):
                       int(hp.get("unroll", 7 if hp.get("eagle3") else 1)), fspad=bool(hp.get("fspad")),
                       fspad_align=float(hp.get("fspad_align") or 0.5))
     elif kind == "ppd":  # riding the target's forward (decode.drafters.parallel_prompts)
-        m = PromptTokens(cfg.hidden_size, int(hp.get("num_heads") or 3), int(hp.get("placeholder") or 0))
+        m = PromptTokens(cfg.hidden_size, int(hp.get("num_heads") or 3), int(hp.get("placeholder") or 0), int(hp.get("ensemble") or 1))
     elif kind == "hidden-transfer":
         layer = hp.get("layer")
         m = TransferMaps(cfg.hidden_size, cfg.num_hidden_layers, int(hp.get("num_heads") or 3), int(hp.get("placeholder") or 0),

@@ -635,10 +635,25 @@ class _RideHeads(_TargetHead, nn.Module):
     """m riding positions (``num_heads``): position j (0-based) after the last real position t predicts
     token t+2+j. ``placeholder``: their input id (its embedding is replaced or left unused)."""
 
+    ensemble = 1  # riding chains per round, each of num_heads positions, blind to the others (PPD's ensemble)
+
     def __init__(self, num_heads: int, placeholder: int):
         super().__init__()
         self.num_heads, self.placeholder = int(num_heads), int(placeholder)
         self._target, self._model = None, None
+
+    @property
+    def riding_width(self) -> int:
+        """Positions that ride one forward per row: ``ensemble`` groups of ``num_heads``."""
+        return self.num_heads * self.ensemble
+
+    def combine(self, logits: torch.Tensor) -> torch.Tensor:
+        """[..., G * e * m, V] riding outputs of G rounds (or cuts) -> [..., G * m, V]: the ensemble's mean logits."""
+        e, m = self.ensemble, self.num_heads
+        if e == 1:
+            return logits
+        shape = logits.shape
+        return logits.view(*shape[:-2], shape[-2] // (e * m), e, m, shape[-1]).mean(-3).reshape(*shape[:-2], -1, shape[-1])
 
     def attach(self, target, init_from_lm_head: bool = False):
         self._target = _frozen(target)
@@ -672,16 +687,16 @@ class _RideHeads(_TargetHead, nn.Module):
         """(logits [B, K*m, V], labels [B, K*m]) of the riding positions of a packed batch (``train.lud.pack``
         with unit size m + 1: each cut's last real position, then its m placeholders, which come last in the
         input); ``masks`` makes its 4-D attention mask (``train.lud.MaskMaker``)."""
-        m, ids = self.num_heads, batch["input_ids"]
+        m, e, ids = self.num_heads, self.ensemble, batch["input_ids"]
         bsz = ids.shape[0]
-        groups = batch["unit_pos"].view(bsz, -1, m + 1)
+        groups = batch["unit_pos"].view(bsz, -1, m + 1)  # with an ensemble, each cut's e groups in a row (LudCollate copies)
         cols = groups[..., 1:].reshape(bsz, -1)
         src = groups[..., :1].expand(-1, -1, m).reshape(bsz, -1)
-        labels = self.labels(batch["unit_labels"].view(bsz, -1, m + 1)[..., 1:].reshape(bsz, -1))
+        labels = batch["unit_labels"].view(bsz, -1, e, m + 1)[:, :, 0, 1:].reshape(bsz, -1)
         with self.injecting(cols, src):
             logits = target(input_ids=ids, attention_mask=masks(batch["visible"], batch["position_ids"]),
                             position_ids=batch["position_ids"], logits_to_keep=cols.shape[1]).logits  # the placeholders: last
-        return logits, labels
+        return self.combine(logits), self.labels(labels)
 
     def forward(self, target, batch: dict, masks):
         """Training (the target frozen): the mean CE of the riding positions' predictions on a packed batch."""
@@ -693,16 +708,22 @@ class _RideHeads(_TargetHead, nn.Module):
 
 
 class PromptTokens(_RideHeads):
-    """PPD (parallel prompt decoding, Chen et al. 2024): m trained soft prompt embeddings, one per future
-    position, replace the input embeddings (the embedding module's outputs, so a scaled embedding's scale
-    is learnt in) at the riding positions. One embedding per position (the paper's ensemble of e prompt
-    tokens per position, their logits averaged, is not implemented: e = 1)."""
+    """PPD (parallel prompt decoding, Chen et al. 2024): trained soft prompt embeddings replace the input
+    embeddings (the embedding module's outputs, so a scaled embedding's scale is learnt in) at the riding
+    positions; an ensemble of ``ensemble`` (e) embeddings per future position: e chains of m positions ride
+    each forward, each blind to the others, and a position's prediction is their mean logits."""
 
     kind = "ppd"
 
-    def __init__(self, hidden: int, num_heads: int = 3, placeholder: int = 0):
+    def __init__(self, hidden: int, num_heads: int = 3, placeholder: int = 0, ensemble: int = 1):
         super().__init__(num_heads, placeholder)
-        self.prompts = nn.Parameter(torch.zeros(self.num_heads, hidden))
+        if int(ensemble) < 1:
+            raise ValueError(f"the PPD ensemble must be >= 1, not {ensemble}")
+        self.ensemble = int(ensemble)
+        self.prompts = nn.Parameter(torch.zeros(self.ensemble * self.num_heads, hidden))  # member-major: [e0: m, e1: m, ...]
+
+    def hparams(self) -> dict:
+        return {**super().hparams(), "ensemble": self.ensemble}
 
     def attach(self, target, init_from_lm_head: bool = False):
         super().attach(target)
@@ -710,13 +731,19 @@ class PromptTokens(_RideHeads):
             embed = target.get_input_embeddings()
             with torch.no_grad():
                 ids = torch.arange(min(4096, embed.weight.shape[0]), device=embed.weight.device)
-                self.prompts.copy_(embed(ids).float().mean(0).expand_as(self.prompts))
+                vecs = embed(ids).float()
+                self.prompts.copy_(vecs.mean(0).expand_as(self.prompts))
+                if self.ensemble > 1:  # identical members would get identical gradients and stay one
+                    g = torch.Generator().manual_seed(0)
+                    noise = torch.randn(self.prompts.shape, generator=g).to(self.prompts.device) * vecs.std(0).to(self.prompts.device)
+                    self.prompts[self.num_heads :].add_(0.1 * noise[self.num_heads :])
         return self
 
     def injecting(self, cols, src):
-        m = self.num_heads
+        m, e = self.num_heads, self.ensemble
         rows = torch.arange(cols.shape[0], device=cols.device)[:, None].expand_as(cols)
-        which = torch.arange(cols.shape[1], device=cols.device) % m
+        idx = torch.arange(cols.shape[1], device=cols.device)
+        which = (idx // m % e) * m + idx % m  # group g of m positions is member g mod e
 
         def hook(module, args, out):
             return out.index_put((rows, cols), self.prompts[which].to(out.dtype).expand(cols.shape[0], -1, -1))

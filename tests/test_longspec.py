@@ -149,6 +149,35 @@ def test_long_prompt_keeps_the_draft_cache_constant_and_decodes_as_ar(long):
     assert all(length <= SINKS + WINDOW + K - 1 for length, _, _, _ in sizes)
 
 
+def test_results_report_the_key_value_memory(long):
+    """Each result carries its batch's cache sizes: the long draft's stays at its constant buffers however long
+    the prompt, the same draft run plainly keeps every slot, and the target's grows with the text."""
+    from specdec.decode.drafters.draft_model import ModelDrafter
+    from specdec.decode.drafters.registry import build_drafter
+    from specdec.decode.engine.loop import SpecEngine
+    from specdec.decode.engine.types import GenRequest
+    from specdec.decode.options import DecodeOptions
+    from specdec.models.loading import load_target
+
+    root, _, _ = long
+    target, tok, _ = load_target(root / "target")
+    long_drafter = build_drafter(str(root / "draft"), target, tok, DecodeOptions())
+    g = torch.Generator().manual_seed(5)
+    held = {}
+    for n in (300, 900):
+        req = GenRequest(torch.randint(3, len(tok), (n,), generator=g).tolist(), 8)
+        for name, drafter in (("long", long_drafter), ("plain", ModelDrafter(long_drafter.model))):
+            res = SpecEngine(target, tok, drafter, num_draft=K).generate([req])[0]
+            held[name, n] = (res.stats["target_cache_bytes"], res.stats["draft_cache_bytes"])
+            # what the state holds now: the buffers it had when the row finished (they never shrink)
+            assert res.stats["draft_cache_bytes"] == drafter.state.cache_bytes() > 0
+    cfg = long_drafter.model.config
+    slot = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 4  # fp32 keys + values
+    assert held["long", 900][1] == held["long", 300][1] <= 256 * slot
+    assert held["plain", 900][1] >= 900 * slot > held["long", 900][1]
+    assert held["plain", 900][0] > held["plain", 300][0] > 0
+
+
 def test_cli_long_context(long, tmp_path):
     root, _, _ = long
     res = invoke(["train-draft", "--target", root / "target", "--data", root / "data.jsonl", "--out", tmp_path / "cli",

@@ -46,8 +46,8 @@ class GarbageRider(Drafter):
         drafts = [torch.randint(vocab, (int(torch.randint(0, 4, (1,), generator=self.g)),), generator=self.g).tolist() for _ in batch.seqs]
         return chain_proposal([d[: batch.num_draft] for d in drafts], batch.device)
 
-    def ride_ids(self, bsz, device):
-        return torch.randint(self.target.config.vocab_size, (bsz, self.ride_positions), generator=self.g).to(device)
+    def ride_ids(self, bsz, device, count=None):
+        return torch.randint(self.target.config.vocab_size, (bsz, count or self.ride_positions), generator=self.g).to(device)
 
     def riding(self, start, last):
         import contextlib
@@ -161,8 +161,142 @@ def test_training_lowers_the_loss_and_the_artifact_decodes_as_ar(workdir, traine
         assert all(r.stats["drafted_tokens"] > 0 for r in res)
 
 
-@pytest.mark.parametrize("kind", ["ppd", "hidden-transfer"])
-def test_sampling_keeps_the_target_distribution(kind):
+def test_ensemble_chains_do_not_see_each_other(target):
+    """PPD's ensemble: e chains of m positions ride each forward, blind to each other. With both members' prompts
+    equal, each member's riding logits equal the other's and those of a single chain with the same prompts,
+    round after round (a member that saw the other's positions would differ); decoding stays the target's."""
+    torch.manual_seed(0)
+    one = build_heads("ppd", target, {"num_heads": 2}).attach(target, init_from_lm_head=True).double().eval()
+    two = build_heads("ppd", target, {"num_heads": 2, "ensemble": 2}).attach(target).double().eval()
+    with torch.no_grad():
+        one.prompts.normal_(0, 0.5)
+        two.prompts.copy_(one.prompts.repeat(2, 1))
+    seen = {}
+    for name, heads in (("one", one), ("two", two)):
+        drafter = RidingDrafter(heads, target)
+        observe, seen[name] = drafter.observe, []
+
+        def spy(batch, seg, observe=observe, log=seen[name]):
+            log.append(seg.ride_logits.clone())
+            observe(batch, seg)
+
+        drafter.observe = spy
+        prompts = make_prompts(3, seed=9)
+        out = _generate(target, drafter, prompts, num_draft=2)
+        assert [r.token_ids for r in out] == [r.token_ids for r in _generate(target, None, prompts)]
+    assert len(seen["one"]) == len(seen["two"]) > 1
+    for a, b in zip(seen["one"], seen["two"]):
+        assert b.shape[1] == 2 * a.shape[1] == 4
+        torch.testing.assert_close(b[:, :2], a, rtol=1e-9, atol=1e-9)
+        torch.testing.assert_close(b[:, 2:], a, rtol=1e-9, atol=1e-9)
+
+
+def test_ensemble_trains_and_decodes_as_ar(workdir):
+    """A PPD ensemble of 2: the loss falls, the artifact keeps e and its 2 x 3 prompts, greedy decoding at bs 1
+    and 3 is the target's, and the members were pulled apart (they start apart: equal members stay equal)."""
+    from specdec.models.loading import load_target
+
+    path = workdir / "ppd-ensemble"
+    m = train_heads("ppd", workdir / "target", [workdir / "data.jsonl"], path, tiny_cfg(steps=12, lr=3e-2),
+                    num_heads=3, cuts=8, ensemble=2)
+    assert sum(m["loss_curve"][-3:]) / 3 < sum(m["loss_curve"][:3]) / 3
+    assert len(m["top1_accuracy"]) == 3
+    assert json.loads((path / "config.json").read_text())["ensemble"] == 2
+    target, tok, _ = load_target(workdir / "target")
+    drafter = build_riding_drafter(path, target, tok, SimpleNamespace(num_draft=None))
+    assert drafter.ride_positions == 6 and drafter.heads.prompts.shape[0] == 6
+    assert not torch.allclose(drafter.heads.prompts[:3], drafter.heads.prompts[3:])
+    texts = ["the cat sat on the", "a dog and a", "once upon a time there was"]
+    for bs in (1, 3):
+        prompts = [tok(t)["input_ids"] for t in texts[:bs]]
+        res = SpecEngine(target, tok, drafter, eos_ids=[]).generate([GenRequest(prompt_ids=p, max_new_tokens=16) for p in prompts])
+        ar = SpecEngine(target, tok, None, eos_ids=[]).generate([GenRequest(prompt_ids=p, max_new_tokens=16) for p in prompts])
+        assert [r.token_ids for r in res] == [r.token_ids for r in ar]
+        assert all(r.stats["drafted_tokens"] > 0 for r in res)
+
+
+@pytest.mark.parametrize("kind,tree", [("ppd", "static"), ("ppd", "dynamic"), ("hidden-transfer", "static")])
+def test_sparse_tree_decodes_as_ar_and_always_has_candidates(workdir, trained, kind, tree):
+    """A sparse tree of the riding predictions' top candidates, a riding chain on every node: greedy output is the
+    target's at bs 1 and 3, and every round after a row's first proposes (whichever node the row stopped at)."""
+    from specdec.models.loading import load_target
+
+    path, _ = trained[kind]
+    target, tok, _ = load_target(workdir / "target")
+    drafter = build_riding_drafter(path, target, tok, SimpleNamespace(num_draft=None, tree=tree, tree_tokens=6, top_k=2))
+    assert drafter.proposes_trees
+    proposed = []
+    propose = drafter.propose
+
+    def spy(batch):
+        out = propose(batch)
+        proposed.append(out is not None)
+        return out
+
+    drafter.propose = spy
+    texts = ["the cat sat on the", "a dog and a", "once upon a time there was"]
+    for bs in (1, 3):
+        proposed.clear()
+        prompts = [tok(t)["input_ids"] for t in texts[:bs]]
+        reqs = [GenRequest(prompt_ids=p, max_new_tokens=16) for p in prompts]
+        res = SpecEngine(target, tok, drafter, eos_ids=[]).generate(reqs)
+        ar = SpecEngine(target, tok, None, eos_ids=[]).generate(reqs)
+        assert [r.token_ids for r in res] == [r.token_ids for r in ar]
+        assert proposed[0] is False and all(proposed[1:]) and len(proposed) > 2
+        assert all(r.stats["drafted_tokens"] > 0 for r in res)
+
+
+def test_sparse_tree_riding_chains_see_their_node_only():
+    """Each node's riding chain gives the logits a plain forward of the committed text, the node's path and the
+    prompt embeddings gives (a chain that saw another branch, or sat at another position, would differ)."""
+    target = tiny_llama(seed=0).double()
+    torch.manual_seed(1)
+    heads = build_heads("ppd", target, {"num_heads": 2}).attach(target, init_from_lm_head=True).double().eval()
+    with torch.no_grad():
+        heads.prompts.normal_(0, 0.5)
+    drafter = RidingDrafter(heads, target, tree="static", nodes=5, top_k=2)
+    rounds, propose, observe = [], drafter.propose, drafter.observe
+
+    def spy_propose(batch):
+        out = propose(batch)
+        rounds.append([list(batch.seqs[0]), out])
+        return out
+
+    def spy_observe(batch, seg):
+        rounds[-1].append(seg.ride_logits.clone())
+        observe(batch, seg)
+
+    drafter.propose, drafter.observe = spy_propose, spy_observe
+    prompt = make_prompts(1, seed=4)[0]
+    _generate(target, drafter, [prompt], max_new=10)
+    checked = 0
+    for seq, proposal, ride in rounds:
+        if proposal is None:
+            continue
+        toks, parents = proposal.tokens[0].tolist(), proposal.parents[0].tolist()
+        for slot in range(len(toks) + 1):
+            path, node = [], slot - 1
+            while node >= 0:
+                path.insert(0, toks[node])
+                node = parents[node]
+            ids = torch.tensor([seq + path + [0, 0]])
+            cols = torch.tensor([[ids.shape[1] - 2, ids.shape[1] - 1]])
+            with torch.no_grad(), heads.injecting(cols, cols - 1):
+                ref = target(input_ids=ids).logits[0, -2:]
+            torch.testing.assert_close(ride[0, 2 * slot : 2 * slot + 2], ref, rtol=1e-9, atol=1e-9)
+            checked += 1
+    assert checked > 5
+
+
+def test_ensemble_is_ppds_only(workdir, tmp_path):
+    from specdec.models.errors import UsageError
+
+    with pytest.raises(UsageError, match="--ensemble"):
+        train_heads("hidden-transfer", workdir / "target", [workdir / "data.jsonl"], tmp_path / "x", tiny_cfg(steps=1), ensemble=2)
+
+
+@pytest.mark.parametrize("kind,ensemble,tree", [("ppd", 1, None), ("ppd", 2, None), ("hidden-transfer", 1, None), ("ppd", 1, "static")])
+def test_sampling_keeps_the_target_distribution(kind, ensemble, tree):
     """At T = 0.8 the second and third tokens (the third drafted: the riding positions of the round that drew
     the second, which followed the root alone) follow the target's exact joint distribution given the first."""
     vocab = 12
@@ -170,10 +304,11 @@ def test_sampling_keeps_the_target_distribution(kind):
     with torch.no_grad():
         target.lm_head.weight.mul_(0.25)
     torch.manual_seed(0)
-    heads = build_heads(kind, target, {"num_heads": 2}).attach(target, init_from_lm_head=True).double().eval()
+    heads = build_heads(kind, target, {"num_heads": 2, "ensemble": ensemble}).attach(target, init_from_lm_head=True).double().eval()
     prompt = [5, 7, 5, 7, 5]
     sampling = Sampling(temperature=0.8)
-    engine = SpecEngine(target, ByteTokenizer(), RidingDrafter(heads, target), sampling, num_draft=2, seed=123, eos_ids=[])
+    engine = SpecEngine(target, ByteTokenizer(), RidingDrafter(heads, target, tree=tree, nodes=4, top_k=2), sampling, num_draft=2,
+                        seed=123, eos_ids=[])
     res = engine.generate([GenRequest(prompt, 3) for _ in range(6000)])
     assert sum(r.stats["accepted_tokens"] for r in res) > 0  # drafts were tested
     by_first = {}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -93,6 +94,9 @@ def train_heads(
     if kind not in KINDS + RIDE_KINDS:
         raise UsageError(f"--kind must be one of {', '.join(KINDS + RIDE_KINDS)}, not {kind!r}")
     hp = {**cfg.extra, **{k: v for k, v in hp.items() if v is not None}}
+    if hp.get("ensemble") is not None and (kind != "ppd" or int(hp["ensemble"]) < 1) and int(hp["ensemble"]) != 1:
+        raise UsageError(f"--ensemble (prompt embeddings per future position) applies to --kind ppd and must be >= 1, "
+                         f"not {hp['ensemble']} for --kind {kind}")
     if kind in RIDE_KINDS:  # PPD, Hidden Transfer: trained through the target's own forward
         if draft_vocab or teacher_cache:
             raise UsageError(f"--draft-vocab and --teacher-cache apply to {'/'.join(KINDS)} heads, not to --kind {kind}")
@@ -120,11 +124,13 @@ def train_heads(
     if draft_vocab or teacher_cache:
         path = Path(teacher_cache) if teacher_cache else out_dir / "teacher_cache.safetensors"
         layers = [*(heads.feature_layers or []), -1] if kind == "eagle" else [-1]
+        started = time.time()
         if accelerator.is_main_process:
             teacher.build(target, train, path, layers, vocab, teacher_topk, console=lambda m: print(m, file=sys.stderr, flush=True))
         accelerator.wait_for_everyone()
         cache = teacher.build(target, train, path, layers, vocab, teacher_topk)
-        if charge_teacher and cfg.budget_minutes > 0:  # the teacher's forwards are training time: runs compare at equal minutes
+        # charged only when this run wrote the cache: one another run computed (a recipe's drafters share one) cost it nothing
+        if charge_teacher and path.stat().st_mtime >= started and cfg.budget_minutes > 0:  # the teacher's forwards are training time: runs compare at equal minutes
             cfg = dataclasses.replace(cfg, budget_minutes=max(cfg.budget_minutes - teacher.compute_seconds(path) / 60, 0.01))
 
     def loss_fn(model, batch):
@@ -191,7 +197,8 @@ def _train_riding(kind: str, target_dir, data_files, out_dir, cfg: TrainConfig, 
     torch.manual_seed(cfg.seed)
     heads = build_heads(kind, target, hp).attach(target, init_from_lm_head=True)
     masks = MaskMaker(target.config, target.dtype)
-    collate = LudCollate(cfg.seed, m + 1, int(hp.get("cuts") or 16), int(hp["placeholder"]), special_prefix(tokenizer))
+    collate = LudCollate(cfg.seed, m + 1, int(hp.get("cuts") or 16), int(hp["placeholder"]), special_prefix(tokenizer),
+                         copies=heads.ensemble)
 
     def loss_fn(model, batch):
         return model(target, batch, masks)

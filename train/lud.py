@@ -138,9 +138,10 @@ class LudCollate(StepSeeded):
     """Stacks a micro-batch's blocks, puts ``prefix`` (``special_prefix``) in front of each, and packs them
     with cut points drawn for that micro-batch (each unit follows at least one token of the block)."""
 
-    def __init__(self, seed: int, unit_size: int, cuts: int, placeholder: int, prefix: list[int] | tuple = ()):
+    def __init__(self, seed: int, unit_size: int, cuts: int, placeholder: int, prefix: list[int] | tuple = (), copies: int = 1):
         super().__init__(seed)
         self.unit_size, self.cuts, self.placeholder, self.prefix = unit_size, cuts, placeholder, list(prefix)
+        self.copies = int(copies)  # groups per cut, in a row (PPD's ensemble: each sees the cut's text, not the others)
 
     def __call__(self, items) -> dict:
         _, gen = self.draw()
@@ -151,7 +152,7 @@ class LudCollate(StepSeeded):
         if n:
             ids = torch.cat([torch.tensor(self.prefix, dtype=torch.long).expand(ids.shape[0], -1), ids], 1)
         cuts = draw_cuts(ids.shape[0], ids.shape[1], self.unit_size, self.cuts, generator, low=n + 1)
-        return pack(ids, cuts, self.unit_size, self.placeholder, skip=n)
+        return pack(ids, cuts.repeat_interleave(self.copies, dim=1), self.unit_size, self.placeholder, skip=n)
 
 
 class MaskMaker:

@@ -109,6 +109,11 @@ class Drafter:
         """The modules it holds beside the target (a draft model, heads), for the memory model."""
         return [self.model] if isinstance(self.model, torch.nn.Module) else []
 
+    def cache_bytes(self) -> int:
+        """The memory its own key/value cache takes now (a draft model's; 0 for drafters without one)."""
+        state = getattr(self, "state", None)
+        return state.cache_bytes() if hasattr(state, "cache_bytes") else 0
+
     def cost_share(self, target) -> float:
         """A drafted token's (a draft model's) or a drafted level's (heads') cost as a share of a target
         forward, by parameters: the fixed cost model of untimed lengths (``decode.engine.length``); 0
@@ -119,9 +124,21 @@ class Drafter:
     def begin(self, batch, seg: Segment) -> None:
         pass
 
-    def ride_ids(self, bsz: int, device) -> torch.Tensor:
-        """[B, ride_positions] input ids of the riding positions (placeholders whose inputs ``riding`` replaces)."""
-        return torch.zeros(bsz, self.ride_positions, dtype=torch.long, device=device)
+    def ride_count(self, slots: int) -> int:
+        """Riding positions in a verify forward of ``slots`` slots (root and drafts): ``ride_positions`` after the
+        chain, or (a tree that carries a riding chain per node) a multiple of them."""
+        return self.ride_positions
+
+    def ride_layout(self, start: int, last: torch.Tensor, valid: torch.Tensor, tree=(None, None)):
+        """(tree_attn [B, T, T], depth [B, T]) for a verify segment whose riding positions start at column
+        ``start`` (``last`` [B]: each row's drafts; ``valid`` [B, T]; ``tree``: the proposal's own ancestor
+        matrix and depths, or Nones for a chain), where the default does not hold; None: causal, positions
+        counting valid slots."""
+        return None
+
+    def ride_ids(self, bsz: int, device, count: int | None = None) -> torch.Tensor:
+        """[B, count] input ids of the riding positions (placeholders whose inputs ``riding`` replaces)."""
+        return torch.zeros(bsz, count or self.ride_positions, dtype=torch.long, device=device)
 
     def riding(self, start: int, last: torch.Tensor):
         """A context manager entered around a verify forward that carries ``ride_positions`` riding positions

@@ -238,7 +238,7 @@ def _heads(path, target, tokenizer, options: DecodeOptions):
 
 
 def _riding(path, target, tokenizer, options: DecodeOptions):
-    """PPD / Hidden Transfer: chains predicted at positions riding the verify forward (decode.drafters.parallel_prompts)."""
+    """PPD / Hidden Transfer: drafts predicted at positions riding the verify forward (decode.drafters.parallel_prompts)."""
     from specdec.decode.drafters.parallel_prompts import build_riding_drafter
 
     return build_riding_drafter(path, target, tokenizer, options.drafting)
@@ -251,9 +251,9 @@ DRAFTER_KINDS: dict[str, Factory] = {
     "clover": Factory(_heads, HEAD_OPTIONS, "clover heads"),
     "eagle": Factory(_heads, HEAD_OPTIONS, "eagle heads"),
     "chimera": Factory(_heads, HEAD_OPTIONS, "chimera heads"),
-    # chains only (no tree options): their drafts ride the target's verify forward
-    "ppd": Factory(_riding, label="ppd prompt tokens"),
-    "hidden-transfer": Factory(_riding, label="hidden-transfer maps"),
+    # their drafts ride the target's verify forward: a chain, or a sparse tree with a riding chain per node
+    "ppd": Factory(_riding, HEAD_OPTIONS, "ppd prompt tokens"),
+    "hidden-transfer": Factory(_riding, HEAD_OPTIONS, "hidden-transfer maps"),
     # Lexical Unit Decoding: the target fine-tuned by specdec train-lud (approximate)
     "lud": Factory(_lud, frozenset({"unit_threshold"}), "lud artifacts"),
 }

@@ -165,6 +165,10 @@ class SlotBuffers(Cache):
         super().__init__(layers=[SlotLayer(capacity, device, zeroed) for _ in range(num_layers)])
         self.capacity = capacity
 
+    def nbytes(self) -> int:
+        """The bytes the buffers hold (allocated, every row's capacity, not only the filled slots)."""
+        return sum(t.nbytes for layer in self.layers for t in (getattr(layer, "store", None) or ()))
+
     @classmethod
     def holding(cls, kv: list[tuple[torch.Tensor, torch.Tensor]], capacity: int, zeroed: bool = True, rows: int = 0) -> "SlotBuffers":
         """Buffers of ``capacity`` slots whose first slots hold ``kv`` (per layer keys, values [B, H, S, D])."""
@@ -288,6 +292,11 @@ class KVState(SlotBook):
         self._pending_pos: torch.Tensor | None = None  # and its positions
         # the Triton tree-attention kernel reads a bool mask; everything else gets an additive float mask
         self._bool_mask = model.config._attn_implementation == "specdec_tree"
+
+    def cache_bytes(self) -> int:
+        """The memory this state's keys and values take: the slot buffers and a shared prefix."""
+        held = self.cache.nbytes() if self.cache is not None else 0
+        return held + sum(k.nbytes + v.nbytes for k, v in (self.prefix or []))
 
     def forward(
         self,

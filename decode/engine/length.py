@@ -139,9 +139,11 @@ class DraftLength:
 
     # -- trees ---------------------------------------------------------------------------------
 
-    def tree_size(self, scores: torch.Tensor, most: int, levels: int) -> int:
+    def tree_size(self, scores: torch.Tensor, most: int, levels: int, width=None) -> int:
         """Nodes to verify (1..most) given every row's node scores [B, n] (log chance of acceptance,
-        -inf for padding), after ``levels`` levels of drafting: the most expected tokens per second."""
+        -inf for padding), after ``levels`` levels of drafting: the most expected tokens per second.
+        ``width(n)``: the verify forward's width with n nodes (default 1 + n; more where positions ride with them)."""
+        width = width or (lambda n: 1 + n)
         rows = scores.shape[0]
         most = min(most, scores.shape[1])
         t1 = self.forward_cost(rows, 1)
@@ -150,7 +152,7 @@ class DraftLength:
         chance = scores.topk(most, dim=-1).values.exp().nan_to_num(0.0).double()  # [B, most], best first
         gain = (1 + chance.cumsum(-1)).mean(0)  # expected tokens per row with the n best nodes
         spent = levels * self.draft_s
-        rates = [float(gain[n - 1]) / (self.forward_cost(rows, 1 + n) + spent) for n in range(1, most + 1)]
+        rates = [float(gain[n - 1]) / (self.forward_cost(rows, width(n)) + spent) for n in range(1, most + 1)]
         best = 1 + max(range(most), key=rates.__getitem__)
         if self.rng.random() < EXPLORE:  # keep the neighbouring sizes measured
             best = min(max(best + self.rng.choice((-2, 2)), 1), most)

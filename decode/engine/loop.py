@@ -82,6 +82,7 @@ class _Row:
     pos_accepted: list[int] = field(default_factory=list)
     widths: dict[int, int] = field(default_factory=dict)  # verify forwards by their width (bench's ideal speedup)
     group: int | None = None  # the request's group (its record's samples)
+    cache_bytes: tuple[int, int] = (0, 0)  # the target's and the drafter's caches, for its whole batch, when it finished
 
 
 class SpecEngine:
@@ -460,22 +461,26 @@ class SpecEngine:
         # the drafter's riding positions (Drafter.ride_positions) follow each row's chain: valid, at positions
         # continuing after its last draft, causal; their outputs are split off after the forward and their
         # slots are never committed (commit_prefix keeps the first 1 + accepted slots only)
-        m = self.drafter.ride_positions if bsz and batch.num_draft > 0 and ride is None else 0
+        m = self.drafter.ride_count(1 + n) if bsz and batch.num_draft > 0 and self.drafter.ride_positions and ride is None else 0
         riding = contextlib.nullcontext()
         if m:
-            if proposal.is_tree:
-                raise SpecdecError(f"the {type(self.drafter).__name__} drafter rides the verify forward: it proposes chains, not trees")
             last = proposal.lengths if proposal.lengths is not None else torch.full((bsz,), n, device=self.device)
             riding = self.drafter.riding(1 + n, last)
-            input_ids = torch.cat([input_ids, self.drafter.ride_ids(bsz, self.device)], dim=1)
+            input_ids = torch.cat([input_ids, self.drafter.ride_ids(bsz, self.device, m)], dim=1)
             valid = torch.cat([valid, ones.expand(bsz, m)], dim=1)
+            layout = self.drafter.ride_layout(1 + n, last, valid, tree)
+            if layout is not None:  # chains blind to each other (PPD's ensemble), a chain per tree node: the drafter's mask
+                tree = layout
+            elif proposal.is_tree:
+                raise SpecdecError(f"the {type(self.drafter).__name__} drafter rides the verify forward: it proposes chains, not trees")
         ride_logits = ride_hidden = None
         if ride is None:
             start = time.perf_counter()
             # riding positions: the raced output layer would take noise for every position; race_scores below instead
             flat = noise.view(-1, self.vocab) if noise is not None and not m else None
             with head.racing(self.target, flat, self.sampling.temperature) as raced, riding:
-                out = state.forward(input_ids, valid if proposal.is_tree or proposal.lengths is not None else None, *tree, hidden=hidden)
+                out = state.forward(input_ids, valid if proposal.is_tree or proposal.lengths is not None or tree[0] is not None else None,
+                                    *tree, hidden=hidden)
             if self.length is not None:  # a CPU forward is done when it returns
                 self.length.record_forward(bsz, input_ids.shape[1], time.perf_counter() - start)
             logits, (last_hidden, layers) = out.logits, self.hidden_of(out)
@@ -597,6 +602,10 @@ class SpecEngine:
         kept = [i for i, r in enumerate(batch.rows) if not rows[r].finish]
         if len(kept) == len(batch.rows):
             return
+        held = (state.cache_bytes(), self.drafter.cache_bytes())  # before the rows go: what the batch held at its largest
+        for r in batch.rows:
+            if rows[r].finish:
+                rows[r].cache_bytes = held
         tail = iter(i for i in kept if i >= len(kept))
         keep = [i if not rows[batch.rows[i]].finish else next(tail) for i in range(len(kept))]
         idx = torch.tensor(keep, dtype=torch.long, device=self.device)
@@ -652,6 +661,9 @@ class SpecEngine:
             "position_accepted": row.pos_accepted,
             "verify_widths": dict(sorted(row.widths.items())),
             "row_wall_s": round(now - row.start, 6),  # from its admission to its last token
+            # the key/value memory of the row's batch when it finished (buffers grow, never shrink, within a batch)
+            "target_cache_bytes": row.cache_bytes[0],
+            "draft_cache_bytes": row.cache_bytes[1],
         }
         return GenResult(token_ids=row.tokens, finish_reason=row.finish or "length", stats=stats)
 
