@@ -196,3 +196,15 @@ def test_cli_plan_bad_input(planned, args, words):
     assert res.exit_code == 2, res.output
     lines = [line for line in res.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error:") and words in lines[0], res.stderr
+
+
+def test_unmeasured_sizes_are_timed_at_the_drafts_vocabulary():
+    """Sizes no point was trained at are timed as drafts of the points' vocabulary: a reduced one (a 16k draft
+    vocabulary of a 262k target) costs far fewer output rows than the target's would."""
+    from conftest import tiny_llama
+
+    target = tiny_llama(vocab=300, hidden=32, layers=2, seed=0)
+    full = plan.random_draft(target, "layers=1,hidden=32,heads=4")
+    small = plan.random_draft(target, "layers=1,hidden=32,heads=4", vocab=40)
+    assert full.get_output_embeddings().weight.shape[0] == 300
+    assert small.get_output_embeddings().weight.shape[0] == small.get_input_embeddings().weight.shape[0] == 40

@@ -339,3 +339,11 @@ def test_cli_trains_ppd_and_decode_uses_it(tiny_family, tmp_path):
         records[name] = [json.loads(line) for line in dst.read_text().splitlines()]
     assert [r["completion"] for r in records["ppd"]] == [r["completion"] for r in records["ar"]]
     assert sum(r["stats"]["drafted_tokens"] for r in records["ppd"]) > 0
+
+
+def test_cli_refuses_an_ensemble_for_other_kinds(tiny_family, tmp_path):
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps({"text": "def f(x):\n    return x\n"}) + "\n")
+    res = invoke(["train-heads", "--kind", "medusa", "--ensemble", "2", "--target", tiny_family / "target", "--data", data,
+                  "--out", tmp_path / "m", "--max-steps", "1"])
+    assert res.exit_code == 2 and "error:" in res.output and "--ensemble" in res.output and "Traceback" not in res.output

@@ -431,8 +431,9 @@ def time_model(model, prefix: list[int], t: int, batch_size: int, repeats: int) 
     return time_forward(model, prefix, t, repeats, batch_size=batch_size, greedy=True)
 
 
-def random_draft(target, arch: str):
-    """A randomly initialised draft of this size (train-draft's architecture), placed as the target: to time it."""
+def random_draft(target, arch: str, vocab: int | None = None):
+    """A randomly initialised draft of this size (train-draft's architecture), placed as the target: to time it.
+    ``vocab``: the rows of its embedding and output layer where the drafts compared have a reduced vocabulary."""
     import torch
 
     from specdec.models.loading import input_device
@@ -440,7 +441,18 @@ def random_draft(target, arch: str):
 
     torch.manual_seed(0)
     model = new_draft(target.config, arch)
+    if vocab is not None and vocab != model.get_input_embeddings().weight.shape[0]:
+        model.resize_token_embeddings(vocab, mean_resizing=False)
     return model.to(device=input_device(target), dtype=target.dtype).eval().requires_grad_(False)
+
+
+def _vocab_of(path) -> int | None:
+    """A draft artifact's vocabulary size (its config's), None where the config does not say."""
+    from specdec.models.artifacts import read_config
+
+    cfg = read_config(path)
+    size = (cfg.get("text_config") or cfg).get("vocab_size")
+    return int(size) if isinstance(size, int) else None
 
 
 def artifact_model(target, path: str | Path, trust_remote_code: bool = False):
@@ -562,6 +574,9 @@ def run_plan(cfg: PlanConfig, say=None) -> dict:
         draft_s[p.name] = time_model(model, prefix, 1, cfg.batch_size, cfg.repeats)
         del model
         candidates.append(Candidate(p.name, p.parameters, draft_s[p.name] / t1, arch_string(p.arch) if p.arch else None, True, p.acceptance))
+    # sizes no point was trained at are timed at the points' vocabulary (a reduced one costs far fewer output rows)
+    vocabs = {_vocab_of(p.path) for p in points} if source == "artifacts" else {None}
+    vocab = vocabs.pop() if len(vocabs) == 1 else None
     trained_keys = {(p.arch["layers"], p.arch["hidden"], p.arch["heads"]) for p in points if p.arch}
     extra = [a for a in ladder([p.arch for p in points if p.arch]) if (a["layers"], a["hidden"], a["heads"]) not in trained_keys]
     if say and extra:
@@ -569,7 +584,7 @@ def run_plan(cfg: PlanConfig, say=None) -> dict:
     for a in extra:
         spec = arch_string(a)
         try:
-            model = random_draft(target, spec)
+            model = random_draft(target, spec, vocab)
         except SpecdecError as exc:  # this architecture cannot take that size
             notes.append(f"size {spec} left out: {exc}")
             continue
