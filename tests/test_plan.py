@@ -208,3 +208,5 @@ def test_unmeasured_sizes_are_timed_at_the_drafts_vocabulary():
     small = plan.random_draft(target, "layers=1,hidden=32,heads=4", vocab=40)
     assert full.get_output_embeddings().weight.shape[0] == 300
     assert small.get_output_embeddings().weight.shape[0] == small.get_input_embeddings().weight.shape[0] == 40
+    # and timed on ids of its own vocabulary (the target's would index past its embedding)
+    assert plan.time_model(small, plan.timing_prefix(target, 64), 2, 1, 1) > 0

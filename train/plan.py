@@ -428,7 +428,8 @@ def timing_prefix(target, length: int = 128) -> list[int]:
 def time_model(model, prefix: list[int], t: int, batch_size: int, repeats: int) -> float:
     from specdec.bench.bench import time_forward
 
-    return time_forward(model, prefix, t, repeats, batch_size=batch_size, greedy=True)
+    vocab = model.get_input_embeddings().weight.shape[0]  # a draft over a reduced vocabulary takes its own ids
+    return time_forward(model, [i % vocab for i in prefix], t, repeats, batch_size=batch_size, greedy=True)
 
 
 def random_draft(target, arch: str, vocab: int | None = None):
