@@ -29,6 +29,19 @@ def _generate(target, drafter, prompts, max_new=16, sampling=None, **kw):
     return SpecEngine(target, ByteTokenizer(), drafter, sampling=sampling, eos_ids=[], **kw).generate(reqs)
 
 
+def _decodes_as_ar(target, tok, drafter, before_each=None):
+    """Greedy decoding with ``drafter`` at bs 1 and 3 is the target's own, and every row drafted."""
+    texts = ["the cat sat on the", "a dog and a", "once upon a time there was"]
+    for bs in (1, 3):
+        if before_each is not None:
+            before_each()
+        reqs = [GenRequest(prompt_ids=tok(t)["input_ids"], max_new_tokens=16) for t in texts[:bs]]
+        res = SpecEngine(target, tok, drafter, eos_ids=[]).generate(reqs)
+        ar = SpecEngine(target, tok, None, eos_ids=[]).generate(reqs)
+        assert [r.token_ids for r in res] == [r.token_ids for r in ar]
+        assert all(r.stats["drafted_tokens"] > 0 for r in res)
+
+
 class GarbageRider(Drafter):
     """Random chains of random lengths, and 3 riding positions whose input embeddings are noise; checks after
     every round that the target's cache holds exactly each row's committed text (no riding slot)."""
@@ -152,13 +165,7 @@ def test_training_lowers_the_loss_and_the_artifact_decodes_as_ar(workdir, traine
         assert cfg["layer"] == 1  # round(2 * 3 / 3) - 1: the output of the second of three layers
     target, tok, _ = load_target(workdir / "target")
     drafter = build_riding_drafter(path, target, tok, SimpleNamespace(num_draft=None))
-    texts = ["the cat sat on the", "a dog and a", "once upon a time there was"]
-    for bs in (1, 3):
-        prompts = [tok(t)["input_ids"] for t in texts[:bs]]
-        res = SpecEngine(target, tok, drafter, eos_ids=[]).generate([GenRequest(prompt_ids=p, max_new_tokens=16) for p in prompts])
-        ar = SpecEngine(target, tok, None, eos_ids=[]).generate([GenRequest(prompt_ids=p, max_new_tokens=16) for p in prompts])
-        assert [r.token_ids for r in res] == [r.token_ids for r in ar]
-        assert all(r.stats["drafted_tokens"] > 0 for r in res)
+    _decodes_as_ar(target, tok, drafter)
 
 
 def test_ensemble_chains_do_not_see_each_other(target):
@@ -206,13 +213,7 @@ def test_ensemble_trains_and_decodes_as_ar(workdir):
     drafter = build_riding_drafter(path, target, tok, SimpleNamespace(num_draft=None))
     assert drafter.ride_positions == 6 and drafter.heads.prompts.shape[0] == 6
     assert not torch.allclose(drafter.heads.prompts[:3], drafter.heads.prompts[3:])
-    texts = ["the cat sat on the", "a dog and a", "once upon a time there was"]
-    for bs in (1, 3):
-        prompts = [tok(t)["input_ids"] for t in texts[:bs]]
-        res = SpecEngine(target, tok, drafter, eos_ids=[]).generate([GenRequest(prompt_ids=p, max_new_tokens=16) for p in prompts])
-        ar = SpecEngine(target, tok, None, eos_ids=[]).generate([GenRequest(prompt_ids=p, max_new_tokens=16) for p in prompts])
-        assert [r.token_ids for r in res] == [r.token_ids for r in ar]
-        assert all(r.stats["drafted_tokens"] > 0 for r in res)
+    _decodes_as_ar(target, tok, drafter)
 
 
 @pytest.mark.parametrize("kind,tree", [("ppd", "static"), ("ppd", "dynamic"), ("hidden-transfer", "static")])
@@ -234,16 +235,18 @@ def test_sparse_tree_decodes_as_ar_and_always_has_candidates(workdir, trained, k
         return out
 
     drafter.propose = spy
-    texts = ["the cat sat on the", "a dog and a", "once upon a time there was"]
-    for bs in (1, 3):
+    runs = []
+
+    def next_run():
+        if runs:
+            runs[-1] = list(proposed)
         proposed.clear()
-        prompts = [tok(t)["input_ids"] for t in texts[:bs]]
-        reqs = [GenRequest(prompt_ids=p, max_new_tokens=16) for p in prompts]
-        res = SpecEngine(target, tok, drafter, eos_ids=[]).generate(reqs)
-        ar = SpecEngine(target, tok, None, eos_ids=[]).generate(reqs)
-        assert [r.token_ids for r in res] == [r.token_ids for r in ar]
-        assert proposed[0] is False and all(proposed[1:]) and len(proposed) > 2
-        assert all(r.stats["drafted_tokens"] > 0 for r in res)
+        runs.append(None)
+
+    _decodes_as_ar(target, tok, drafter, before_each=next_run)
+    runs[-1] = list(proposed)
+    for seen in runs:
+        assert seen[0] is False and all(seen[1:]) and len(seen) > 2
 
 
 def test_sparse_tree_riding_chains_see_their_node_only():
