@@ -181,7 +181,8 @@ def specdec_tree_attention(
     updated in the cache); returns ([B, T, H, D], None) like ``sdpa_attention_forward``.
 
     The kernel takes the verification forward (a prepared 4-D boolean mask, T <= 64, CUDA, no
-    dropout, no paged cache); anything else (prefill, CPU) goes to transformers' SDPA path.
+    dropout, no paged cache, not under torch.compile); anything else (prefill, CPU, a compiled step)
+    goes to transformers' SDPA path.
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -197,6 +198,9 @@ def specdec_tree_attention(
         and kwargs.get("position_bias") is None
         and kwargs.get("softcap") is None
         and pick_backend("auto", query.device) == "triton"
+        # a compiled step (CUDA graphs through inductor) cannot trace into the kernel launch; inductor
+        # compiles SDPA's path well, fused with the rest of the step
+        and not torch.compiler.is_compiling()
     )
     if not kernel_case:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)

@@ -185,3 +185,21 @@ def test_an_attention_asking_for_more_than_softmax_is_refused_not_approximated()
     assert attention(layer, q, kv, kv, None, shared_prefix=prefix, sliding_window=None, scaling=0.3)[0].shape == (2, 3, 4, 12)
     with pytest.raises(SpecdecError, match="s_aux"):
         attention(layer, q, kv, kv, None, shared_prefix=prefix, s_aux=torch.zeros(4))
+
+
+def test_a_target_on_specdecs_tree_attention_holds_the_prefix_once():
+    """CUDA decodes run the target on specdec's tree attention (SDPA with a Triton kernel for verify
+    forwards); Hydragen serves it as it serves SDPA (here its SDPA path: no kernel on a CPU)."""
+    pytest.importorskip("triton")
+    from conftest import tiny_llama
+
+    from specdec.kernels.tree_attention import register
+
+    model = tiny_llama(seed=0)
+    prefix, prompts = _prompts(4)
+    reqs = [GenRequest(p, n) for p, n in zip(prompts, [9, 3, 14, 6])]
+    whole = SpecEngine(model, ByteTokenizer(), NgramDrafter()).generate(reqs)
+    model.set_attn_implementation(register())
+    shared = SpecEngine(model, ByteTokenizer(), NgramDrafter(), shared_prefix="auto", min_shared=8)
+    assert [r.token_ids for r in shared.generate(reqs)] == [r.token_ids for r in whole]
+    assert shared._hydragen() and shared._prefix is not None

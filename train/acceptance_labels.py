@@ -31,7 +31,8 @@ def propose_tokens(p_probs, q_probs, target_frac: float, generator):
     import torch
 
     from_q, from_p = _sample(q_probs, generator), _sample(p_probs, generator)
-    use_p = torch.rand(from_q.shape, generator=generator) < target_frac
+    # the seeded CPU generator draws on the CPU: the same labels whichever device the models run on
+    use_p = (torch.rand(from_q.shape, generator=generator) < target_frac).to(from_q.device)
     return torch.where(use_p, from_p, from_q), use_p
 
 
@@ -41,7 +42,7 @@ def _sample(probs, generator):
     import torch
 
     cdf = probs.float().cumsum(-1)
-    u = torch.rand(cdf.shape[:-1] + (1,), generator=generator) * cdf[..., -1:]
+    u = torch.rand(cdf.shape[:-1] + (1,), generator=generator).to(cdf.device) * cdf[..., -1:]
     return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
 
 
@@ -114,7 +115,7 @@ def target_continuations(target, blocks, prefix_len: int, new_tokens: int, tempe
             break
         ids = blocks[i : min(i + batch, n)]["input_ids"][:, :prefix_len].to(target.get_input_embeddings().weight.device)
         results = engine.generate([GenRequest(prompt_ids=row.tolist(), max_new_tokens=new_tokens) for row in ids])
-        rows.append(torch.cat([ids, torch.tensor([r.token_ids for r in results], dtype=ids.dtype)], 1))
+        rows.append(torch.cat([ids, torch.tensor([r.token_ids for r in results], dtype=ids.dtype, device=ids.device)], 1))
     return torch.cat(rows) if rows else torch.zeros(0, prefix_len + new_tokens, dtype=torch.long)
 
 
@@ -155,4 +156,4 @@ def draw_acceptance(pred, chance, draws: int, seed: int):
 
     g = torch.Generator().manual_seed(seed)
     chance = chance.repeat(draws, 1)
-    return pred.repeat(draws, 1), (torch.rand(chance.shape, generator=g) < chance).float()
+    return pred.repeat(draws, 1), (torch.rand(chance.shape, generator=g).to(chance.device) < chance).float()

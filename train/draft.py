@@ -255,7 +255,7 @@ def chain_tau(match, ks=TAU_KS) -> dict:
     starts = t - kmax
     if starts <= 0:
         raise SpecdecError(f"held-out blocks are too short for K={kmax}")
-    prods = [torch.ones(n, starts, dtype=torch.float64)]
+    prods = [torch.ones(n, starts, dtype=torch.float64, device=m.device)]
     for j in range(kmax):
         prods.append(prods[-1] * m[:, j : j + starts])
     reach = torch.stack([p.mean() for p in prods])  # P(first i drafts accepted)

@@ -20,10 +20,9 @@ from specdec.train.teacher import heldout_coverage, training_vocab
 def evaluate_heads(heads, target, heldout, k: int, batch: int = 8, top_k: int = 5) -> dict:
     """Per-head top-1/top-k accuracy (against the data and the target's greedy choice) and tau."""
 
-    hits1 = torch.zeros(k)
-    hitsk = torch.zeros(k)
-    agree = torch.zeros(k)
-    count = torch.zeros(k)
+    # counted where the target's forwards run (a GPU's counts stay there until the end)
+    device = target.get_input_embeddings().weight.device
+    hits1, hitsk, agree, count = (torch.zeros(k, device=device) for _ in range(4))
     matches = []
     from specdec.train.teacher import eval_batch
 
@@ -33,12 +32,12 @@ def evaluate_heads(heads, target, heldout, k: int, batch: int = 8, top_k: int = 
     dtype = next(heads.parameters()).dtype
     with torch.no_grad():
         for i in range(0, len(heldout), batch):
-            ids = heldout[i : i + batch]["input_ids"].to(target.get_input_embeddings().weight.device)
+            ids = heldout[i : i + batch]["input_ids"].to(device)
             out = target(input_ids=ids, output_hidden_states=True)
             greedy = out.logits.argmax(-1)
             logits = heads.chain_logits(tuple(h.to(dtype) for h in out.hidden_states), ids, k).float()
             t = ids.shape[1]
-            m = torch.zeros(ids.shape[0], t - 1 - k, k, dtype=torch.bool)
+            m = torch.zeros(ids.shape[0], t - 1 - k, k, dtype=torch.bool, device=device)
             for j in range(k):
                 n = t - 2 - j
                 top = heads.to_target(logits[j, :, :n].topk(top_k, -1).indices)
@@ -51,7 +50,7 @@ def evaluate_heads(heads, target, heldout, k: int, batch: int = 8, top_k: int = 
             matches.append(m)
     # a round from position t accepts head j's token while heads 0..j all agree with the target
     m = torch.cat(matches)  # [N, S, k]
-    reach = [torch.ones(m.shape[:2], dtype=torch.float64)]
+    reach = [torch.ones(m.shape[:2], dtype=torch.float64, device=m.device)]
     for j in range(k):
         reach.append(reach[-1] * m[..., j].double())
     reach_mean = [float(r.mean()) for r in reach]

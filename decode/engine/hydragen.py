@@ -33,7 +33,9 @@ from specdec.models.errors import SpecdecError
 PREFIX = "specdec_hydragen_"
 # attention-function keywords that change the result beyond softmax(QK^T)V (None when unused)
 UNSUPPORTED = ("softcap", "sliding_window", "s_aux", "sinks", "position_bias")
-SUPPORTED = ("sdpa",)  # eager attention differs per architecture; such models keep the copied prefix
+# eager attention differs per architecture; such models keep the copied prefix. specdec_tree is SDPA with
+# a Triton kernel for verify forwards (kernels.tree_attention), which CUDA decodes use by default
+SUPPORTED = ("sdpa", "specdec_tree")
 
 
 def enable(model, kernels: str | None = None) -> bool:
