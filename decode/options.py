@@ -96,6 +96,9 @@ class DraftingOptions:
     # Superposed Decoding (approximate): the weight of the n-gram model (order max_ngram) interpolated
     # with the model's next-token probabilities when the drafts are scored
     ngram_weight: float | None = None
+    # S2D (a sorted draft, train-draft --targets): the depth chosen per draft step: the shallowest recorded
+    # sub-model drafts where its top probability is at least exit_threshold, the target's own depth elsewhere
+    exit_threshold: float | None = None
 
 
 @dataclass(frozen=True)

@@ -147,3 +147,93 @@ def test_targets_must_share_a_tokenizer_and_cli(s2d, tmp_path):
     res = invoke(["train-draft", "--target", root / "small", "--targets", f"{root / 'small'},{root / 'large'}",
                   "--data", root / "data.jsonl", "--out", tmp_path / "bad"])
     assert res.exit_code == 2 and "--targets" in res.output
+
+
+def _exit_drafter(root, target_name, threshold, **drafting):
+    from specdec.decode.drafters.registry import build_drafter
+    from specdec.decode.options import DecodeOptions, DraftingOptions
+    from specdec.models.loading import load_target
+
+    target, tok, _ = load_target(root / target_name)
+    opts = DecodeOptions(drafting=DraftingOptions(drafter=str(root / "sorted"), exit_threshold=threshold, **drafting))
+    return target, tok, build_drafter(str(root / "sorted"), target, tok, opts)
+
+
+def test_depth_per_step_by_confidence_decodes_as_ar(s2d):
+    """--exit-threshold: the sorted draft's first layer drafts where it is sure enough, its two layers
+    elsewhere (each with a cache of its own); greedy output is ar's at bs 1 and 3 whatever the mix."""
+    from specdec.decode.drafters.draft_model import SortedExitDrafter
+    from specdec.decode.engine.loop import SpecEngine
+    from specdec.decode.engine.types import GenRequest
+
+    root, _ = s2d
+    target, tok, drafter = _exit_drafter(root, "large", 0.0)
+    prompts = [tok(t)["input_ids"] for t in ("def add(a, b):\n", "class Point:\n    def", "for i in range(")]
+    with torch.no_grad():  # the shallow sub-model's top probabilities on the prompts: a threshold that splits them
+        tops = torch.cat([drafter.model(input_ids=torch.tensor([p])).logits.softmax(-1).amax(-1).flatten() for p in prompts])
+    reqs = [GenRequest(p, 14) for p in prompts]
+    ar = [r.token_ids for r in SpecEngine(target, tok).generate(reqs)]
+    for threshold in (0.0, float(tops.median()), 1.0):
+        target, tok, drafter = _exit_drafter(root, "large", threshold)
+        assert isinstance(drafter, SortedExitDrafter) and drafter.depths == (1, 2)
+        one = [SpecEngine(target, tok, drafter, num_draft=4).generate([r])[0].token_ids for r in reqs]
+        three = SpecEngine(target, tok, drafter, num_draft=4).generate(reqs)
+        assert one == ar and [r.token_ids for r in three] == ar, threshold
+        assert sum(r.stats["drafted_tokens"] for r in three) > 0
+        steps = drafter.steps
+        if threshold == 0.0:
+            assert steps["deep"] == 0 and steps["shallow"] > 0
+        elif threshold == 1.0:
+            assert steps["shallow"] == 0 and steps["deep"] > 0
+        else:
+            assert steps["deep"] > 0 and steps["shallow"] > 0, steps
+
+
+def test_depth_per_step_keeps_the_sampling_distribution():
+    """At T = 0.8 a sorted draft switching depth per step (each token's distribution the one it was drawn
+    from) leaves the target's joint distribution of two tokens unchanged."""
+    from conftest import ByteTokenizer, tiny_llama
+    from specdec.tests.test_sampling import P_FLOOR, two_token_pvalue
+
+    from specdec.decode.drafters.draft_model import SortedExitDrafter, target_identity
+    from specdec.decode.engine.loop import SpecEngine
+    from specdec.decode.engine.types import GenRequest
+    from specdec.decode.engine.verify import Sampling
+
+    vocab = 12
+    target = tiny_llama(vocab=vocab, hidden=32, layers=2, seed=3)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(0.25)
+    draft = tiny_llama(vocab=vocab, hidden=32, layers=2, seed=4)
+    draft.config.specdec_s2d = {"layers": 2, "targets": [
+        {"name": "small", "source": "/m/small", "identity": "0" * 16, "depth": 1},
+        {"name": "t", "source": "/m/t", "identity": target_identity(target.config), "depth": 2}]}
+    prompt = [5, 7, 5, 7, 5]
+    drafter = SortedExitDrafter.from_sorted(draft, target, 1.0)
+    with torch.no_grad():  # a threshold splitting the shallow sub-model's top probabilities after the first token
+        after = torch.tensor([prompt + [t] for t in range(vocab)])
+        tops = drafter.model(input_ids=after).logits[:, -1].softmax(-1).amax(-1)
+    drafter.threshold = float(tops.median())
+    sampling = Sampling(temperature=0.8)
+    engine = SpecEngine(target, ByteTokenizer(), drafter, sampling, num_draft=3, seed=123, eos_ids=[])
+    res = engine.generate([GenRequest(prompt, 2) for _ in range(6000)])
+    assert drafter.steps["deep"] > 0 and drafter.steps["shallow"] > 0
+    assert sum(r.stats["accepted_tokens"] for r in res) > 0
+    assert two_token_pvalue(res, target, prompt, sampling) > P_FLOOR
+
+
+def test_depth_per_step_refuses_what_it_cannot_do(s2d, tiny_family, tmp_path):
+    from specdec.models.errors import UsageError
+
+    root, _ = s2d
+    with pytest.raises(UsageError, match="no shallower"):
+        _exit_drafter(root, "small", 0.5)  # the small target already runs the shallowest sub-model
+    with pytest.raises(UsageError, match="does not combine"):
+        _exit_drafter(root, "large", 0.5, parallel=True)
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"prompt": "def f(x):\n"}) + "\n")
+    for drafter, value, message in ((tiny_family / "draft", "0.5", "sorted (S2D) draft"), (root / "sorted", "1.5", "--exit-threshold must be")):
+        res = invoke(["decode", "--in", src, "--out", tmp_path / "o.jsonl", "--target", root / "large" if "sorted" in str(drafter) else tiny_family / "target",
+                      "--drafter", drafter, "--exit-threshold", value, "--max-new-tokens", "4", "--overwrite"])
+        assert res.exit_code == 2 and message in res.output, res.output
+        assert "Traceback" not in res.output

@@ -279,3 +279,112 @@ def s2d_view(model, meta: dict | None, target):
     if depth >= layers:
         return model, layers
     return layer_skip_view(model, list(range(depth, layers))), depth
+
+
+class SortedExitDrafter(ModelDrafter):
+    """S2D's depth chosen per draft step: a sorted draft's shallowest recorded sub-model drafts every step,
+    and where a row's top probability under it is below ``threshold`` the step's token comes from the
+    sub-model of the depth recorded for this target instead.
+
+    The two sub-models share their first layers' weights but keep a cache each: the shallow one is fed
+    every drafted token, the deep one only when a step needs it, catching up then in one forward on what
+    it has not seen (the committed text since its last feed, the round's earlier drafts). A step runs the
+    deep sub-model for every row when any row needs it, and takes its token for the rows that do. Each
+    token's distribution is the one it was drawn from, so verification stays exact at any threshold."""
+
+    def __init__(self, shallow, deep, threshold: float, depths: tuple[int, int] = (0, 0)):
+        super().__init__(shallow)
+        self.deep = ModelDrafter(deep)
+        self.threshold = float(threshold)
+        self.depths = depths  # (shallow, deep) layer counts, for messages and reports
+        self._deep_drafted = 0  # drafts of this round in the deep cache (a prefix of the round's drafts)
+        self.steps = {"shallow": 0, "deep": 0}  # draft steps (rows x steps) whose token each sub-model gave
+
+    @classmethod
+    def from_sorted(cls, model, target, threshold: float) -> "SortedExitDrafter":
+        from specdec.models.arch import decoder_layers
+        from specdec.models.errors import UsageError
+        from specdec.models.views import layer_skip_view
+
+        meta = getattr(getattr(model, "config", None), "specdec_s2d", None)
+        if not meta:
+            raise UsageError("--exit-threshold needs a sorted (S2D) draft, one trained with train-draft --targets A,B")
+        layers = len(decoder_layers(model)[2])
+        deep, depth = s2d_view(model, meta, target)
+        shallow = max(1, min(int(t["depth"]) for t in meta.get("targets", [])))
+        if shallow >= depth:
+            raise UsageError(f"--exit-threshold: this target runs the sorted draft at {depth} layer(s), its shallowest "
+                             f"sub-model's depth; there is no shallower one to exit at")
+        return cls(layer_skip_view(model, list(range(shallow, layers))), deep, threshold, (shallow, depth))
+
+    def modules(self) -> list:
+        return self.deep.modules()  # the shallow sub-model's weights are the deep one's first layers
+
+    def cache_bytes(self) -> int:
+        return super().cache_bytes() + self.deep.cache_bytes()
+
+    def begin(self, batch, seg: Segment) -> None:
+        super().begin(batch, seg)
+        self.deep.begin(batch, seg)
+        self._deep_drafted = 0
+
+    def _deep_logits(self, batch, drafts: list[torch.Tensor]) -> torch.Tensor:
+        """The deep sub-model's next-token logits after it is fed what it lacks: each row's committed text
+        from its last feed (none once caught up this round) and the round's drafts it has not seen."""
+        deep = self.deep
+        new = torch.stack(drafts[self._deep_drafted :], 1).tolist() if len(drafts) > self._deep_drafted else [[]] * len(batch.seqs)
+        pending = [seq[f:] + extra for seq, f, extra in zip(batch.seqs, deep.fed, new)]
+        width = max(map(len, pending))
+        ids = torch.zeros(len(pending), width, dtype=torch.long)
+        valid = torch.zeros(len(pending), width, dtype=torch.bool)
+        for r, p in enumerate(pending):  # left-padded: the drafts are every row's last slots
+            ids[r, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+            valid[r, width - len(p) :] = True
+        out = deep.state.forward(ids.to(batch.device), valid.to(batch.device))
+        deep.state.commit_prefix(width, valid.to(batch.device))
+        deep.fed = [len(seq) for seq in batch.seqs]
+        self._deep_drafted = len(drafts)
+        return out.logits[:, -1]
+
+    def propose(self, batch) -> Proposal | None:  # a chain (the registry refuses --verify rsd|spectr with it)
+        k = batch.num_draft
+        if k <= 0:
+            return None
+        logits = self._feed_pending(batch)
+        tokens, probs = [], []
+        for i in range(k):
+            top = torch.softmax(logits.float(), -1).max(-1).values
+            unsure = top < self.threshold
+            n_unsure = int(unsure.sum())
+            if n_unsure:
+                deep = self._deep_logits(batch, tokens)
+                logits = torch.where(unsure[:, None], deep.to(logits.dtype), logits)
+            self.steps["deep"] += n_unsure
+            self.steps["shallow"] += len(batch.seqs) - n_unsure
+            tok, q = self._pick(logits, batch)
+            tokens.append(tok)
+            probs.append(q)
+            if i < k - 1:
+                out = self.state.forward(tok[:, None])
+                self.state.commit_prefix(1, torch.ones_like(tok[:, None], dtype=torch.bool))
+                logits = out.logits[:, -1]
+        self._drafted = k - 1
+        draft_probs = None if probs[0] is None else torch.stack(probs, 1)
+        return Proposal(tokens=torch.stack(tokens, 1), draft_probs=draft_probs)
+
+    def observe(self, batch, seg: Segment) -> None:
+        fed = self._deep_drafted
+        if fed and seg.accepted is not None:
+            keep = [min(a, fed) for a in seg.accepted]
+            self.deep.state.rollback(fed, keep)
+            self.deep.fed = [f + kp for f, kp in zip(self.deep.fed, keep)]
+        self._deep_drafted = 0
+        super().observe(batch, seg)
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        super().select_rows(rows)
+        self.deep.select_rows(rows)
+
+    def admit(self, batch, seg: Segment) -> None:
+        super().admit(batch, seg)
+        self.deep.admit(batch, seg)

@@ -150,10 +150,14 @@ MODEL_FREE = tuple(MODEL_FREE_DRAFTERS)
 def _build_draft(path: Path | str, target, tokenizer, options: DecodeOptions):
     """A draft model from an artifact folder or a hub id, checked against the target's tokenizer, drafting
     in the mode the options select (``DRAFT_MODES``). A sorted (S2D) draft runs as the sub-model of the depth
-    its config records for this target (``draft_model.s2d_view``)."""
+    its config records for this target (``draft_model.s2d_view``), or with ``--exit-threshold`` at a depth
+    chosen per draft step (``draft_model.SortedExitDrafter``)."""
     model = load_checked_draft(path, target, tokenizer, options)
+    factory = DRAFTER_KINDS["draft"].mode(options.drafting)
+    if factory.switch == "exit_threshold":  # the depth chosen per step needs the whole sorted draft
+        return factory(model, tokenizer, options, target)
     model, _ = draft_model.s2d_view(model, getattr(getattr(model, "config", None), "specdec_s2d", None), target)
-    return DRAFTER_KINDS["draft"].mode(options.drafting)(model, tokenizer, options)
+    return factory(model, tokenizer, options)
 
 
 def load_checked_draft(path: Path | str, target, tokenizer, options: DecodeOptions):
@@ -196,6 +200,11 @@ def _chain(model, tokenizer, options: DecodeOptions):
     return draft_model.ModelDrafter(model, scheme=drafting.verify, width=drafting.top_k or 2)
 
 
+def _sorted_exit(model, tokenizer, options: DecodeOptions, target):
+    """S2D's depth per draft step (``draft_model.SortedExitDrafter``): ``model`` is the whole sorted draft."""
+    return draft_model.SortedExitDrafter.from_sorted(model, target, options.drafting.exit_threshold)
+
+
 def _online(model, tokenizer, options: DecodeOptions):
     """The draft learns from the job's own verification rounds (decode.drafters.online)."""
     from specdec.decode.drafters.online import OnlineDrafter
@@ -228,6 +237,7 @@ DRAFT_MODES = (
             "adaptive draft length (SpecDec++, a chain)", switch="acceptance"),
     Factory(_parallel, frozenset({"parallel", "pre_verify"}), "PEARL (a plain chain)", switch="parallel"),
     Factory(_rasd, frozenset({"retrieval"}), "RASD (a retrieval tree fused with the draft's greedy chain)", switch="retrieval"),
+    Factory(_sorted_exit, frozenset({"exit_threshold"}), "S2D's depth per step (a sorted draft's chain)", switch="exit_threshold"),
 )
 
 HEAD_OPTIONS = frozenset({"tree", "tree_tokens", "top_k"})

@@ -59,6 +59,9 @@ def validate_options(opts: DecodeOptions) -> None:
     threshold = drafting.stop_threshold
     if threshold is not None and (not _is_number(threshold) or not (0 < threshold < 1)):
         raise UsageError(f"--stop-threshold must be in (0, 1), got {threshold}")
+    threshold = drafting.exit_threshold
+    if threshold is not None and (not _is_number(threshold) or not (0 <= threshold <= 1)):
+        raise UsageError(f"--exit-threshold must be in [0, 1] (0: always the shallow sub-model, 1: always the deep one), got {threshold}")
     min_draft = drafting.min_draft
     if min_draft is not None:
         _int(min_draft, "--min-draft")
