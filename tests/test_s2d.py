@@ -180,6 +180,8 @@ def test_depth_per_step_by_confidence_decodes_as_ar(s2d):
         three = SpecEngine(target, tok, drafter, num_draft=4).generate(reqs)
         assert one == ar and [r.token_ids for r in three] == ar, threshold
         assert sum(r.stats["drafted_tokens"] for r in three) > 0
+        streamed = dict(SpecEngine(target, tok, drafter, num_draft=4).stream(iter(reqs), 2))  # rows admitted mid-batch
+        assert [streamed[i].token_ids for i in range(len(reqs))] == ar, threshold
         steps = drafter.steps
         if threshold == 0.0:
             assert steps["deep"] == 0 and steps["shallow"] > 0
