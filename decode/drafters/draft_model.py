@@ -47,9 +47,12 @@ class ModelDrafter(Drafter):
         self.state = KVState(self.model, len(batch.seqs), batch.device, lean=True, compile=batch.compile)
         self.fed = [0] * len(batch.seqs)
 
-    def _feed_pending(self, batch, hidden: bool = False):
-        """Feed every row's not-yet-fed tokens; the last position's logits (and hidden state if asked)."""
+    def _feed_pending(self, batch, hidden: bool = False, extra: list[list[int]] | None = None):
+        """Feed every row's not-yet-fed tokens, then the row's ``extra`` tokens (drafts: left padding keeps
+        them every row's last slots); the last position's logits (and hidden state if asked)."""
         pending = [seq[f:] for seq, f in zip(batch.seqs, self.fed)]
+        if extra is not None:
+            pending = [p + e for p, e in zip(pending, extra)]
         width = max(map(len, pending))
         ids = torch.zeros(len(pending), width, dtype=torch.long)
         valid = torch.zeros(len(pending), width, dtype=torch.bool)
@@ -166,7 +169,7 @@ class ModelDrafter(Drafter):
         logits = self._feed_pending(batch)
         tokens, probs = [], []
         for i in range(k):
-            tok, q = self._pick(logits, batch)
+            tok, q = self._pick(self._step_logits(batch, logits, tokens), batch)
             tokens.append(tok)
             probs.append(q)
             if i < k - 1:
@@ -176,6 +179,10 @@ class ModelDrafter(Drafter):
         self._drafted = k - 1  # slots holding drafts d1..d_{k-1}
         draft_probs = None if probs[0] is None else torch.stack(probs, 1)
         return Proposal(tokens=torch.stack(tokens, 1), draft_probs=draft_probs)
+
+    def _step_logits(self, batch, logits: torch.Tensor, drafts: list[torch.Tensor]) -> torch.Tensor:
+        """The logits a chain step draws its token from, given the model's and the round's drafts so far."""
+        return logits
 
     def observe(self, batch, seg: Segment) -> None:
         if self._drafted == 0 and seg.accepted is None:
@@ -294,10 +301,9 @@ class SortedExitDrafter(ModelDrafter):
 
     def __init__(self, shallow, deep, threshold: float, depths: tuple[int, int] = (0, 0)):
         super().__init__(shallow)
-        self.deep = ModelDrafter(deep)
+        self.deep = ModelDrafter(deep)  # its ``_drafted``: the round's drafts it was fed (a prefix of them)
         self.threshold = float(threshold)
         self.depths = depths  # (shallow, deep) layer counts, for messages and reports
-        self._deep_drafted = 0  # drafts of this round in the deep cache (a prefix of the round's drafts)
         self.steps = {"shallow": 0, "deep": 0}  # draft steps (rows x steps) whose token each sub-model gave
 
     @classmethod
@@ -326,59 +332,26 @@ class SortedExitDrafter(ModelDrafter):
     def begin(self, batch, seg: Segment) -> None:
         super().begin(batch, seg)
         self.deep.begin(batch, seg)
-        self._deep_drafted = 0
 
-    def _deep_logits(self, batch, drafts: list[torch.Tensor]) -> torch.Tensor:
-        """The deep sub-model's next-token logits after it is fed what it lacks: each row's committed text
-        from its last feed (none once caught up this round) and the round's drafts it has not seen."""
+    def _step_logits(self, batch, logits: torch.Tensor, drafts: list[torch.Tensor]) -> torch.Tensor:
+        """The shallow sub-model's logits, or the deep one's for the rows whose top probability is below the
+        threshold; the deep one is first fed what it lacks (committed text since its last feed, none once
+        caught up this round, and the round's drafts it has not seen)."""
+        unsure = torch.softmax(logits.float(), -1).amax(-1) < self.threshold
+        n_unsure = int(unsure.sum())
+        self.steps["deep"] += n_unsure
+        self.steps["shallow"] += len(batch.seqs) - n_unsure
+        if not n_unsure:
+            return logits
         deep = self.deep
-        new = torch.stack(drafts[self._deep_drafted :], 1).tolist() if len(drafts) > self._deep_drafted else [[]] * len(batch.seqs)
-        pending = [seq[f:] + extra for seq, f, extra in zip(batch.seqs, deep.fed, new)]
-        width = max(map(len, pending))
-        ids = torch.zeros(len(pending), width, dtype=torch.long)
-        valid = torch.zeros(len(pending), width, dtype=torch.bool)
-        for r, p in enumerate(pending):  # left-padded: the drafts are every row's last slots
-            ids[r, width - len(p) :] = torch.tensor(p, dtype=torch.long)
-            valid[r, width - len(p) :] = True
-        out = deep.state.forward(ids.to(batch.device), valid.to(batch.device))
-        deep.state.commit_prefix(width, valid.to(batch.device))
-        deep.fed = [len(seq) for seq in batch.seqs]
-        self._deep_drafted = len(drafts)
-        return out.logits[:, -1]
-
-    def propose(self, batch) -> Proposal | None:  # a chain (the registry refuses --verify rsd|spectr with it)
-        k = batch.num_draft
-        if k <= 0:
-            return None
-        logits = self._feed_pending(batch)
-        tokens, probs = [], []
-        for i in range(k):
-            top = torch.softmax(logits.float(), -1).max(-1).values
-            unsure = top < self.threshold
-            n_unsure = int(unsure.sum())
-            if n_unsure:
-                deep = self._deep_logits(batch, tokens)
-                logits = torch.where(unsure[:, None], deep.to(logits.dtype), logits)
-            self.steps["deep"] += n_unsure
-            self.steps["shallow"] += len(batch.seqs) - n_unsure
-            tok, q = self._pick(logits, batch)
-            tokens.append(tok)
-            probs.append(q)
-            if i < k - 1:
-                out = self.state.forward(tok[:, None])
-                self.state.commit_prefix(1, torch.ones_like(tok[:, None], dtype=torch.bool))
-                logits = out.logits[:, -1]
-        self._drafted = k - 1
-        draft_probs = None if probs[0] is None else torch.stack(probs, 1)
-        return Proposal(tokens=torch.stack(tokens, 1), draft_probs=draft_probs)
+        new = drafts[deep._drafted :]
+        extra = torch.stack(new, 1).tolist() if new else [[] for _ in batch.seqs]
+        deep_logits = deep._feed_pending(batch, extra=extra)
+        deep._drafted = len(drafts)
+        return torch.where(unsure[:, None], deep_logits.to(logits.dtype), logits)
 
     def observe(self, batch, seg: Segment) -> None:
-        fed = self._deep_drafted
-        if fed and seg.accepted is not None:
-            keep = [min(a, fed) for a in seg.accepted]
-            self.deep.state.rollback(fed, keep)
-            self.deep.fed = [f + kp for f, kp in zip(self.deep.fed, keep)]
-        self._deep_drafted = 0
+        self.deep.observe(batch, seg)  # keeps the accepted ones of the drafts it was fed
         super().observe(batch, seg)
 
     def select_rows(self, rows: torch.Tensor) -> None:
