@@ -4,7 +4,7 @@ Inside ``decode``, ``jobs`` is on top (no other part of decode imports it) and t
 only through their contract, ``decode.drafters.base``."""
 
 import ast
-import tomllib
+import runpy
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -63,10 +63,15 @@ def test_decode_jobs_is_on_top_and_the_engine_knows_drafters_by_their_contract()
     assert not offenders, offenders
 
 
-def test_every_package_is_listed_for_setuptools():
-    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+def test_setup_finds_every_package_and_nothing_else(monkeypatch):
+    """setup.py's discovery: every package of the layers, under specdec., and not tests/ (a package for pytest only)."""
+    import setuptools
+
+    found = {}
+    monkeypatch.setattr(setuptools, "setup", lambda **kwargs: found.update(kwargs))
+    runpy.run_path(str(ROOT / "setup.py"))
     packages = {name for name, path in _modules().items() if path.stem == "__init__"} | {"specdec"}
-    assert packages <= listed, sorted(packages - listed)
+    assert set(found["packages"]) == packages
 
 
 def test_import_graph_has_no_cycles():
