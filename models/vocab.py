@@ -76,20 +76,6 @@ def load(folder: str | os.PathLike) -> DraftVocab | None:
     return DraftVocab(d2t, target_vocab)
 
 
-def coverage_curve(counts: Counter, sizes: list[int]) -> dict[int, float]:
-    """Share of the counted tokens the ``size`` most frequent ones cover, per size."""
-    total = sum(counts.values())
-    ordered = [c for _, c in counts.most_common()]
-    out, acc = {}, 0
-    cum = []
-    for c in ordered:
-        acc += c
-        cum.append(acc)
-    for n in sizes:
-        out[n] = (cum[min(n, len(cum)) - 1] / total) if cum and total else 0.0
-    return out
-
-
 class MappedVocabLM(torch.nn.Module):
     """A draft causal LM over a reduced vocabulary, seen by the engine as one over the target's: inputs
     are mapped target -> draft ids, logits are spread back over the target's vocabulary (-inf outside:

@@ -271,8 +271,7 @@ DRAFTER_KINDS: dict[str, Factory] = {
 
 def _factories() -> list[tuple[Factory, Factory]]:
     """(kind's factory, mode) for every factory there is."""
-    kinds = [k for k in (*MODEL_FREE_DRAFTERS.values(), *DRAFTER_KINDS.values()) if isinstance(k, Factory)]
-    return [(k, m) for k in kinds for m in (k.modes or (k,))]
+    return [(k, m) for k in (*MODEL_FREE_DRAFTERS.values(), *DRAFTER_KINDS.values()) for m in (k.modes or (k,))]
 
 
 def _where(name: str) -> str:
@@ -330,17 +329,14 @@ def resolve_drafter(spec: str) -> DrafterChoice:
         if factory.check is not None:
             factory.check(spec)
         return DrafterChoice(spec, name, spec, factory)
-    kind = drafter_kind(spec)
     hub = _hub_id(spec)
     if hub:  # a draft model on the hub (resolved offline from its cache with HF_HUB_OFFLINE=1)
         return DrafterChoice(spec, "draft", hub, DRAFTER_KINDS["draft"])
     path = resolve_member(spec)
+    kind = artifact_kind(path)
     if kind not in DRAFTER_KINDS:
         raise SpecdecError(f"{path}: artifact kind {kind!r} is not a drafter (known: {', '.join(DRAFTER_KINDS)})")
-    factory = DRAFTER_KINDS[kind]
-    if not isinstance(factory, Factory):  # a bare factory(path, target, tokenizer, options) takes no drafting option
-        factory = Factory(factory, label=f"{kind} drafters")
-    return DrafterChoice(spec, kind, path, factory)
+    return DrafterChoice(spec, kind, path, DRAFTER_KINDS[kind])
 
 
 def drafter_kind(spec: str) -> str:
