@@ -28,6 +28,7 @@ import torch
 
 from specdec.decode.drafters.draft_model import ModelDrafter
 from specdec.decode.drafters.base import Proposal
+from specdec.decode.engine.length import LengthPolicy
 from specdec.models.acceptance import HEAD_MODES, acceptance_features, greedy_features, load_acceptance_heads
 from specdec.models.artifacts import check_fingerprint, read_config, tokenizer_fingerprint
 from specdec.models.errors import SpecdecError
@@ -59,7 +60,7 @@ class AdaptiveDrafter(ModelDrafter):
     use ``greedy_policy`` (default: the same).
     """
 
-    length_policy = None  # it decides each round's length itself
+    length_policy = LengthPolicy.own  # it decides each round's length itself
 
     def __init__(self, model, head, stop_threshold: float = 0.3, min_draft: int = 2, max_draft: int = 20,
                  greedy_head=None, greedy_policy: StopPolicy | None = None):

@@ -23,6 +23,7 @@ from typing import Callable
 
 import torch
 
+from specdec.decode.engine.length import LengthPolicy
 from specdec.decode.engine.types import Scheme
 from specdec.decode.engine.verify import logits_to_probs
 from specdec.models.errors import SpecdecError
@@ -93,10 +94,7 @@ class Drafter:
     width = 1  # with scheme rsd/spectr: siblings per draft step
     tree_tokens: int | None = None  # trees of a fixed size: nodes per tree, whatever num_draft (the verify width)
     pre_verify = False  # a proposal may hold each row's first draft and a ``rest`` (PEARL: decode.engine.split)
-    # how decode.engine.length may choose a round's chain length on a CPU: "after" (the engine trims a proposal:
-    # drafting cost nothing), "before" (the engine sets batch.num_draft before a draft model drafts) or
-    # None (the drafter decides its lengths itself)
-    length_policy: str | None = None
+    length_policy = LengthPolicy.own  # how decode.engine.length may choose its lengths on a CPU (LengthPolicy)
     # -- what it holds: the draft model it runs, if any (memory and draft-cost estimates)
     model = None
 

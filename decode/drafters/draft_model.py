@@ -11,6 +11,7 @@ import torch
 
 from specdec.decode.drafters.base import Drafter, Proposal, Segment, TreeTemplate, draw
 from specdec.decode.engine.cache import KVState
+from specdec.decode.engine.length import LengthPolicy
 from specdec.decode.engine.types import Scheme
 from specdec.decode.engine.verify import logits_to_probs
 
@@ -21,7 +22,7 @@ class ModelDrafter(Drafter):
     fed plus its own drafts; after verification only the accepted drafts stay."""
 
     default_k = 4
-    length_policy = "before"
+    length_policy = LengthPolicy.before
     has_draft_probs = True
 
     def __init__(self, model, scheme: Scheme | str = Scheme.standard, width: int = 2):

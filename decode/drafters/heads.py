@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from specdec.decode.engine.cache import SlotBook, left_pad
+from specdec.decode.engine.length import LengthPolicy
 from specdec.decode.drafters.base import Drafter, Proposal, Segment, TreeTemplate
 from specdec.models.artifacts import check_fingerprint, read_config, tokenizer_fingerprint
 from specdec.models.errors import SpecdecError
@@ -109,7 +110,7 @@ class HeadTreeDrafter(Drafter):
         self._last_tree: Tree | None = None  # the dynamic tree under verification, for calibration
         # a dynamic tree's depth and size follow measured costs where the engine hands it a
         # decode.engine.length.DraftLength (on a CPU, where each verified node costs time)
-        self.length_policy = "tree" if tree == "dynamic" else None
+        self.length_policy = LengthPolicy.tree if tree == "dynamic" else LengthPolicy.own
         self.length = None
 
     def modules(self) -> list:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from specdec.decode.drafters.base import Drafter, Proposal, Segment, TreeTemplate, chain_proposal, expand_template
+from specdec.decode.engine.length import LengthPolicy
 
 
 class NgramDrafter(Drafter):
@@ -21,7 +22,7 @@ class NgramDrafter(Drafter):
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
-    length_policy = "after"
+    length_policy = LengthPolicy.after
 
     def _lookup(self, seq: list[int], k: int) -> tuple[list[int], int]:
         """(the draft, the length of the match it came from; 0: none)."""

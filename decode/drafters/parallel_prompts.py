@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from specdec.decode.drafters.base import Drafter, Proposal, Segment, tree_proposal
+from specdec.decode.engine.length import LengthPolicy
 from specdec.models.artifacts import check_fingerprint, read_config, tokenizer_fingerprint
 from specdec.models.errors import SpecdecError
 from specdec.models.head_artifacts import load_heads
@@ -61,7 +62,7 @@ class RidingDrafter(Drafter):
         self.top_k = int(top_k or TOP_K)
         if tree is not None:
             self.proposes_trees = True
-            self.length_policy = "tree" if tree == "dynamic" else None
+            self.length_policy = LengthPolicy.tree if tree == "dynamic" else LengthPolicy.own
             self.length = None  # set by the engine where forward costs are measured
         m = heads.num_heads
         self.hits = torch.tensor([[PRIOR[0]] + [PRIOR[1]] * (self.top_k - 1)] * m, dtype=torch.float64) * PRIOR_WEIGHT

@@ -51,11 +51,12 @@ import torch
 
 from specdec.decode.drafters.draft_model import ModelDrafter
 from specdec.decode.drafters.base import Proposal, Segment, draw
+from specdec.decode.engine.length import LengthPolicy
 from specdec.decode.engine.verify import Sampling
 
 
 class ParallelDrafter(ModelDrafter):
-    length_policy = None  # it decides each round's length itself
+    length_policy = LengthPolicy.own  # it decides each round's length itself
 
     def __init__(self, model, adaptive: bool = True, pre_verify: bool = False):
         """adaptive False: the thread runs every round and always drafts the guess and ``num_draft``

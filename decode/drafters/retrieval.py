@@ -43,6 +43,7 @@ import torch
 
 from specdec.decode.drafters.base import Drafter, Proposal, Segment, tree_proposal
 from specdec.decode.drafters.draft_model import ModelDrafter
+from specdec.decode.engine.length import LengthPolicy
 from specdec.models.artifacts import check_fingerprint, read_config, tokenizer_fingerprint, write_json
 from specdec.models.errors import SpecdecError, UsageError
 
@@ -309,7 +310,7 @@ class RasdDrafter(ModelDrafter):
     draft's probabilities (the module docstring states the choices). ``num_draft`` is the chain's K;
     up to ``retrieval_tokens`` retrieval nodes, ``retrieval_depth`` deep (or K when deeper), join it."""
 
-    length_policy = None  # it decides each round's length itself
+    length_policy = LengthPolicy.own  # it decides each round's length itself
     proposes_trees = True  # the draft's chain with retrieval branches
     has_draft_probs = False  # its trees are verified as the draft took them (one-hot q)
 

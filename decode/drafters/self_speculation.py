@@ -37,6 +37,7 @@ import torch
 from specdec.decode.engine.cache import KVState
 from specdec.decode.drafters.base import Drafter, Proposal, Segment
 from specdec.decode.drafters.draft_model import ModelDrafter
+from specdec.decode.engine.length import LengthPolicy
 from specdec.models import arch
 from specdec.models.views import layer_skip_view  # noqa: F401  (the view every skip set drafts with)
 from specdec.models.errors import UsageError
@@ -45,7 +46,7 @@ from specdec.models.errors import UsageError
 class ConfidenceDrafter(ModelDrafter):
     """A ModelDrafter whose rows stop drafting when the draft's top probability drops below ``confidence``."""
 
-    length_policy = None  # it decides each round's length itself
+    length_policy = LengthPolicy.own  # it decides each round's length itself
 
     def __init__(self, model, confidence: float = 0.6):
         super().__init__(model)

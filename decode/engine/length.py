@@ -28,6 +28,7 @@ target's) and the lengths follow acceptance alone, which the seed fixes.
 from __future__ import annotations
 
 import random
+from enum import Enum
 
 import torch
 
@@ -37,6 +38,26 @@ PRIOR_WEIGHT = 2.0  # ...worth this many observations
 DECAY = 0.995  # observations fade: the text changes as a job goes on
 EXPLORE = 0.05  # share of rounds that draft two positions past the chosen length
 SLOPE_PRIOR = 0.08  # extra seconds per extra token, as a share of a one-token forward, before any are measured
+
+
+class LengthPolicy(Enum):
+    """How this module may choose a drafter's lengths (``Drafter.length_policy``), where the engine uses it
+    (on a CPU, with no --num-draft fixed):
+
+    - ``own``: it chooses none: the drafter drafts up to ``num_draft`` as it finds drafts, or decides each
+      round's length itself (SpecDec++'s acceptance heads, PEARL, SWIFT, RASD);
+    - ``after``: drafting costs nothing (a lookup in the text), so the drafter drafts ``num_draft`` and the
+      engine trims each row's chain to the length chosen for it;
+    - ``before``: each drafted token costs a draft-model forward, so the engine sets ``batch.num_draft`` to
+      the length chosen before the drafter drafts;
+    - ``tree``: the drafter sizes its dynamic tree itself with the engine's ``DraftLength``, which the
+      engine hands it as ``drafter.length`` (``tree_size``, ``keep_growing``).
+    """
+
+    own = "own"
+    after = "after"
+    before = "before"
+    tree = "tree"
 
 
 class DraftLength:

@@ -37,7 +37,7 @@ import torch
 
 from specdec.decode.engine import hydragen, split
 from specdec.decode.engine.cache import KVState
-from specdec.decode.engine.length import DraftLength
+from specdec.decode.engine.length import DraftLength, LengthPolicy
 from specdec.decode.engine.own import append_tokens, eos_ids as _eos_ids
 from specdec.decode.engine.ride import Joining, Ride, stack
 from specdec.decode.drafters.base import Drafter, NoDrafter, Proposal, Segment, tree_attention_from_parents
@@ -121,12 +121,12 @@ class SpecEngine:
         on_cpu = next(target.parameters()).device.type == "cpu"
         use_length = adaptive_length if adaptive_length is not None else (num_draft is None and on_cpu)
         self.length = None
-        if use_length and policy and self.num_draft > 0:
+        if use_length and policy is not LengthPolicy.own and self.num_draft > 0:
             # sampling: lengths from a fixed cost model, so a seeded job's draws do not depend on the machine's load
             timed = self.sampling.greedy
             share = 0.0 if timed else self.drafter.cost_share(target)
             self.length = DraftLength(self.num_draft, seed, timed=timed, draft_share=share)
-        if policy == "tree":
+        if policy is LengthPolicy.tree:
             self.drafter.length = self.length
         self.seed = seed
         # First Finish Search: a request group's samples race to finish (``_cancel_beaten``); per group, the
@@ -247,13 +247,13 @@ class SpecEngine:
         if batch.rows:
             room = self.max_context - max(map(len, batch.seqs))
             batch.num_draft = self.num_draft if room > self.num_draft + 1 else 0
-            if self.length is not None and self.drafter.length_policy == "before" and batch.num_draft:
+            if self.length is not None and self.drafter.length_policy is LengthPolicy.before and batch.num_draft:
                 batch.num_draft = max(self.length.lengths([0] * len(batch.rows), [batch.num_draft] * len(batch.rows)))
             start = time.perf_counter()
             proposal = self.drafter.propose(batch) if batch.num_draft > 0 else None
             if self.length is not None and proposal is not None and not proposal.is_tree and proposal.rest is None:
                 self.length.record_draft(proposal.tokens.shape[1], time.perf_counter() - start)
-                if self.drafter.length_policy == "after":
+                if self.drafter.length_policy is LengthPolicy.after:
                     proposal = self._trim(proposal)
         if proposal is not None and proposal.rest is not None:
             seg, verdict, proposal = split.verify(self, state, batch, proposal)
