@@ -37,12 +37,12 @@ import torch
 from specdec.bench import diffusion_bench, quality
 from specdec.decode.diffusion.generator import parse_method as parse_strategy
 from specdec.decode.diffusion.strategies import PUBLIC_STRATEGIES, STRATEGIES
-from specdec.decode.drafters.registry import DrafterChoice, refuse_what_does_not_apply, resolve_drafter
+from specdec.decode.drafters.registry import DrafterChoice, named_factory, refuse_what_does_not_apply, resolve_drafter
 from specdec.decode.engine.own import OwnLoop
 from specdec.decode.jobs.build import build_engine, load_decode_target
 from specdec.decode.jobs.io import read_records
 from specdec.decode.jobs.memory import draft_width, memory_model
-from specdec.decode.jobs.validate import is_diffusion_model, validate_options
+from specdec.decode.jobs.validate import check_drafter_traits, is_diffusion_model, validate_options
 from specdec.decode.options import DecodeOptions, parse_method
 from specdec.bench.roofline import nominal_bandwidth, peak_bandwidth, roofline
 from specdec.bench.report import plot, provenance, shown_path
@@ -116,6 +116,7 @@ def plan_bench(cfg: BenchConfig, default_target: Callable[[], str] | None = None
         opts = base.with_overrides({**overrides, "drafter": head})  # what a decode with --drafter HEAD would check
         validate_options(opts)
         refuse_what_does_not_apply(choice.factory, opts.drafting)
+        check_drafter_traits(choice, opts)
         parsed[spec] = (opts, choice)
     target = cfg.target if cfg.target is not None else default_target()
     source = resolve_source(target)
@@ -140,6 +141,7 @@ def plan_bench(cfg: BenchConfig, default_target: Callable[[], str] | None = None
             choice = resolve_drafter(spec)
             parsed[spec] = (base, choice)
             refuse_what_does_not_apply(choice.factory, base.drafting)
+            check_drafter_traits(choice, base)
         methods[spec] = Method(spec, *parsed[spec])
     return BenchPlan(target, source, False, methods)
 
@@ -622,10 +624,10 @@ def _ideal(spec, run: Run, entry: dict, costs, draft_model) -> dict:
 def _draft_cost_per_round(spec, run: Run, costs, draft_model, drafts_per_round: float) -> float:
     """Seconds of drafting per round: one draft-model forward per token a row drafts in a round
     (``drafts_per_round``: per row, as the verify width is; a batch's rows share each draft forward),
-    measured propose time for neural heads, zero for model-free drafters (their host time is
-    implementation overhead)."""
-    name, _ = parse_method(spec)
-    if name.split(":")[0] in ("ngram", "recycle", "ar"):
+    measured propose time for neural heads, zero for model-free drafters (``Factory.model_free``: their
+    host time is implementation overhead)."""
+    named = named_factory(parse_method(spec)[0])
+    if named is not None and named.model_free:
         return 0.0
     if draft_model is not None:
         return drafts_per_round * costs(1, draft_model)

@@ -8,7 +8,7 @@ from conftest import ByteTokenizer, make_prompts, staggered_requests
 from specdec.decode.drafters.aded import AdedDrafter, NgramTable
 from specdec.decode.drafters.base import Segment
 from specdec.decode.engine.loop import SpecEngine
-from specdec.decode.drafters.registry import MODEL_FREE_DRAFTERS
+from specdec.decode.drafters.registry import NAMED_DRAFTERS
 from specdec.decode.engine.types import GenRequest
 from specdec.decode.engine.verify import Sampling
 
@@ -69,7 +69,7 @@ def test_rows_keep_their_own_state_through_select_and_admit():
 
 
 def test_registered():
-    assert isinstance(MODEL_FREE_DRAFTERS["aded"]("aded", None, None, None), AdedDrafter)
+    assert isinstance(NAMED_DRAFTERS["aded"]("aded", None, None, None), AdedDrafter)
 
 
 @pytest.fixture(scope="module")

@@ -181,6 +181,20 @@ def test_ideal_speedup_costs_each_verify_forward_at_its_own_width():
     assert got["verify_cost"] == 2.0 and got["ideal_speedup"] == 1.0
 
 
+def test_model_free_drafters_are_charged_no_drafting_and_the_others_their_propose_time():
+    """What the registry declares model-free drafts for free in the ideal speedup, whatever its name; a drafter
+    that runs a model and holds no draft model of its own (self-speculation, heads) pays its measured propose time."""
+    from specdec.bench.bench import _draft_cost_per_round
+    from specdec.bench.timing import Run
+
+    run = Run(outputs=[[]], stats=[{}], walls=[1.0], rounds=4, propose_s=2.0)
+    free = ["ar", "ngram", "recycle", "copy", "input-copy", "aded", "stand", "retrieval:INDEX", "ngram+max-ngram=2"]
+    for spec in free:
+        assert _draft_cost_per_round(spec, run, None, None, 3.0) == 0.0, spec
+    for spec in ["swift", "layerskip:1", "medusa"]:
+        assert _draft_cost_per_round(spec, run, None, None, 3.0) == 0.5, spec
+
+
 def test_compiled_methods_warm_up_on_the_shortest_and_the_longest_prompts():
     from specdec.bench.bench import spread_by_length
 

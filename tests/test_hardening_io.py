@@ -530,6 +530,27 @@ def test_validate_options_accepts_the_defaults_and_edge_values():
             validate_options(dataclasses.replace(decode_options(), **change))
 
 
+def test_what_a_method_declares_rules_out_options_whatever_its_name():
+    """The registry's traits, not lists of names: an approximate mode, named or an artifact kind (lud),
+    decodes greedily and batches by --batch-size; only a method whose outputs differ at T = 0 takes
+    --num-samples there."""
+    from specdec.decode.drafters.registry import DRAFTER_KINDS, DrafterChoice, resolve_drafter
+    from specdec.decode.jobs.validate import check_drafter_traits
+    from specdec.decode.options import DecodeOptions
+
+    lud = DrafterChoice("lud-artifact", "lud", "lud-artifact", DRAFTER_KINDS["lud"])
+    for choice in (resolve_drafter("skipdecode"), resolve_drafter("superposed"), lud):
+        check_drafter_traits(choice, DecodeOptions(drafter=choice.spec))
+        with pytest.raises(UsageError, match="decodes greedily"):
+            check_drafter_traits(choice, DecodeOptions(drafter=choice.spec, temperature=0.7))
+        with pytest.raises(UsageError, match="--max-memory"):
+            check_drafter_traits(choice, DecodeOptions(drafter=choice.spec, max_memory="1GiB"))
+    check_drafter_traits(resolve_drafter("superposed"), DecodeOptions(drafter="superposed", num_samples=3))
+    check_drafter_traits(resolve_drafter("copy"), DecodeOptions(drafter="copy", num_samples=3, temperature=0.7))
+    with pytest.raises(UsageError, match="--num-samples 3 needs --temperature > 0"):
+        check_drafter_traits(resolve_drafter("copy"), DecodeOptions(drafter="copy", num_samples=3))
+
+
 def test_errors_keep_their_exit_codes():
     assert UsageError.exit_code == 2 and SpecdecError.exit_code == 1
     from specdec.decode.jobs.job import Interrupted, StrictStop

@@ -1,9 +1,14 @@
 """The registry of drafter kinds: which drafter a spec names, what builds it, and what it takes.
 
-A drafter spec is a model-free name (``ar``, ``ngram``, ``recycle``, ``layerskip[:i,j]``,
-``retrieval:INDEX``), a default family member (``draft``, ``medusa``, ...), an artifact folder or a hub
-id (``ORG/NAME``) of a draft model; an artifact's ``config.json`` says its kind (``specdec_kind`` or
-``kind``), and ``DRAFTER_KINDS`` maps the kind to its factory. The CLI never branches on names.
+A drafter spec is a name that needs no artifact (``ar``, ``ngram``, ``recycle``, ``layerskip[:i,j]``,
+``retrieval:INDEX``: ``NAMED_DRAFTERS``), a default family member (``draft``, ``medusa``, ...), an artifact
+folder or a hub id (``ORG/NAME``) of a draft model; an artifact's ``config.json`` says its kind
+(``specdec_kind`` or ``kind``), and ``DRAFTER_KINDS`` maps the kind to its factory. The CLI never branches
+on names.
+
+Each factory also declares the method's traits, which validation (``decode.jobs.validate``) and the bench
+read instead of lists of names: ``model_free`` (drafting runs no model), ``approximate`` (the output may
+differ from the target's own decoding) and ``several_at_greedy`` (its --num-samples outputs differ at T = 0).
 
 Each factory declares the drafting options it takes (``Factory.takes``, ``DraftingOptions`` field names;
 ``num_draft`` goes to every drafter). A draft model is built in one of several modes, each a factory
@@ -36,7 +41,8 @@ class Factory:
     """How one kind of drafter is built: ``build(source, target, tokenizer, options)`` (for a draft
     model's mode: ``build(model, tokenizer, options)``), the drafting options it ``takes`` beside
     ``num_draft``, its ``label`` in messages, a ``check`` of what follows ``name:`` in its spec (before
-    any model loads), and for a mode of a draft model the ``switch`` option that selects it."""
+    any model loads), for a mode of a draft model the ``switch`` option that selects it, and the
+    method's traits."""
 
     build: Callable
     takes: frozenset = frozenset()
@@ -44,6 +50,13 @@ class Factory:
     check: Callable[[str], None] | None = None
     switch: str | None = None
     modes: tuple = ()  # a kind built in modes: the modes' factories (the first, without a switch, is the default)
+    # drafts without running any model (lookups in the text or in tables, or no drafts): a round's drafting
+    # costs no forward, so the bench's ideal speedup charges it none
+    model_free: bool = False
+    # its output may differ from the target's own decoding (decode.approx, with a loop of its own): it decodes
+    # greedily, batches by --batch-size, and its records say "approximate": true
+    approximate: bool = False
+    several_at_greedy: bool = False  # its --num-samples outputs differ at T = 0 (superposed decoding's k best drafts)
 
     def __call__(self, *args):
         return self.build(*args)
@@ -103,7 +116,7 @@ def ead_draft(spec: str) -> "DrafterChoice":
     if not draft:
         raise UsageError("ead:DRAFT names the draft model that generates while it is sure (an artifact folder, "
                          "a default-family member such as draft, or a hub id): none given")
-    if draft.partition(":")[0] in MODEL_FREE_DRAFTERS:
+    if draft.partition(":")[0] in NAMED_DRAFTERS:
         raise UsageError(f"{spec!r}: EAD's DRAFT is a draft model, not the {draft.partition(':')[0]!r} drafter")
     choice = resolve_drafter(draft)
     if choice.kind != "draft":
@@ -126,25 +139,29 @@ def _lud(path, target, tokenizer, options: DecodeOptions):
     return lud.build(path, target, tokenizer, options)
 
 
-# drafters that need no artifact: name -> factory(spec, target, tokenizer, options), as DRAFTER_KINDS' factories
-MODEL_FREE_DRAFTERS: dict[str, Factory] = {
-    "ar": Factory(lambda spec, target, tokenizer, options: base.NoDrafter(), label="ar (plain decoding)"),
+# drafters a name selects, with no artifact: name -> factory(spec, target, tokenizer, options), as DRAFTER_KINDS'
+# factories (the self-speculative ones draft with the target's own layers: a name, but not model-free)
+NAMED_DRAFTERS: dict[str, Factory] = {
+    "ar": Factory(lambda spec, target, tokenizer, options: base.NoDrafter(), label="ar (plain decoding)", model_free=True),
     "ngram": Factory(lambda spec, target, tokenizer, options: model_free.NgramDrafter(max_ngram=options.drafting.max_ngram),
-                     frozenset({"max_ngram"}), "the ngram drafter"),
-    "recycle": Factory(lambda spec, target, tokenizer, options: model_free.RecycleDrafter(), label="the recycle drafter"),
+                     frozenset({"max_ngram"}), "the ngram drafter", model_free=True),
+    "recycle": Factory(lambda spec, target, tokenizer, options: model_free.RecycleDrafter(), label="the recycle drafter", model_free=True),
     "layerskip": Factory(_layerskip, label="layerskip", check=swift.check_layerskip_spec),
-    "copy": Factory(lambda spec, target, tokenizer, options: copying.CopyDrafter(), label="the copy drafter"),
-    "input-copy": Factory(lambda spec, target, tokenizer, options: copying.InputCopyDrafter(), label="the input-copy drafter"),
+    "copy": Factory(lambda spec, target, tokenizer, options: copying.CopyDrafter(), label="the copy drafter", model_free=True),
+    "input-copy": Factory(lambda spec, target, tokenizer, options: copying.InputCopyDrafter(), label="the input-copy drafter",
+                          model_free=True),
     "swift": Factory(swift.build_swift, label="swift", check=swift.check_swift_spec),
-    "aded": Factory(lambda spec, target, tokenizer, options: aded.AdedDrafter(), label="the aded drafter"),
-    "stand": Factory(lambda spec, target, tokenizer, options: stand.StandDrafter(), label="the stand drafter"),
-    "retrieval": Factory(retrieval.build_retrieval, label="retrieval:INDEX", check=retrieval.check_retrieval_spec),
-    # approximate modes with a loop of their own (decode.engine.own): their records say "approximate": true
-    "superposed": Factory(_superposed, frozenset({"ngram_weight", "max_ngram"}), "superposed decoding", check=_check_superposed),
-    "ead": Factory(_ead, frozenset({"entropy_threshold", "entropy_window"}), "ead:DRAFT", check=lambda spec: ead_draft(spec) and None),
-    "skipdecode": Factory(_skipdecode, label="skipdecode[:FIRST,LAST]", check=_check_skipdecode),
+    "aded": Factory(lambda spec, target, tokenizer, options: aded.AdedDrafter(), label="the aded drafter", model_free=True),
+    "stand": Factory(lambda spec, target, tokenizer, options: stand.StandDrafter(), label="the stand drafter", model_free=True),
+    "retrieval": Factory(retrieval.build_retrieval, label="retrieval:INDEX", check=retrieval.check_retrieval_spec, model_free=True),
+    # approximate modes with a loop of their own (decode.engine.own)
+    "superposed": Factory(_superposed, frozenset({"ngram_weight", "max_ngram"}), "superposed decoding", check=_check_superposed,
+                          approximate=True, several_at_greedy=True),
+    "ead": Factory(_ead, frozenset({"entropy_threshold", "entropy_window"}), "ead:DRAFT", check=lambda spec: ead_draft(spec) and None,
+                   approximate=True),
+    "skipdecode": Factory(_skipdecode, label="skipdecode[:FIRST,LAST]", check=_check_skipdecode, approximate=True),
 }
-MODEL_FREE = tuple(MODEL_FREE_DRAFTERS)
+NAMED = tuple(NAMED_DRAFTERS)
 
 
 def _build_draft(path: Path | str, target, tokenizer, options: DecodeOptions):
@@ -265,13 +282,13 @@ DRAFTER_KINDS: dict[str, Factory] = {
     "ppd": Factory(_riding, HEAD_OPTIONS, "ppd prompt tokens"),
     "hidden-transfer": Factory(_riding, HEAD_OPTIONS, "hidden-transfer maps"),
     # Lexical Unit Decoding: the target fine-tuned by specdec train-lud (approximate)
-    "lud": Factory(_lud, frozenset({"unit_threshold"}), "lud artifacts"),
+    "lud": Factory(_lud, frozenset({"unit_threshold"}), "lud artifacts", approximate=True),
 }
 
 
 def _factories() -> list[tuple[Factory, Factory]]:
     """(kind's factory, mode) for every factory there is."""
-    return [(k, m) for k in (*MODEL_FREE_DRAFTERS.values(), *DRAFTER_KINDS.values()) for m in (k.modes or (k,))]
+    return [(k, m) for k in (*NAMED_DRAFTERS.values(), *DRAFTER_KINDS.values()) for m in (k.modes or (k,))]
 
 
 def _where(name: str) -> str:
@@ -310,7 +327,7 @@ def refuse_what_does_not_apply(kind: Factory, drafting: DraftingOptions) -> Fact
 @dataclass(frozen=True)
 class DrafterChoice:
     """A drafter spec resolved: its ``kind``, the ``source`` its factory builds from (the spec of a
-    model-free drafter, an artifact folder or a hub id) and the ``factory``. ``build`` makes the drafter."""
+    named drafter, an artifact folder or a hub id) and the ``factory`` (its traits). ``build`` makes the drafter."""
 
     spec: str
     kind: str
@@ -324,8 +341,8 @@ class DrafterChoice:
 def resolve_drafter(spec: str) -> DrafterChoice:
     """Which drafter ``spec`` names, without loading anything; a spec that names none is a ``UsageError``."""
     name, _, _ = spec.partition(":")
-    if name in MODEL_FREE_DRAFTERS:
-        factory = MODEL_FREE_DRAFTERS[name]
+    if name in NAMED_DRAFTERS:
+        factory = NAMED_DRAFTERS[name]
         if factory.check is not None:
             factory.check(spec)
         return DrafterChoice(spec, name, spec, factory)
@@ -340,11 +357,17 @@ def resolve_drafter(spec: str) -> DrafterChoice:
 
 
 def drafter_kind(spec: str) -> str:
-    """The kind a drafter spec names (a model-free name, or the kind its artifact's config.json says)."""
+    """The kind a drafter spec names (a named drafter's name, or the kind its artifact's config.json says)."""
     name, _, _ = spec.partition(":")
-    if name in MODEL_FREE:
+    if name in NAMED:
         return name
     return "draft" if _hub_id(spec) else artifact_kind(resolve_member(spec))
+
+
+def named_factory(spec: str) -> Factory | None:
+    """The factory of the drafter a spec names by name (``ngram``, ``retrieval:INDEX``), whose traits can be
+    read without resolving anything; None for an artifact, a family member or a hub id."""
+    return NAMED_DRAFTERS.get(spec.partition(":")[0])
 
 
 def _hub_id(spec: str) -> str | None:
@@ -357,7 +380,7 @@ def _hub_id(spec: str) -> str | None:
     if Path(source).is_dir():
         return None
     if "/" not in source and not _in_hub_cache(source):
-        raise UsageError(f"{spec!r} names no drafter: not one of {', '.join(MODEL_FREE)}, a default-family member "
+        raise UsageError(f"{spec!r} names no drafter: not one of {', '.join(NAMED)}, a default-family member "
                          f"({', '.join(FAMILY_MEMBERS)}), an artifact folder or a hub id (ORG/NAME)")
     return source
 

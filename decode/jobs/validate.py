@@ -5,7 +5,8 @@
   asked, ``--top-p 2`` samples from everything, ``--batch-size 0`` decodes nothing, or fail minutes later
   after the models load), the kernels, the memory budget, the placement, a shared-prefix file;
 - ``check_drafter_options`` (``decode.drafters.registry``): the drafter a spec names, and the drafting
-  options its factory does not take;
+  options its factory does not take; ``check_drafter_traits``: what the traits its factory declares rule
+  out (an approximate mode decodes greedily);
 - ``plan_decode``: the two with the target: a causal LM takes no diffusion option and a diffusion LM no
   drafting one, and the schedule each batches with. Its ``DecodePlan`` is what the job builds from:
   nothing downstream checks again.
@@ -45,7 +46,7 @@ def validate_options(opts: DecodeOptions) -> None:
     temperature = sampling.temperature
     if not _is_number(temperature) or not math.isfinite(temperature) or temperature < 0:
         raise UsageError(f"--temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
-    check_num_samples(sampling.num_samples, temperature, drafting.drafter)
+    _positive_int(sampling.num_samples, "--num-samples")
     check_several_outputs(opts)
     check_approximate(opts)
     top_p = sampling.top_p
@@ -126,20 +127,20 @@ def check_shared_prefix(spec: str) -> None:
         raise UsageError(f"--shared-prefix {spec}: the file is empty")
 
 
-# drafters whose --num-samples outputs differ at T = 0 (superposed decoding keeps the k best drafts)
-SEVERAL_AT_GREEDY = ("superposed",)
-# the approximate modes decode greedily: their drafts, units or exits stand in for the target's argmax
-APPROXIMATE = ("superposed", "ead", "skipdecode")
-
-
-def check_num_samples(num_samples, temperature, drafter: str = "ar") -> None:
-    """N samples of a record at T = 0 would be N copies of one greedy output: refused, not decoded
-    (except where a method's outputs differ at T = 0, ``SEVERAL_AT_GREEDY``)."""
-    _int(num_samples, "--num-samples")
-    if num_samples < 1:
-        raise UsageError(f"--num-samples must be a positive integer, got {num_samples}")
-    if num_samples > 1 and temperature <= 0 and drafter.partition(":")[0] not in SEVERAL_AT_GREEDY:
-        raise UsageError(f"--num-samples {num_samples} needs --temperature > 0: greedy decoding would give {num_samples} identical samples")
+def check_drafter_traits(drafter: DrafterChoice, opts: DecodeOptions) -> None:
+    """What the traits the drafter's registry entry declares (``Factory``) rule out, once the spec is
+    resolved: N samples of a record at T = 0 would be N copies of one greedy output (except where the
+    method's outputs differ at T = 0); an approximate mode decodes greedily (its drafts, units or exits
+    stand in for the target's argmax) and, as beam search, batches by --batch-size."""
+    sampling, factory = opts.sampling, drafter.factory
+    if sampling.num_samples > 1 and sampling.temperature <= 0 and not factory.several_at_greedy:
+        raise UsageError(f"--num-samples {sampling.num_samples} needs --temperature > 0: greedy decoding would give "
+                         f"{sampling.num_samples} identical samples")
+    if factory.approximate and sampling.temperature > 0:
+        raise UsageError(f"--drafter {opts.drafting.drafter} decodes greedily (an approximate mode): use --temperature 0")
+    if opts.scheduling.max_memory is not None and (factory.approximate or sampling.beams > 1):
+        raise UsageError("--max-memory fits the speculative engine's rows and drafts; beam search and the approximate modes "
+                         "batch by --batch-size")
 
 
 def check_several_outputs(opts: DecodeOptions) -> None:
@@ -177,14 +178,8 @@ def check_several_outputs(opts: DecodeOptions) -> None:
 
 
 def check_approximate(opts: DecodeOptions) -> None:
-    """The approximate modes' options in range; those modes decode greedily."""
+    """The approximate modes' options in range (what the modes rule out: ``check_drafter_traits``)."""
     drafting = opts.drafting
-    name = drafting.drafter.partition(":")[0]
-    if opts.sampling.temperature > 0 and name in APPROXIMATE:
-        raise UsageError(f"--drafter {drafting.drafter} decodes greedily (an approximate mode): use --temperature 0")
-    if opts.scheduling.max_memory is not None and (name in APPROXIMATE or opts.sampling.beams > 1):
-        raise UsageError("--max-memory fits the speculative engine's rows and drafts; beam search and the approximate modes "
-                         "batch by --batch-size")
     if drafting.entropy_threshold is not None:
         value = drafting.entropy_threshold
         if not _is_number(value) or value != value or value < 0:
@@ -235,15 +230,13 @@ class DecodePlan:
 
 def plan_decode(target: str | None, options: DecodeOptions, default_target: Callable[[], str] | None = None,
                 paths: tuple[str, str] | None = None) -> DecodePlan:
-    """Check ``options`` (``validate_options``), the drafter spec and the drafting options its factory
-    takes (``check_drafter_options``), and the job's ``paths`` (--in, --out) when given; then, with the
-    target (``target``, or ``default_target()`` when None), what applies to it. Raises ``UsageError``."""
+    """Check ``options`` (``validate_options``), the drafter spec, the drafting options its factory
+    takes (``check_drafter_options``) and what its traits rule out (``check_drafter_traits``), and the
+    job's ``paths`` (--in, --out) when given; then, with the target (``target``, or ``default_target()``
+    when None), what applies to it. Raises ``UsageError``."""
     validate_options(options)
     drafter = check_drafter_options(options.drafting.drafter, options)
-    if drafter.kind == "lud" and options.sampling.temperature > 0:
-        raise UsageError(f"--drafter {options.drafting.drafter} (lexical units, an approximate mode) decodes greedily: use --temperature 0")
-    if drafter.kind == "lud" and options.scheduling.max_memory is not None:
-        raise UsageError("--max-memory fits the speculative engine's rows and drafts; lexical-unit decoding batches by --batch-size")
+    check_drafter_traits(drafter, options)
     if paths is not None:
         validate_paths(*paths)
     target = target if target is not None else default_target()
