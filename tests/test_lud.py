@@ -67,8 +67,8 @@ def test_packed_units_compute_what_separate_inputs_would():
     model = Gemma3ForCausalLM(cfg).double().eval()
     m, bos, placeholder = 3, 2, 0
     ids = torch.randint(3, 64, (2, 30), generator=torch.Generator().manual_seed(1))
-    batch = LudCollate(5, m, 6, placeholder, prefix=[bos]).make(ids, torch.Generator().manual_seed(2))
-    full = torch.cat([torch.full((2, 1), bos), ids], 1)
+    full = torch.cat([torch.full((2, 1), bos), ids], 1)  # a block as train.data.cut_blocks lays it out
+    batch = LudCollate(5, m, 6, placeholder, skip=1).make(full, torch.Generator().manual_seed(2))
     assert torch.equal(batch["input_ids"][:, :31], full) and (batch["ntp_labels"][:, 0] == -100).all()
     with torch.no_grad():
         logits = lud_forward(model, batch, MaskMaker(model.config, model.dtype))
@@ -85,12 +85,12 @@ def test_packed_units_compute_what_separate_inputs_would():
 def test_the_special_prefix_is_what_the_tokenizer_puts_in_front():
     from tokenizers.processors import TemplateProcessing
 
-    from specdec.train.lud import special_prefix
+    from specdec.train.data import block_prefix
 
     tok = make_tokenizer(96, 0)
-    assert special_prefix(tok) == []
+    assert block_prefix(tok) == []
     tok._tokenizer.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", tok.bos_token_id)])
-    assert special_prefix(tok) == [tok.bos_token_id]
+    assert block_prefix(tok) == [tok.bos_token_id]
 
 
 def test_training_lowers_the_unit_loss_on_the_same_batch(workdir):

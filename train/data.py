@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from specdec.models.artifacts import SpecdecError
+from specdec.models.artifacts import SpecdecError, UsageError
 
 TEXT_FIELDS = ("text", "content")
 
@@ -60,26 +60,65 @@ def record_text(rec: dict) -> str | None:
     return None
 
 
+def block_prefix(tokenizer) -> list[int]:
+    """The special tokens the tokenizer puts in front of a prompt when it encodes one: Gemma's and Llama's
+    BOS; nothing for a GPT-2 style tokenizer (its BOS is its EOS and it prepends nothing).
+
+    Every decoded prompt starts with them (decode encodes with the tokenizer's defaults), and a target may
+    read text without them far worse (Gemma 3 270M's next-token loss on code about doubles), so a drafter
+    trained on blocks without them learns the target's answers to text no prompt looks like. Asked of the
+    tokenizer itself rather than read from ``bos_token_id``, which many tokenizers set and never prepend."""
+    plain = tokenizer("a", add_special_tokens=False)["input_ids"]
+    with_special = tokenizer("a", add_special_tokens=True)["input_ids"]
+    # a tokenizer may also append tokens (EOS): the prefix is what precedes the plain text
+    for n in range(len(with_special) - len(plain) + 1):
+        if with_special[n : n + len(plain)] == plain:
+            return list(with_special[:n])
+    return []
+
+
+def cut_blocks(stream, seq_len: int, prefix: list[int]):
+    """[n, seq_len] training blocks laid out as the target reads a prompt: ``prefix`` (``block_prefix``), then
+    the next ``seq_len - len(prefix)`` tokens of ``stream`` (a 1-D tensor: documents' tokens, EOS between
+    them), in the stream's dtype. The tail that fills no block is dropped. Every trainer's blocks are cut
+    here, so none can leave the prefix out."""
+    import torch
+
+    body = seq_len - len(prefix)
+    if body < 1:
+        raise UsageError(f"seq_len {seq_len} leaves no room for text after the {len(prefix)} token(s) the tokenizer "
+                         f"puts in front of a prompt; use a longer seq_len")
+    n = len(stream) // body
+    blocks = stream[: n * body].view(n, body)
+    if prefix:
+        blocks = torch.cat([torch.tensor(prefix, dtype=stream.dtype).expand(n, -1), blocks], 1)
+    return blocks
+
+
 def tokenize_blocks(texts: list[str], tokenizer, seq_len: int, heldout: float = 0.1, seed: int = 0):
-    """Concatenate documents (EOS between them) and cut fixed-length blocks of ``seq_len`` tokens.
+    """Concatenate documents (EOS between them) and cut blocks of ``seq_len`` tokens (``cut_blocks``: each
+    starts with the tokens the tokenizer puts in front of a prompt).
 
     Returns (train, heldout) ``datasets.Dataset`` with columns input_ids and idx (block index,
     used to look up cached teacher outputs), formatted as torch tensors.
     """
+    import itertools
+
     import datasets
+    import torch
     from datasets import Dataset
 
     datasets.disable_progress_bars()
     eos = tokenizer.eos_token_id
+    prefix = block_prefix(tokenizer)
 
     def tok(batch):
         ids = tokenizer(batch["text"], add_special_tokens=False)["input_ids"]
         return {"ids": [x + ([eos] if eos is not None else []) for x in ids]}
 
     def blocks(batch):
-        flat = [t for ids in batch["ids"] for t in ids]
-        n = len(flat) // seq_len
-        return {"input_ids": [flat[i * seq_len : (i + 1) * seq_len] for i in range(n)]}
+        flat = torch.tensor(list(itertools.chain.from_iterable(batch["ids"])), dtype=torch.long)
+        return {"input_ids": cut_blocks(flat, seq_len, prefix).tolist()}
 
     ds = Dataset.from_dict({"text": texts})
     ds = ds.map(tok, batched=True, remove_columns=["text"])

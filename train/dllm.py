@@ -136,17 +136,29 @@ def _as_existing_file(item) -> Path | None:
 
 
 def text_examples(tokenizer, texts: list[str], seq_len: int, eos_id: int) -> list[Example]:
+    """Blocks of the texts' tokens (EOS after each), cut as every trainer's are (``train.data.cut_blocks``: each
+    starts with what the tokenizer puts in front of a prompt; a drawn prompt, at least one token, holds a BOS)."""
+    from specdec.train.data import block_prefix, cut_blocks
+
     stream: list[int] = []
     for text in texts:
         stream.extend(tokenizer(text, add_special_tokens=False)["input_ids"] + [eos_id])
-    return [Example(stream[i : i + seq_len], 0) for i in range(0, len(stream) - seq_len + 1, seq_len)]
+    blocks = cut_blocks(torch.tensor(stream, dtype=torch.long), seq_len, block_prefix(tokenizer))
+    return [Example(ids, 0) for ids in blocks.tolist()]
 
 
 def pair_examples(tokenizer, pairs: list[tuple[str, str]], seq_len: int, eos_id: int) -> list[Example]:
-    """Prompt + completion + EOS, padded with EOS to seq_len: the model learns to fill the canvas tail with EOS."""
+    """Prompt + completion + EOS, padded with EOS to seq_len: the model learns to fill the canvas tail with EOS.
+    A long prompt keeps its end and the tokens the tokenizer puts in front of it (its BOS)."""
+    from specdec.train.data import block_prefix
+
+    prefix = block_prefix(tokenizer)
     out = []
     for prompt, completion in pairs:
-        p = encode_prompt(tokenizer, prompt)[-(seq_len // 2) :]
+        p = encode_prompt(tokenizer, prompt)
+        n = len(prefix) if p[: len(prefix)] == prefix else 0
+        body = p[n:]
+        p = p[:n] + body[max(len(body) - max(seq_len // 2 - n, 0), 0) :]
         a = (tokenizer(completion, add_special_tokens=False)["input_ids"] + [eos_id])[: seq_len - len(p)]
         out.append(Example(p + a + [eos_id] * (seq_len - len(p) - len(a)), len(p)))
     return out

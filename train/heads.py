@@ -174,9 +174,9 @@ def _train_riding(kind: str, target_dir, data_files, out_dir, cfg: TrainConfig, 
     covers every cut (``train.lud.pack``, the packing of Lexical Unit Decoding, unit size m + 1). Placeholder j
     after the cut's last real token x_t learns x_{t+2+j} (x_{t+1} is the target's own next token), the module's
     inputs injected by hooks on the target as at decode (``decode.drafters.parallel_prompts``)."""
-    from specdec.train.data import load_blocks, load_teacher
+    from specdec.train.data import block_prefix, load_blocks, load_teacher
     from specdec.train.loop import make_accelerator
-    from specdec.train.lud import LudCollate, MaskMaker, choose_placeholder, special_prefix
+    from specdec.train.lud import LudCollate, MaskMaker, choose_placeholder
 
     out_dir = Path(out_dir)
     accelerator = make_accelerator(cfg)
@@ -184,8 +184,10 @@ def _train_riding(kind: str, target_dir, data_files, out_dir, cfg: TrainConfig, 
     target.requires_grad_(False)  # gradients flow through it to the injected inputs only
     fp = tokenizer_fingerprint(tokenizer)
     m = hp["num_heads"] = int(hp.get("num_heads") or 3)
-    if m < 1 or cfg.seq_len < m + 2:
-        raise UsageError(f"--kind {kind} needs --num-heads >= 1 and --seq-len >= num_heads + 2 (got {m} and {cfg.seq_len})")
+    skip = len(block_prefix(tokenizer))
+    if m < 1 or cfg.seq_len < skip + m + 2:
+        raise UsageError(f"--kind {kind} needs --num-heads >= 1 and --seq-len >= num_heads + 2 + the {skip}-token prefix "
+                         f"every block starts with (got {m} and {cfg.seq_len})")
     vocab = target.get_input_embeddings().weight.shape[0]
     if hp.get("placeholder") is None:
         try:
@@ -196,7 +198,7 @@ def _train_riding(kind: str, target_dir, data_files, out_dir, cfg: TrainConfig, 
     torch.manual_seed(cfg.seed)
     heads = build_heads(kind, target, hp).attach(target, init_from_lm_head=True)
     masks = MaskMaker(target.config, target.dtype)
-    collate = LudCollate(cfg.seed, m + 1, int(hp.get("cuts") or 16), int(hp["placeholder"]), special_prefix(tokenizer),
+    collate = LudCollate(cfg.seed, m + 1, int(hp.get("cuts") or 16), int(hp["placeholder"]), skip=skip,
                          copies=heads.ensemble)
 
     def loss_fn(model, batch):

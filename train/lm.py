@@ -100,10 +100,12 @@ def encode_texts(tokenizer, texts, chunk: int = 512) -> torch.Tensor:
 
 
 def token_blocks(tokenizer, files: list[Path], corpus: Corpus, seq_len: int) -> TokenBlocks:
-    """Each file's tokens + EOS, concatenated and cut into blocks of ``seq_len`` (the tail is dropped)."""
+    """Each file's tokens + EOS, concatenated and cut into blocks of ``seq_len`` as every trainer's are
+    (``train.data.cut_blocks``; this family's tokenizer puts nothing in front of a prompt)."""
+    from specdec.train.data import block_prefix, cut_blocks
+
     ids = encode_texts(tokenizer, (corpus.read(p) for p in files))
-    n = len(ids) // seq_len
-    return TokenBlocks(ids[: n * seq_len].view(n, seq_len))
+    return TokenBlocks(cut_blocks(ids, seq_len, block_prefix(tokenizer)))
 
 
 def token_byte_lengths(tokenizer) -> torch.Tensor:

@@ -10,9 +10,9 @@ what an uninterrupted one would); a 4-D attention
 mask lets the block's tokens attend causally among themselves and a group's placeholders attend to
 x_1..x_t and to the placeholders of their own group before them, at position ids t, t+1, ..., so each
 group computes exactly what the input x_1..x_t + placeholders would. Blocks are cut from the middle of
-documents; the special tokens the tokenizer puts in front of a text (Gemma's BOS, which every decoded
-prompt starts with: without it Gemma 3 270M's next-token CE on code doubles) are put in front of each
-block, their own next-token predictions not learnt. The block's own positions keep the
+documents and start, as every trainer's do, with the tokens the tokenizer puts in front of a prompt
+(``train.data.block_prefix``: Gemma's BOS); their next-token predictions (a document's middle from BOS
+alone) are not learnt, and no unit starts before a real token. The block's own positions keep the
 ordinary next-token loss (weight ``ntp_weight``), so the model's plain predictions stay good; the unit
 loss is the mean cross-entropy of the K*m unit predictions.
 
@@ -80,7 +80,7 @@ def choose_placeholder(tokenizer, model_vocab: int | None = None) -> int:
 def pack(ids: torch.Tensor, cuts: torch.Tensor, unit_size: int, placeholder: int, skip: int = 0) -> dict:
     """The packed training input of blocks ``ids`` [B, L] with cut points ``cuts`` [B, K] (each in 1..L-m:
     the number of real tokens before a group of m-1 placeholders). ``skip``: the first positions' next
-    tokens are not learnt (a BOS put in front of a block cut from the middle of a document).
+    tokens are not learnt (the BOS a block cut from the middle of a document starts with).
 
     Returns input_ids and position_ids [B, T] (T = L + K(m-1)), visible [B, T, T] (which keys each query
     attends to), ntp_labels [B, T] (the next token at the block's positions, -100 elsewhere), unit_pos and
@@ -125,22 +125,14 @@ def draw_cuts(bsz: int, length: int, unit_size: int, count: int, generator: torc
     return torch.rand(bsz, span, generator=generator).argsort(-1)[:, :k] + low
 
 
-def special_prefix(tokenizer) -> list[int]:
-    """The special tokens the tokenizer puts in front of a text (Gemma's BOS), which every decoded prompt
-    starts with: training blocks are cut from the middle of documents, so the trainer puts them back."""
-    with_special = tokenizer("a", add_special_tokens=True)["input_ids"]
-    plain = tokenizer("a", add_special_tokens=False)["input_ids"]
-    n = len(with_special) - len(plain)
-    return list(with_special[:n]) if n > 0 and with_special[n:][: len(plain)] == plain else []
-
-
 class LudCollate(StepSeeded):
-    """Stacks a micro-batch's blocks, puts ``prefix`` (``special_prefix``) in front of each, and packs them
-    with cut points drawn for that micro-batch (each unit follows at least one token of the block)."""
+    """Stacks a micro-batch's blocks and packs them with cut points drawn for that micro-batch. A block's
+    first ``skip`` tokens are the prefix every block starts with (``train.data.block_prefix``): their next
+    tokens are not learnt and each unit follows at least one token after them."""
 
-    def __init__(self, seed: int, unit_size: int, cuts: int, placeholder: int, prefix: list[int] | tuple = (), copies: int = 1):
+    def __init__(self, seed: int, unit_size: int, cuts: int, placeholder: int, skip: int = 0, copies: int = 1):
         super().__init__(seed)
-        self.unit_size, self.cuts, self.placeholder, self.prefix = unit_size, cuts, placeholder, list(prefix)
+        self.unit_size, self.cuts, self.placeholder, self.skip = unit_size, cuts, placeholder, int(skip)
         self.copies = int(copies)  # groups per cut, in a row (PPD's ensemble: each sees the cut's text, not the others)
 
     def __call__(self, items) -> dict:
@@ -148,11 +140,9 @@ class LudCollate(StepSeeded):
         return self.make(torch.stack([it["input_ids"] for it in items]), gen)
 
     def make(self, ids: torch.Tensor, generator: torch.Generator) -> dict:
-        ids, n = ids.long(), len(self.prefix)
-        if n:
-            ids = torch.cat([torch.tensor(self.prefix, dtype=torch.long).expand(ids.shape[0], -1), ids], 1)
-        cuts = draw_cuts(ids.shape[0], ids.shape[1], self.unit_size, self.cuts, generator, low=n + 1)
-        return pack(ids, cuts.repeat_interleave(self.copies, dim=1), self.unit_size, self.placeholder, skip=n)
+        ids = ids.long()
+        cuts = draw_cuts(ids.shape[0], ids.shape[1], self.unit_size, self.cuts, generator, low=self.skip + 1)
+        return pack(ids, cuts.repeat_interleave(self.copies, dim=1), self.unit_size, self.placeholder, skip=self.skip)
 
 
 class MaskMaker:
@@ -323,7 +313,7 @@ def train_lud(
     non-main processes). ``knobs`` (else ``cfg.extra``, else KNOBS): cuts (cut points per block and
     micro-batch), lora_rank, lora_alpha, ntp_weight, placeholder_id."""
     from specdec.models.loading import resolve_source
-    from specdec.train.data import load_blocks, load_teacher
+    from specdec.train.data import block_prefix, load_blocks, load_teacher
     from specdec.train.loop import make_accelerator
 
     unknown = sorted(set(cfg.extra) - set(KNOBS))
@@ -337,11 +327,13 @@ def train_lud(
         raise UsageError(f"--unit-size must be at least 2 (1 is ordinary decoding), got {m}")
     if int(hp["cuts"]) < 1 or int(hp["lora_rank"]) < 1:
         raise UsageError("cuts and lora_rank must be >= 1")
-    if cfg.seq_len < m + 1:
-        raise UsageError(f"--seq-len {cfg.seq_len} leaves no room for a unit of {m} tokens: use at least {m + 1}")
     out_dir = Path(out_dir)
     accelerator = make_accelerator(cfg)
     target, tokenizer = load_teacher(target_dir, placement, accelerator)
+    prefix = block_prefix(tokenizer)
+    if cfg.seq_len < len(prefix) + m + 1:
+        raise UsageError(f"--seq-len {cfg.seq_len} leaves no room for a unit of {m} tokens: use at least "
+                         f"{len(prefix) + m + 1} (the {len(prefix)}-token prefix every block starts with, a token, the unit)")
     fp = tokenizer_fingerprint(tokenizer)
     vocab = target.get_input_embeddings().weight.shape[0]
     placeholder = hp["placeholder_id"]
@@ -353,8 +345,7 @@ def train_lud(
     peft_model, names = add_lora(target, int(hp["lora_rank"]), float(hp["lora_alpha"]))
     masks = MaskMaker(target.config, target.dtype)
     ntp_weight = float(hp["ntp_weight"])
-    prefix = special_prefix(tokenizer)
-    collate = LudCollate(cfg.seed, m, int(hp["cuts"]), placeholder, prefix)
+    collate = LudCollate(cfg.seed, m, int(hp["cuts"]), placeholder, skip=len(prefix))
     before = evaluate_units(peft_model, held, collate, masks, cfg.seed) if accelerator.is_main_process else {}
 
     def loss_fn(model, batch):

@@ -295,8 +295,11 @@ def heldout_bits_per_byte(target: Path, corpus, prose_held: list[str], placement
     import torch
 
     from specdec.models.loading import load_target
+    from specdec.train.data import block_prefix
 
     model, tok, _ = load_target(target, placement)
+    prefix = block_prefix(tok)  # read as a prompt is: a target may read text without its BOS far worse
+    start = max(len(prefix), 1)  # scored: every text token with a token before it
     out = {}
     for name, texts in (("python", [corpus.read(p) for p in corpus.heldout_files[:200]]), ("english", prose_held)):
         ids, nbytes = [], 0
@@ -312,10 +315,10 @@ def heldout_bits_per_byte(target: Path, corpus, prose_held: list[str], placement
         counted = 0
         with torch.inference_mode():
             for i in range(0, len(ids) - 1, 512):
-                block = torch.tensor([[tok.bos_token_id] + ids[i : i + 512]])
-                logits = model(block).logits[0, :-1].float()
-                nats += float(torch.nn.functional.cross_entropy(logits, block[0, 1:], reduction="sum"))
-                counted += block.shape[1] - 1
+                block = torch.tensor([prefix + ids[i : i + 512]])
+                logits = model(block).logits[0, start - 1 : -1].float()
+                nats += float(torch.nn.functional.cross_entropy(logits, block[0, start:], reduction="sum"))
+                counted += block.shape[1] - start
         out[f"heldout_bits_per_byte_{name}"] = round(nats / math.log(2) / (nbytes * scale), 4)
         out[f"heldout_tokens_{name}"] = counted
     return out
