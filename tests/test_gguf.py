@@ -46,7 +46,7 @@ def test_a_gguf_target_decodes_as_generate_on_its_converted_model(home, tmp_path
     sha = hashlib.sha256(gguf_file.read_bytes()).hexdigest()
     folder = home / "gguf" / sha[:16]
     assert json.loads((folder / "specdec_gguf.json").read_text())["sha256"] == sha
-    assert sorted(p.name for p in folder.glob("*.safetensors")) == ["model.safetensors"]
+    assert sorted(p.name for p in folder.glob("*.safetensors")) == ["model.safetensors", "specdec_blocks.safetensors"]
     rows = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert [r["completion"] for r in rows] == [_generate(folder, p, 12) for p in PROMPTS]
     assert sum(r["stats"]["new_tokens"] for r in rows) >= 12 and all(r["completion"] for r in rows)

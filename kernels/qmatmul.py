@@ -1,0 +1,74 @@
+"""The CPU kernel that multiplies by a GGUF file's quantised blocks (``qmatmul.cpp``), built on first use.
+
+It is a C++ torch operator compiled once per source and torch version into a build folder (``$SPECDEC_HOME/ext/``, which
+``models.blocks`` passes)
+(about a minute on two cores; ``make venv`` builds it at install time). Where it cannot be built or
+run (no compiler, no AVX2/FMA/F16C, ``SPECDEC_KERNELS=torch``), ``available()`` is False and every
+caller keeps the float32 weights' ``nn.Linear``, which computes the same function.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+# ggml's type ids of the block formats the kernel reads, and (weights, bytes) per block
+BLOCKS = {"Q8_0": (8, 32, 34), "Q5_0": (6, 32, 22), "Q4_K": (12, 256, 144), "Q6_K": (14, 256, 210)}
+QTYPES = {v[0]: k for k, v in BLOCKS.items()}
+SOURCE = Path(__file__).with_name("qmatmul.cpp")
+
+
+def row_bytes(qtype: int, k: int) -> int:
+    _, weights, nbytes = BLOCKS[QTYPES[qtype]]
+    return k // weights * nbytes
+
+
+_loaded: bool | None = None  # one answer a process: the operator can be registered only once
+
+
+def available(build_root: Path) -> bool:
+    """The operator is built (under ``build_root``, now if needed) and loaded."""
+    global _loaded
+    if _loaded is None:
+        _loaded = _try_load(build_root)
+    return _loaded
+
+
+def _try_load(build_root: Path) -> bool:
+    from specdec.kernels import ENV_VAR
+
+    if os.environ.get(ENV_VAR) == "torch" or sys.platform != "linux":
+        return False
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return False  # the kernel is written with AVX2, FMA and F16C intrinsics
+    try:
+        _load(build_root)
+    except Exception as exc:  # a missing compiler or ninja: the float32 layers compute the same function
+        print(f"specdec: the quantised-weight kernel could not be built ({str(exc).strip().splitlines()[-1:]}); "
+              "decoding reads float32 weights", file=sys.stderr)
+        return False
+    return True
+
+
+def _load(build_root: Path) -> None:
+    from torch.utils import cpp_extension
+
+    digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:12]
+    build = build_root / f"qmatmul-{digest}"
+    build.mkdir(parents=True, exist_ok=True)
+    cpp_extension.load(name=f"specdec_qmatmul_{digest}", sources=[str(SOURCE)], build_directory=str(build),
+                       extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c"], is_python_module=False, verbose=False)
+
+
+def qmatmul(x: torch.Tensor, blocks: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
+    """x [M, K] float32 @ W^T, W [N, K] held as ``blocks`` [N, row bytes] of ggml type ``qtype``."""
+    return torch.ops.specdec_q.qmatmul(x, blocks, qtype, k)
+
+
+def qdequant(blocks: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
+    """The float32 weights [N, K] the kernel multiplies by."""
+    return torch.ops.specdec_q.qdequant(blocks, qtype, k)

@@ -1,0 +1,173 @@
+"""A GGUF target's linear layers multiplied straight from the file's quantised blocks, with the same weights.
+
+A GGUF target is decoded as the float32 model transformers dequantises from the file (``models.gguf``).
+That model's weights are, bit for bit, what gguf's dequantisation makes of each block, so the blocks
+themselves are an exact, 4-8x smaller encoding of them. On a CPU a decode step is bound by the bytes
+it reads (Gemma 3 270M: 400 MB of float32 body and a 671 MB output layer a token, against about
+250 MB of blocks), so inside specdec's engine each such layer multiplies by its blocks with
+``kernels.qmatmul`` (float32 arithmetic on the rebuilt weights) for forwards of up to ``MAX_ROWS``
+positions; prefill, wide forwards, training and transformers' own ``generate`` use the float32
+weights as before.
+
+The blocks are found by content, not by name: a GGUF tensor whose dequantised bytes equal a float32
+weight's bytes is that weight's encoding, and one whose rows are the weight's rows in another order
+(transformers reorders Llama's query and key rows on load) encodes it with its block rows reordered; a
+tensor transformed otherwise matches nothing and keeps its float32 path. They are kept beside the converted folder's weights in
+``BLOCKS_FILE`` (``models.gguf`` writes it when it converts a file, or on first load for a folder
+converted before, when the GGUF it came from is still at hand).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from specdec.kernels import qmatmul as kernel
+
+BLOCKS_FILE = "specdec_blocks.safetensors"
+MAX_ROWS = 16  # positions up to which the blocks beat MKL's float32 GEMM (scripts/bench-verify-cost)
+
+
+def kernel_ready() -> bool:
+    """The kernel is built (building it under ``$SPECDEC_HOME/ext`` on first use) and runs here."""
+    from specdec.models.env import specdec_home
+
+    return kernel.available(specdec_home() / "ext")
+
+
+def _digest(array) -> str:
+    return hashlib.sha1(memoryview(array).cast("B")).hexdigest()
+
+
+def extract(gguf_path: Path, weights: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+    """(blocks by weight name [N, row bytes] uint8, ggml type by weight name) for every float32 2-D
+    weight of ``weights`` that some block tensor of the file dequantises to exactly."""
+    import numpy as np
+    from gguf import GGUFReader, dequantize
+
+    by_digest: dict[tuple, list[str]] = {}  # several weights may hold the same values (a tied copy)
+    for name, w in weights.items():
+        if w.dim() == 2 and w.dtype == torch.float32:
+            by_digest.setdefault((tuple(w.shape), _digest(w.contiguous().numpy())), []).append(name)
+    blocks, types = {}, {}
+    unmatched = []
+    for t in GGUFReader(str(gguf_path)).tensors:
+        qtype = int(t.tensor_type)
+        if qtype not in kernel.QTYPES or len(t.shape) != 2:
+            continue
+        k, n = int(t.shape[0]), int(t.shape[1])
+        raw = np.ascontiguousarray(t.data).view(np.uint8).reshape(n, -1)
+        if raw.shape[1] != kernel.row_bytes(qtype, k):
+            continue
+        dense = np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(n, k)
+        names = [m for m in by_digest.get(((n, k), _digest(dense)), []) if m not in blocks]
+        if not names:
+            unmatched.append((raw, qtype, dense))
+            continue
+        for name in names:
+            blocks[name] = torch.from_numpy(raw.copy())
+            types[name] = qtype
+    # transformers reorders the rows of some matrices on load (Llama's query and key rotary layout): a
+    # weight whose rows are a file tensor's rows in another order is encoded by those rows' blocks
+    taken = set(blocks)
+    for raw, qtype, dense in unmatched:
+        rows = {_digest(r): i for i, r in enumerate(dense)}
+        for name, w in weights.items():
+            if name in taken or tuple(w.shape) != dense.shape or w.dtype != torch.float32:
+                continue
+            order = [rows.get(_digest(r)) for r in w.contiguous().numpy()]
+            if None not in order:
+                blocks[name] = torch.from_numpy(raw[order].copy())
+                types[name] = qtype
+                taken.add(name)
+                break
+    return blocks, types
+
+
+def write(gguf_path: Path, folder: Path, weights: dict[str, torch.Tensor]) -> int:
+    """Write ``folder/BLOCKS_FILE`` (atomically); the number of weights it encodes."""
+    from safetensors.torch import save_file
+
+    blocks, types = extract(gguf_path, weights)
+    tmp = folder / f".{BLOCKS_FILE}.partial"
+    save_file(blocks, str(tmp), metadata={"qtypes": json.dumps(types)})
+    os.replace(tmp, folder / BLOCKS_FILE)
+    return len(blocks)
+
+
+class BlockLayers:
+    """The blocks of a model's linear layers and the switch that routes their forwards to the kernel."""
+
+    def __init__(self):
+        self.enabled = False
+        self.layers = 0
+        self.bytes = 0
+
+
+def install(model, source: str | os.PathLike) -> BlockLayers | None:
+    """Route every float32 CPU ``nn.Linear`` of ``model`` whose weight the source folder's blocks encode
+    through the kernel while ``scope`` is on; None where nothing applies (not a GGUF target, no blocks,
+    no kernel, weights not float32 on a CPU)."""
+    existing = getattr(model, "_specdec_blocks", None)
+    if existing is not None:
+        return existing
+    folder = Path(source)
+    if not (folder / BLOCKS_FILE).is_file() or not kernel_ready():
+        return None
+    from safetensors import safe_open
+
+    with safe_open(str(folder / BLOCKS_FILE), "pt") as fh:
+        types = json.loads((fh.metadata() or {}).get("qtypes", "{}"))
+        params = dict(model.named_parameters(remove_duplicate=False))
+        by_ptr: dict[int, tuple[torch.Tensor, int]] = {}
+        for name, qtype in types.items():
+            p = params.get(name)
+            if p is None or p.dtype != torch.float32 or p.device.type != "cpu" or p.dim() != 2:
+                continue
+            blocks = fh.get_tensor(name).contiguous()
+            if blocks.shape != (p.shape[0], kernel.row_bytes(qtype, p.shape[1])):
+                continue
+            by_ptr[p.data_ptr()] = (blocks, int(qtype))
+    if not by_ptr:
+        return None
+    state = BlockLayers()
+    head = getattr(model, "_specdec_head", None)
+    for module in model.modules():
+        if not isinstance(module, torch.nn.Linear) or type(module).forward is not torch.nn.Linear.forward:
+            continue
+        found = by_ptr.get(module.weight.data_ptr())
+        if found is None:
+            continue
+        state.layers += 1
+        state.bytes += found[0].numel()
+        if head is not None and head.linear is module:
+            head.blocks = found  # the output layer's own dispatcher reads them (models.head)
+            continue
+        _route(module, found[0], found[1], state)
+    model._specdec_blocks = state
+    return state
+
+
+def _route(linear: torch.nn.Linear, blocks: torch.Tensor, qtype: int, state: BlockLayers) -> None:
+    original = linear.forward
+    k = linear.in_features
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // k
+        if not state.enabled or rows > MAX_ROWS or x.dtype != torch.float32 or torch.compiler.is_compiling():
+            return original(x)
+        y = kernel.qmatmul(x.reshape(rows, k), blocks, qtype, k)
+        if linear.bias is not None:
+            y = y + linear.bias
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    linear.forward = forward
+
+
+def matmul(x2d: torch.Tensor, found: tuple[torch.Tensor, int]) -> torch.Tensor:
+    """x [M, K] @ W^T from W's blocks."""
+    return kernel.qmatmul(x2d, found[0], found[1], x2d.shape[1])

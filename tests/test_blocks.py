@@ -1,0 +1,186 @@
+"""A GGUF target's layers multiplied from the file's quantised blocks (``models.blocks``, ``kernels.qmatmul``):
+the kernel's weights are gguf's dequantisation bit for bit, its products are float32 matmuls of them, and
+decoding through it is generate's text on the converted float32 model."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import numpy as np
+import pytest
+import torch
+from conftest import invoke, tiny_tokenizer
+from gguf_files import random_blocks, write_tiny_llama_gguf
+
+from specdec.kernels import qmatmul as kernel
+from specdec.models import blocks, head
+
+pytestmark = pytest.mark.skipif(not blocks.kernel_ready(), reason="the quantised-weight kernel needs AVX2 and a compiler")
+
+TYPES = ["Q8_0", "Q5_0", "Q4_K", "Q6_K"]
+PROMPTS = ["def add(a, b):\n", "class Point:\n    def __init__(self, x, y):\n", "for i in range(10):\n"]
+
+
+def _dense(raw: np.ndarray, qtype: str, k: int) -> torch.Tensor:
+    import gguf
+
+    w = gguf.dequantize(raw, getattr(gguf.GGMLQuantizationType, qtype)).astype(np.float32)
+    return torch.from_numpy(np.ascontiguousarray(w)).reshape(raw.shape[0], k)
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_the_kernels_weights_are_ggufs_dequantisation_bit_for_bit(qtype):
+    raw = random_blocks(qtype, 24, 512, seed=3)
+    ref = _dense(raw, qtype, 512)
+    got = kernel.qdequant(torch.from_numpy(raw), kernel.BLOCKS[qtype][0], 512)
+    assert torch.equal(got.view(torch.int32), ref.view(torch.int32))
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_the_kernels_products_are_float32_matmuls_of_those_weights(qtype):
+    raw = torch.from_numpy(random_blocks(qtype, 70, 512, seed=5))
+    ref = _dense(raw.numpy(), qtype, 512)
+    g = torch.Generator().manual_seed(0)
+    for rows in (1, 2, 3, 5, 8, 9, 17):  # every register tiling, and more positions than one pass holds
+        x = torch.randn(rows, 512, generator=g)
+        got = kernel.qmatmul(x, raw, kernel.BLOCKS[qtype][0], 512)
+        want = (x.double() @ ref.double().T).float()
+        # float32 accumulation in another order: within n * u of the sum of |x_i w_i|
+        bound = 512 * 2.0 ** -24 * (x.abs().double() @ ref.abs().double().T).float()
+        assert got.shape == (rows, 70) and bool(((got - want).abs() <= bound + 1e-30).all())
+
+
+def test_blocks_are_found_by_content_not_by_name(tmp_path):
+    import gguf
+
+    path = tmp_path / "w.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    raws = {t: random_blocks(t, 8, 256, seed=i) for i, t in enumerate(TYPES)}
+    for t, raw in raws.items():
+        writer.add_tensor(f"t.{t}", raw, raw_dtype=getattr(gguf.GGMLQuantizationType, t))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    weights = {f"layer.{t}.weight": _dense(raw, t, 256) for t, raw in raws.items()}
+    off = weights["layer.Q6_K.weight"].clone()
+    off.view(torch.int32)[0, 0] += 1  # one ulp away: no longer that tensor's encoding
+    weights["layer.Q6_K.weight"] = off
+    weights["layer.norm.weight"] = torch.ones(256)
+    found, types = blocks.extract(path, weights)
+    assert sorted(found) == ["layer.Q4_K.weight", "layer.Q5_0.weight", "layer.Q8_0.weight"]
+    for t in ("Q8_0", "Q5_0", "Q4_K"):
+        assert types[f"layer.{t}.weight"] == kernel.BLOCKS[t][0]
+        assert np.array_equal(found[f"layer.{t}.weight"].numpy(), raws[t])
+
+
+def test_the_output_layer_reads_its_blocks_inside_the_engine_and_is_plain_outside():
+    """A 16k-vocabulary output layer (models.head's dispatcher) with Q8_0 blocks: exact logits of the same
+    weights for greedy rounds, sampling rounds and the race; outside the engine, the float32 layer."""
+    vocab, hidden = 16384, 64
+    raw = random_blocks("Q8_0", vocab, hidden, seed=2, scale=0.5)
+    linear = torch.nn.Linear(hidden, vocab, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(_dense(raw, "Q8_0", hidden))
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lm = linear
+
+        def get_output_embeddings(self):
+            return self.lm
+
+    model = Model()
+    fast = head.install(model)
+    assert fast is not None
+    fast.blocks = (torch.from_numpy(raw), kernel.BLOCKS["Q8_0"][0])
+    calls = []
+    real = kernel.qmatmul
+    x = torch.randn(3, hidden)
+    want = x @ linear.weight.T
+    try:
+        kernel.qmatmul = lambda *a: calls.append(1) or real(*a)
+        assert torch.equal(linear(x), want) and not calls  # outside the engine: nn.Linear
+        for greedy in (True, False):
+            with head.scope(model, greedy=greedy):
+                got = linear(x)
+            assert torch.allclose(got, want, atol=1e-5) and torch.equal(got.argmax(-1), want.argmax(-1))
+        noise = torch.rand(3, vocab)
+        with head.scope(model, greedy=False), head.racing(model, noise, 0.7) as box:
+            raced = linear(x)
+        assert box["applied"] and torch.allclose(raced, want / 0.7 + noise, atol=1e-4)
+        assert len(calls) == 3
+    finally:
+        kernel.qmatmul = real
+
+
+@pytest.fixture()
+def quantised_target(tmp_path, monkeypatch):
+    """A tiny Llama GGUF whose matrices are Q8_0 / Q5_0 / Q4_K / Q6_K blocks, converted as any GGUF target."""
+    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path / "home"))
+    path = write_tiny_llama_gguf(tmp_path / "q.gguf", tiny_tokenizer(), hidden=256, heads=4, kv_heads=2, ffn=512,
+                                 dtype="mixed")
+    from specdec.models.gguf import gguf_target
+
+    return path, gguf_target(path)
+
+
+def test_a_quantised_gguf_target_keeps_its_blocks_and_routes_every_matrix(quantised_target):
+    from specdec.models.loading import Placement, load_target
+
+    path, folder = quantised_target
+    assert (folder / blocks.BLOCKS_FILE).is_file()
+    model, _, _ = load_target(folder, Placement(device="cpu"))
+    state = model._specdec_blocks
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert state.layers == len(linears) == 2 * 7 + 1
+    # a folder converted before blocks were kept gets them from the file it came from
+    (folder / blocks.BLOCKS_FILE).unlink()
+    info = json.loads((folder / "specdec_gguf.json").read_text())
+    assert info["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
+    from specdec.models.gguf import ensure_blocks
+
+    assert ensure_blocks(folder) and (folder / blocks.BLOCKS_FILE).is_file()
+
+
+@pytest.mark.parametrize("drafter,batch", [("ar", 1), ("ngram", 3), ("ar", 3)])
+def test_decoding_through_the_blocks_is_generates_text(quantised_target, tmp_path, drafter, batch):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path, folder = quantised_target
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    out = tmp_path / "out.jsonl"
+    res = invoke(["decode", "--in", src, "--out", out, "--target", path, "--max-new-tokens", "16", "--device", "cpu",
+                  "--drafter", drafter, "--batch-size", str(batch)])
+    assert res.exit_code == 0, res.output
+    tok = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    for rec, prompt in zip((json.loads(line) for line in out.read_text().splitlines()), PROMPTS):
+        ids = tok(prompt, return_tensors="pt")["input_ids"]
+        ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
+                             pad_token_id=tok.pad_token_id)
+        assert rec["completion"] == tok.decode(ref[0, ids.shape[1]:], skip_special_tokens=True)
+        assert rec["stats"]["new_tokens"] > 0
+
+
+def test_sampling_through_the_blocks_draws_what_the_float32_weights_draw(quantised_target, tmp_path):
+    """T=0.8 with a seed: the blocks' logits are the float32 weights' (up to accumulation order), so the
+    seeded text is the one decoded with the kernel switched off."""
+    path, _ = quantised_target
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    texts = []
+    for off in (False, True):
+        out = tmp_path / f"out-{off}.jsonl"
+        blocks.MAX_ROWS, saved = (0 if off else blocks.MAX_ROWS), blocks.MAX_ROWS
+        try:
+            res = invoke(["decode", "--in", src, "--out", out, "--target", path, "--max-new-tokens", "16", "--device", "cpu",
+                          "--drafter", "ngram", "--temperature", "0.8", "--seed", "7"])
+        finally:
+            blocks.MAX_ROWS = saved
+        assert res.exit_code == 0, res.output
+        texts.append([json.loads(line)["completion"] for line in out.read_text().splitlines()])
+    assert texts[0] == texts[1] and any(texts[0])
