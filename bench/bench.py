@@ -34,7 +34,7 @@ from typing import Callable
 
 import torch
 
-from specdec.bench import diffusion_bench, quality
+from specdec.bench import diffusion_bench, llamacpp, quality
 from specdec.decode.diffusion.generator import parse_method as parse_strategy
 from specdec.decode.diffusion.strategies import PUBLIC_STRATEGIES, STRATEGIES
 from specdec.decode.drafters.registry import DrafterChoice, named_factory, refuse_what_does_not_apply, resolve_drafter
@@ -48,6 +48,7 @@ from specdec.bench.roofline import nominal_bandwidth, peak_bandwidth, roofline
 from specdec.bench.report import plot, provenance, shown_path
 from specdec.bench.timing import Run, Runner, run_passes, speedup, tokens_per_s
 from specdec.decode.engine.types import GenRequest, add_counts
+from specdec.models import blocks
 from specdec.models.artifacts import resolve_member
 from specdec.models.errors import SpecdecError, UsageError
 from specdec.models.threads import held, torch_default
@@ -102,6 +103,9 @@ def plan_bench(cfg: BenchConfig, default_target: Callable[[], str] | None = None
     validate_options(base)
     parsed, unresolved = {}, {}
     for spec in cfg.methods:
+        if llamacpp.is_llamacpp(spec):
+            llamacpp.check_installed(spec)
+            continue
         if spec.startswith("hf-"):
             _check_peer(spec)
             continue
@@ -134,7 +138,9 @@ def plan_bench(cfg: BenchConfig, default_target: Callable[[], str] | None = None
         specs.insert(0, "ar")
     methods = {}
     for spec in specs:
-        if spec.startswith("hf-"):
+        if is_peer(spec):
+            if llamacpp.is_llamacpp(spec):
+                llamacpp.gguf_file(source, spec)  # a target that is no GGUF file is refused before anything loads
             methods[spec] = Method(spec, base)
             continue
         if spec not in parsed:  # a default method
@@ -184,7 +190,7 @@ def _bench_causal(cfg: BenchConfig, plan: BenchPlan, records: list, console) -> 
     costs = _ForwardCosts(model, prompts, greedy=base.sampling.temperature == 0 or base.sampling.top_p >= 1.0)
     tasks = [(r.prompt, r.extra) for r in records] if any(r.extra.get("answer") is not None for r in records) else None
     entries = [_entry(spec, runs[spec], runs["ar"], categories, costs, prepared[spec].draft_model, base, tasks, tok,
-                      spec.startswith("hf-") or _one_row_per_prompt(plan.methods[spec].options, prepared[spec])) for spec in methods]
+                      is_peer(spec) or _one_row_per_prompt(plan.methods[spec].options, prepared[spec])) for spec in methods]
     lens = [len(p) for p in prompts]
     for spec, entry in zip(methods, entries):
         sampling = plan.methods[spec].options.sampling
@@ -193,7 +199,7 @@ def _bench_causal(cfg: BenchConfig, plan: BenchPlan, records: list, console) -> 
         estimate = prepared[spec].kv_estimate_bytes
         entry.update(peak_mib=peaks[spec].mib(), kv_estimate_mib=None if estimate is None else round(estimate / (1 << 20), 3))
         # transformers' own runs report no forward counts; the model reads a prompt's stats as one row's
-        if not spec.startswith("hf-") and _one_row_per_prompt(plan.methods[spec].options, prepared[spec]):
+        if not is_peer(spec) and _one_row_per_prompt(plan.methods[spec].options, prepared[spec]):
             entry.update(roofline(runs[spec].stats, lens, base.scheduling.batch_size, statistics.median(runs[spec].walls), peak, model,
                                   prepared[spec].draft_model))
     nominal = nominal_bandwidth(device)
@@ -249,6 +255,12 @@ class _Prepared:
 def _prepare_method(spec: str, model, tok, prompts, method: Method, warmup: int) -> _Prepared:
     """Build the method and warm it up."""
     if method.drafter is None:
+        if llamacpp.is_llamacpp(spec):
+            eos = model.generation_config.eos_token_id
+            eos = set(eos if isinstance(eos, (list, tuple)) else [eos]) - {None}
+            threads = int(parse_method(spec)[1].get("threads", 0)) or torch_default()
+            return _Prepared(Runner(llamacpp.prepare(spec, str(model.name_or_path), prompts, method.options, eos, threads, warmup),
+                                    len(prompts)))
         return _Prepared(_prepare_peer(spec, model, tok, prompts, method.options, warmup))
     opts = method.options
 
@@ -282,8 +294,13 @@ def _prepare_method(spec: str, model, tok, prompts, method: Method, warmup: int)
     warm_tokens = new_tokens if compiled else min(16, new_tokens)
     if compiled and warmup:
         warm = spread_by_length(prompts, warmup)
-    # ``+threads=N`` holds the method at N intra-op threads while it runs (the others keep the run's setting)
-    pinned = (lambda: held(opts.placement.threads)) if opts.placement.threads > 0 else contextlib.nullcontext
+    # ``+threads=N`` holds the method at N intra-op threads while it runs (the others keep the run's setting);
+    # ``+weights=float32`` has a GGUF target's layers read their float32 weights, not the file's blocks
+    @contextlib.contextmanager
+    def pinned():
+        with held(opts.placement.threads) if opts.placement.threads > 0 else contextlib.nullcontext(), \
+                blocks.suspended(model, opts.placement.weights == "float32"):
+            yield
     with pinned():
         for i in range(0, len(warm), bs):
             engine.generate(_sample_requests(warm, i, min(i + bs, len(warm)), warm_tokens, n))
@@ -395,6 +412,11 @@ class _TimedPropose:
 
 
 PEERS = ("hf-generate", "hf-lookup", "hf-assisted")
+
+
+def is_peer(spec: str) -> bool:
+    """A spec run by another tool (transformers' generate, llama.cpp), not by specdec's engine."""
+    return spec.startswith("hf-") or llamacpp.is_llamacpp(spec)
 
 
 def _check_peer(spec: str) -> tuple[str, str, int]:
@@ -603,7 +625,7 @@ def _positions(stats, idx):
 
 def _ideal(spec, run: Run, entry: dict, costs, draft_model) -> dict:
     tau = entry.get("tau")
-    if spec.startswith("hf-") or not tau or run.rounds == 0:
+    if is_peer(spec) or not tau or run.rounds == 0:
         return {"ideal_speedup": None, "efficiency": None} if spec != "ar" else {"ideal_speedup": 1.0, "efficiency": entry["speedup"]}
     rounds = sum(s.get("target_calls", 0) for s in run.stats) - len(run.stats)  # minus prefills
     drafted = sum(s.get("drafted_tokens", 0) for s in run.stats)

@@ -51,11 +51,12 @@ def default_target(console) -> str:
 
 
 def placement_options(device: str, dtype: o.Dtype, device_map: o.DeviceMap | None, attn_implementation: str | None,
-                      trust_remote_code: bool, threads: int):
+                      trust_remote_code: bool, threads: int, weights: str = "auto"):
     """The shared placement options as a piece of the decode options (checked with the others)."""
     from specdec.decode.options import PlacementOptions
 
-    return PlacementOptions(device, dtype.value, device_map.value if device_map else None, attn_implementation, trust_remote_code, threads)
+    return PlacementOptions(device, dtype.value, device_map.value if device_map else None, attn_implementation, trust_remote_code, threads,
+                            weights)
 
 
 class Schedule(str, Enum):
@@ -120,6 +121,7 @@ def decode(
     attn_implementation: o.AttnImpl = None,
     trust_remote_code: o.TrustRemoteCode = False,
     threads: o.Threads = 0,
+    weights: o.Weights = "auto",
     compile: o.Compile = False,
     prefill_chunk: Annotated[int, typer.Option("--prefill-chunk", help="Continuous batching: an admitted record's prompt is prefilled N tokens a round inside the running batch's verify forwards (SARATHI; more when the verify forward is wider) instead of in a forward of its own (0).")] = 0,
 ) -> None:
@@ -137,7 +139,7 @@ def decode(
                                  entropy_threshold=entropy_threshold, entropy_window=entropy_window, unit_threshold=unit_threshold,
                                  ngram_weight=ngram_weight, exit_threshold=exit_threshold),
         scheduling=SchedulingOptions(batch_size, schedule.value, prefill_chunk, shared_prefix, max_memory, compile, kernels.value),
-        placement=placement_options(device, dtype, device_map, attn_implementation, trust_remote_code, threads),
+        placement=placement_options(device, dtype, device_map, attn_implementation, trust_remote_code, threads, weights),
         diffusion=DiffusionOptions(strategy, gen_length, block_size, steps, cache.value, filter_dir, adablock),
     )
     summary, code = run_decode_job(in_path, out_path, target, opts, strict=strict, overwrite=overwrite, console=console,
@@ -167,6 +169,7 @@ def bench(
     attn_implementation: o.AttnImpl = None,
     trust_remote_code: o.TrustRemoteCode = False,
     threads: o.Threads = 0,
+    weights: o.Weights = "auto",
     shared_prefix: Annotated[str, typer.Option("--shared-prefix", help="A prompt prefix shared by a batch's records is prefilled once: auto, off, or FILE.")] = "auto",
     compile: o.Compile = False,
     busy: Annotated[int, typer.Option("--busy", min=0, help="Competing CPU-bound processes kept running through the whole run (a shared machine's load), recorded in the report.")] = 0,
@@ -188,7 +191,7 @@ def bench(
     options = DecodeOptions(  # checked once, with every method spec, by run_bench before any model loads
         sampling=SamplingOptions(max_new_tokens, temperature, num_samples=num_samples),
         scheduling=SchedulingOptions(batch_size, shared_prefix=shared_prefix, compile=compile, kernels=kernels.value),
-        placement=placement_options(device, dtype, device_map, attn_implementation, trust_remote_code, threads),
+        placement=placement_options(device, dtype, device_map, attn_implementation, trust_remote_code, threads, weights),
     )
     cfg = BenchConfig(
         in_path=in_path, target=target, methods=[m for m in re.split(r",(?!\d)", methods) if m],  # layerskip:3,5 and skipdecode:18,9 keep their commas

@@ -56,6 +56,7 @@ AttnImpl = Annotated[Optional[str], typer.Option("--attn-implementation", help="
 TrustRemoteCode = Annotated[bool, typer.Option("--trust-remote-code", help="Allow the checkpoint's own Python code (off by default).")]
 Compile = Annotated[bool, typer.Option("--compile", help="Run decode steps through torch.compile against preallocated key/value buffers (CUDA graphs on a GPU); the first steps of each shape pay the compilation.")]
 Threads = Annotated[int, typer.Option("--threads", help="CPU intra-op threads (0: follow the load, the cores other processes keep busy left to them; one thread for forwards under 1.2M parameters x rows).")]
+Weights = Annotated[str, typer.Option("--weights", help="auto: a GGUF target's layers multiply by the file's quantised blocks on a CPU (the same weights, 4-7x fewer bytes a token); float32: by the converted float32 weights.")]
 KernelsOpt = Annotated[Kernels, typer.Option("--kernels", help="Verification and tree-attention kernels: auto (Triton on CUDA), triton or torch.")]
 BatchSize = Annotated[int, typer.Option("--batch-size", help="Rows decoded together (training: sequences per process per micro-batch).")]
 MaxNewTokens = Annotated[int, typer.Option("--max-new-tokens", help="New-token budget per record.")]

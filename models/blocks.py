@@ -19,6 +19,7 @@ converted before, when the GGUF it came from is still at hand).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -104,8 +105,27 @@ class BlockLayers:
 
     def __init__(self):
         self.enabled = False
+        self.suspended = False  # ``suspended``: the float32 weights even inside the engine (a bench method's +weights=float32)
         self.layers = 0
         self.bytes = 0
+
+    @property
+    def active(self) -> bool:
+        return self.enabled and not self.suspended
+
+
+@contextlib.contextmanager
+def suspended(model, on: bool = True):
+    """Within (with ``on``): ``model``'s layers read their float32 weights inside the engine too."""
+    state = getattr(model, "_specdec_blocks", None)
+    if state is None or not on:
+        yield
+        return
+    before, state.suspended = state.suspended, True
+    try:
+        yield
+    finally:
+        state.suspended = before
 
 
 def install(model, source: str | os.PathLike) -> BlockLayers | None:
@@ -145,7 +165,7 @@ def install(model, source: str | os.PathLike) -> BlockLayers | None:
         state.layers += 1
         state.bytes += found[0].numel()
         if head is not None and head.linear is module:
-            head.blocks = found  # the output layer's own dispatcher reads them (models.head)
+            head.blocks, head.block_state = found, state  # the output layer's own dispatcher reads them (models.head)
             continue
         _route(module, found[0], found[1], state)
     model._specdec_blocks = state
@@ -158,7 +178,7 @@ def _route(linear: torch.nn.Linear, blocks: torch.Tensor, qtype: int, state: Blo
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // k
-        if not state.enabled or rows > MAX_ROWS or x.dtype != torch.float32 or torch.compiler.is_compiling():
+        if not state.active or rows > MAX_ROWS or x.dtype != torch.float32 or torch.compiler.is_compiling():
             return original(x)
         y = kernel.qmatmul(x.reshape(rows, k), blocks, qtype, k)
         if linear.bias is not None:

@@ -64,6 +64,7 @@ class FastHead:
         self.screened = 0  # positions screened, and candidates recomputed: the screen's statistics
         self.candidates = 0
         self.blocks = None  # (blocks, ggml type) where the weight is a GGUF file's blocks (models.blocks)
+        self.block_state = None  # their switch (models.blocks.BlockLayers)
         linear.forward = self.forward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -71,7 +72,7 @@ class FastHead:
             return self.original(x)
         rows = x.numel() // x.shape[-1]
         noise = self.noise if self.noise is not None and self.noise.shape[0] == rows else None
-        if self.blocks is not None and rows <= blocks.MAX_ROWS:
+        if self.blocks is not None and rows <= blocks.MAX_ROWS and not (self.block_state and self.block_state.suspended):
             # exact logits from the blocks read fewer bytes than the half-precision screen: no screen needed
             out = blocks.matmul(x.reshape(rows, -1), self.blocks)
             if self.linear.bias is not None:

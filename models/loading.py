@@ -43,6 +43,7 @@ class Placement:
     attn_implementation: str | None = None  # None: the model's own choice
     trust_remote_code: bool = False
     threads: int = 0  # 0: follow the load (models.threads) under a ceiling: all cores for forwards of THREADS_MIN_WORK (parameters x rows) and more, one below
+    weights: str = "auto"  # "auto": a GGUF target's layers read the file's blocks in the engine (models.blocks); "float32": its float32 weights
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -51,12 +52,22 @@ class Placement:
             raise UsageError(f"--device-map must be auto (or left out), not {self.device_map!r}")
         if self.threads < 0:
             raise UsageError(f"--threads must be >= 0 (0: automatic), not {self.threads}")
+        check_weights(self.weights)
         if self.attn_implementation is not None and self.attn_implementation not in MASK_ATTENTION:
             raise UsageError(
                 f"--attn-implementation {self.attn_implementation!r} cannot take specdec's 4-D attention masks "
                 f"(trees, holes left by rejected drafts); use one of {', '.join(MASK_ATTENTION[:3])}"
             )
         resolve_device(self.device)  # fail on a malformed device before anything loads
+
+
+WEIGHTS = ("auto", "float32")
+
+
+def check_weights(value) -> None:
+    if value not in WEIGHTS:
+        raise UsageError(f"--weights must be one of {', '.join(WEIGHTS)} (auto: a GGUF target's quantised blocks, with the "
+                         f"same weights, where the kernel runs), not {value!r}")
 
 
 def resolve_device(name: str):
@@ -215,7 +226,7 @@ def load_target(name: str | os.PathLike, placement: Placement | None = None, dev
     from specdec.models import blocks, gguf, head
 
     head.install(model)  # a large float32 output layer on a CPU runs as models.head dispatches it inside the engine
-    if Path(source).is_dir() and gguf.ensure_blocks(Path(source)):
+    if placement.weights == "auto" and Path(source).is_dir() and gguf.ensure_blocks(Path(source)):
         blocks.install(model, source)  # a GGUF target's layers multiply by the file's blocks inside the engine
     apply_threads(placement.threads, model, rows)
     return model, load_tokenizer(source, placement), source

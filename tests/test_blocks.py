@@ -184,3 +184,28 @@ def test_sampling_through_the_blocks_draws_what_the_float32_weights_draw(quantis
         assert res.exit_code == 0, res.output
         texts.append([json.loads(line)["completion"] for line in out.read_text().splitlines()])
     assert texts[0] == texts[1] and any(texts[0])
+
+
+def test_weights_float32_keeps_the_float32_layers_and_bad_values_are_refused(quantised_target):
+    from specdec.models.errors import UsageError
+    from specdec.models.loading import Placement, load_target
+
+    _, folder = quantised_target
+    model, _, _ = load_target(folder, Placement(device="cpu", weights="float32"))
+    assert getattr(model, "_specdec_blocks", None) is None
+    model, _, _ = load_target(folder, Placement(device="cpu"))
+    calls = []
+    real = kernel.qmatmul
+    try:
+        kernel.qmatmul = lambda *a: calls.append(1) or real(*a)
+        ids = torch.tensor([[1, 2, 3]])
+        with head.scope(model, greedy=True), blocks.suspended(model):  # a bench method's +weights=float32
+            model(ids)
+        assert not calls
+        with head.scope(model, greedy=True):
+            model(ids)
+        assert len(calls) == model._specdec_blocks.layers
+    finally:
+        kernel.qmatmul = real
+    with pytest.raises(UsageError, match="--weights"):
+        Placement(weights="int4")

@@ -116,3 +116,21 @@ def test_an_unknown_method_or_drafter_is_a_usage_error_before_anything_loads(tin
 def test_what_does_not_apply_says_where_it_applies(tiny_family, prompts, tmp_path, args, needle):
     res = invoke(["decode", "--in", prompts, "--out", tmp_path / "o.jsonl", "--target", tiny_family / "target", *args])
     _assert_usage_error(res, needle)
+
+
+def test_llamacpp_peers_are_refused_without_llama_cpp_or_a_gguf_target(tiny_family, prompts, monkeypatch):
+    """--methods llamacpp: one error line, before any model loads, when llama-cpp-python is absent, and when
+    the target is not a GGUF file (llama.cpp reads only those)."""
+    import importlib.util
+
+    from specdec.models import loading
+
+    monkeypatch.setattr(loading, "load_causal_lm", lambda *a, **k: pytest.fail("a model was loaded"))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llama_cpp" else real(name, *a))
+    for spec in ("llamacpp", "llamacpp-lookup"):
+        _assert_usage_error(invoke(["bench", "--in", prompts, "--target", tiny_family / "target", "--methods", f"ar,{spec}"]),
+                            "specdec[peers]")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "llama_cpp" else real(name, *a))
+    _assert_usage_error(invoke(["bench", "--in", prompts, "--target", tiny_family / "target", "--methods", "ar,llamacpp"]),
+                        "GGUF targets only")

@@ -25,7 +25,7 @@ from specdec.decode.drafters.registry import DrafterChoice, check_drafter_option
 from specdec.decode.options import SCHEDULES, DecodeOptions, flag
 from specdec.models.artifacts import artifact_kind, read_config
 from specdec.models.errors import UsageError
-from specdec.models.loading import Placement, resolve_source
+from specdec.models.loading import Placement, check_weights, resolve_source
 
 MAX_NUM_DRAFT = 256  # drafted tokens per round; beyond this a round costs more than it can win
 MAX_TOP_K = 16  # siblings per step / children per node
@@ -52,6 +52,7 @@ def validate_options(opts: DecodeOptions) -> None:
     top_p = sampling.top_p
     if not _is_number(top_p) or not (0 < top_p <= 1):  # NaN fails both comparisons
         raise UsageError(f"--top-p must be in (0, 1], got {top_p}")
+    check_weights(opts.placement.weights)
     threads = opts.placement.threads
     if threads is not None:
         _int(threads, "--threads")

