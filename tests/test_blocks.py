@@ -209,3 +209,11 @@ def test_weights_float32_keeps_the_float32_layers_and_bad_values_are_refused(qua
         kernel.qmatmul = real
     with pytest.raises(UsageError, match="--weights"):
         Placement(weights="int4")
+
+
+def test_q5_0_blocks_rewritten_as_q8_0_hold_the_same_weights():
+    raw = random_blocks("Q5_0", 16, 256, seed=9)
+    as_q8 = blocks.q5_0_as_q8_0(torch.from_numpy(raw))
+    assert as_q8.shape == (16, 256 // 32 * 34)
+    got = kernel.qdequant(as_q8, kernel.BLOCKS["Q8_0"][0], 256)
+    assert torch.equal(got.view(torch.int32), _dense(raw, "Q5_0", 256).view(torch.int32))
