@@ -3,6 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+CORE := $(VENV)/.installed-core
 export SPECDEC_HOME ?= $(HOME)/.cache/specdec
 
 .PHONY: venv demo test test-fast bench docs clean
@@ -11,9 +12,16 @@ export SPECDEC_HOME ?= $(HOME)/.cache/specdec
 # (torch==2.13.0 makes pip take the CPU build on this machine's disk, not a CUDA build).
 CONSTRAINTS ?= constraints-cpu.txt
 
-$(STAMP): pyproject.toml $(CONSTRAINTS)
+# specdec alone (what `make demo` needs), and the CPU kernel for GGUF targets' blocks built once
+$(CORE): pyproject.toml $(CONSTRAINTS)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -c $(CONSTRAINTS) -e .
+	$(BIN)/python -c "from specdec.models import blocks; blocks.kernel_ready()"
+	touch $(CORE)
+
+# the test and Triton extras on top
+$(STAMP): $(CORE)
 	$(BIN)/pip install --quiet -c $(CONSTRAINTS) -e ".[test,triton]"
 	# speculators (tests load exports with its classes) declares transformers<=5.19; it runs under the pinned
 	# 5.23, so it goes in without its declared dependencies (its import-time ones are in the test extra)
@@ -27,7 +35,7 @@ venv: $(STAMP)
 ## completion of each kind and the speedup (DEMO_DRAFTER=eagle3 tries a shipped drafter).
 DEMO_DRAFTER ?= ngram
 DEMO_ARGS ?= --in examples/demo.jsonl --max-new-tokens 64 --batch-size 1 --overwrite
-demo: $(STAMP)
+demo: $(CORE)
 	mkdir -p out
 	$(BIN)/specdec decode $(DEMO_ARGS) --out out/demo-ar.jsonl --drafter ar
 	$(BIN)/specdec decode $(DEMO_ARGS) --out out/demo.jsonl --drafter $(DEMO_DRAFTER)

@@ -201,7 +201,7 @@ def _bench_causal(cfg: BenchConfig, plan: BenchPlan, records: list, console) -> 
         # transformers' own runs report no forward counts; the model reads a prompt's stats as one row's
         if not is_peer(spec) and _one_row_per_prompt(plan.methods[spec].options, prepared[spec]):
             entry.update(roofline(runs[spec].stats, lens, base.scheduling.batch_size, statistics.median(runs[spec].walls), peak, model,
-                                  prepared[spec].draft_model))
+                                  prepared[spec].draft_model, blocks=plan.methods[spec].options.placement.weights != "float32"))
     nominal = nominal_bandwidth(device)
     return {
         "kind": "speculative",

@@ -61,22 +61,26 @@ def peak_bandwidth(device, megabytes: int = 512, repeats: int = 5) -> float:
     return 2 * n * 4 / statistics.median(times)
 
 
-def weight_bytes_read(model) -> int:
+def weight_bytes_read(model, blocks: bool = True) -> int:
     """Bytes of the weights a forward reads: all of them but the input embedding table, of which a
-    forward reads only its tokens' rows (a table tied to the output projection is read whole there)."""
+    forward reads only its tokens' rows (a table tied to the output projection is read whole there).
+    With ``blocks``, layers a GGUF target multiplies from the file's blocks count their blocks' bytes."""
     total = param_bytes(model)  # parameters() counts a tied table once
     embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if embed is not None and (out is None or out.weight is not embed.weight):
         total -= embed.weight.numel() * embed.weight.element_size()
+    state = getattr(model, "_specdec_blocks", None) if model is not None else None
+    if blocks and state is not None:
+        total += state.bytes - state.dense_bytes
     return total
 
 
-def bytes_read(stats: list[dict], prompt_lens: list[int], batch_size: int, model, draft=None) -> dict:
+def bytes_read(stats: list[dict], prompt_lens: list[int], batch_size: int, model, draft=None, blocks: bool = True) -> dict:
     """Bytes the forwards of one pass had to read: the target's weights once per batch forward (a
     batch runs as many forwards as its longest row needs), each row's cache once per forward it took
     part in (at its average context length), and a draft model's weights once per drafted position."""
-    weights, kv_token = weight_bytes_read(model), kv_bytes_per_token(model)
+    weights, kv_token = weight_bytes_read(model, blocks), kv_bytes_per_token(model)
     forwards = kv = drafts = 0
     for lo in range(0, len(stats), batch_size):
         chunk = range(lo, min(lo + batch_size, len(stats)))
@@ -89,10 +93,10 @@ def bytes_read(stats: list[dict], prompt_lens: list[int], batch_size: int, model
     return {"target_forwards": forwards, "bytes": total, "weight_bytes": weights}
 
 
-def roofline(stats, prompt_lens, batch_size, wall_s: float, peak: float, model, draft=None) -> dict:
+def roofline(stats, prompt_lens, batch_size, wall_s: float, peak: float, model, draft=None, blocks: bool = True) -> dict:
     """The report's roofline fields for one method: bytes per target forward, achieved bandwidth
     (GB/s) and its fraction of the measured peak."""
-    read = bytes_read(stats, prompt_lens, batch_size, model, draft)
+    read = bytes_read(stats, prompt_lens, batch_size, model, draft, blocks)
     achieved = read["bytes"] / wall_s if wall_s > 0 else 0.0
     return {
         "target_forwards": read["target_forwards"],

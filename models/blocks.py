@@ -124,7 +124,8 @@ class BlockLayers:
         self.enabled = False
         self.suspended = False  # ``suspended``: the float32 weights even inside the engine (a bench method's +weights=float32)
         self.layers = 0
-        self.bytes = 0
+        self.bytes = 0  # the blocks' bytes, and the float32 weights' they stand for (each read once a forward)
+        self.dense_bytes = 0
 
     @property
     def active(self) -> bool:
@@ -183,6 +184,7 @@ def install(model, source: str | os.PathLike) -> BlockLayers | None:
             continue
         state.layers += 1
         state.bytes += found[0].numel()
+        state.dense_bytes += module.weight.numel() * module.weight.element_size()
         if head is not None and head.linear is module:
             head.blocks, head.block_state = found, state  # the output layer's own dispatcher reads them (models.head)
             continue

@@ -217,3 +217,15 @@ def test_q5_0_blocks_rewritten_as_q8_0_hold_the_same_weights():
     assert as_q8.shape == (16, 256 // 32 * 34)
     got = kernel.qdequant(as_q8, kernel.BLOCKS["Q8_0"][0], 256)
     assert torch.equal(got.view(torch.int32), _dense(raw, "Q5_0", 256).view(torch.int32))
+
+
+def test_the_roofline_counts_the_blocks_bytes_a_forward_reads(quantised_target):
+    from specdec.bench.roofline import weight_bytes_read
+    from specdec.models.loading import Placement, load_target
+
+    _, folder = quantised_target
+    model, _, _ = load_target(folder, Placement(device="cpu"))
+    state = model._specdec_blocks
+    dense = weight_bytes_read(model, blocks=False)
+    assert state.bytes < state.dense_bytes / 3  # 4.5-8.5 bits a weight against 32
+    assert weight_bytes_read(model) == dense - state.dense_bytes + state.bytes
