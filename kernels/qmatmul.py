@@ -57,11 +57,13 @@ def _try_load(build_root: Path) -> bool:
 def _load(build_root: Path) -> None:
     from torch.utils import cpp_extension
 
-    digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:12]
+    # OpenMP: at::parallel_for's threads are torch's own (libgomp.so.1, already loaded by torch)
+    cflags, ldflags = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"], ["-fopenmp"]
+    digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + str(cflags).encode()).hexdigest()[:12]
     build = build_root / f"qmatmul-{digest}"
     build.mkdir(parents=True, exist_ok=True)
     cpp_extension.load(name=f"specdec_qmatmul_{digest}", sources=[str(SOURCE)], build_directory=str(build),
-                       extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c"], is_python_module=False, verbose=False)
+                       extra_cflags=cflags, extra_ldflags=ldflags, is_python_module=False, verbose=False)
 
 
 def qmatmul(x: torch.Tensor, blocks: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
