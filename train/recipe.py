@@ -88,11 +88,6 @@ def load_recipe(name: str | os.PathLike, **overrides) -> RecipeConfig:
     return RecipeConfig.load(path if path.suffix in (".yaml", ".yml") and path.is_file() else recipe_path(str(name)), **overrides)
 
 
-def recipe_minutes(name: str) -> float:
-    """The recipe's default wall-clock budget."""
-    return load_recipe(name).budget_minutes
-
-
 def recipe_corpus(cfg: RecipeConfig):
     from specdec.train.corpus import load_corpus
 
