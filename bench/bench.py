@@ -256,8 +256,7 @@ def _prepare_method(spec: str, model, tok, prompts, method: Method, warmup: int)
     """Build the method and warm it up."""
     if method.drafter is None:
         if llamacpp.is_llamacpp(spec):
-            eos = model.generation_config.eos_token_id
-            eos = set(eos if isinstance(eos, (list, tuple)) else [eos]) - {None}
+            eos = _eos_ids(model.generation_config.eos_token_id)
             threads = int(parse_method(spec)[1].get("threads", 0)) or torch_default()
             return _Prepared(Runner(llamacpp.prepare(spec, str(model.name_or_path), prompts, method.options, eos, threads, warmup),
                                     len(prompts)))
@@ -414,6 +413,11 @@ class _TimedPropose:
 PEERS = ("hf-generate", "hf-lookup", "hf-assisted")
 
 
+def _eos_ids(eos) -> set[int]:
+    """A generation config's end-of-output id (one, several or none) as a set."""
+    return set(eos if isinstance(eos, (list, tuple)) else [eos]) - {None}
+
+
 def is_peer(spec: str) -> bool:
     """A spec run by another tool (transformers' generate, llama.cpp), not by specdec's engine."""
     return spec.startswith("hf-") or llamacpp.is_llamacpp(spec)
@@ -457,8 +461,7 @@ def _prepare_peer(spec: str, model, tok, prompts, base: DecodeOptions, warmup: i
             out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, **kwargs)
         return out[0, len(p) :].tolist()
 
-    eos = kwargs["eos_token_id"]
-    eos = set(eos if isinstance(eos, (list, tuple)) else [eos]) - {None}
+    eos = _eos_ids(kwargs["eos_token_id"])
 
     def batched(ps, n):
         """Plain generate over a left-padded batch (prompt lookup and assisted generation take one row);

@@ -4,7 +4,7 @@ A GGUF target is decoded as the float32 model transformers dequantises from the 
 That model's weights are, bit for bit, what gguf's dequantisation makes of each block, so the blocks
 themselves are an exact, 4-8x smaller encoding of them. On a CPU a decode step is bound by the bytes
 it reads (Gemma 3 270M: 400 MB of float32 body and a 671 MB output layer a token, against about
-250 MB of blocks), so inside specdec's engine each such layer multiplies by its blocks with
+270 MB of blocks), so inside specdec's engine each such layer multiplies by its blocks with
 ``kernels.qmatmul`` (float32 arithmetic on the rebuilt weights) for forwards of up to ``MAX_ROWS``
 positions; prefill, wide forwards, training and transformers' own ``generate`` use the float32
 weights as before.
