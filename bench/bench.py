@@ -283,7 +283,8 @@ def _prepare_method(spec: str, model, tok, prompts, method: Method, warmup: int)
 
     fresh()
     engine, drafter = built["engine"], built["drafter"]
-    bs, new_tokens, compiled = max(1, opts.scheduling.batch_size), opts.sampling.max_new_tokens, opts.scheduling.compile
+    bs, new_tokens = max(1, opts.scheduling.batch_size), opts.sampling.max_new_tokens
+    compiled = getattr(engine, "compile", "off") != "off"  # the engine resolved auto for its device
     # rows per prompt: its samples, or one where the method makes a prompt's outputs itself
     n = 1 if getattr(engine, "expands_samples", False) or opts.sampling.beams > 1 else opts.sampling.first_finish or opts.sampling.num_samples
     warm = prompts[:warmup]
@@ -520,7 +521,7 @@ class _ForwardCosts:
         return self._memo[key]
 
 
-def time_forward(model, prefix: list[int], t: int, repeats: int, batch_size: int = 1, compile: bool = False,
+def time_forward(model, prefix: list[int], t: int, repeats: int, batch_size: int = 1, compile: str = "off",
                  lean: bool = False, greedy: bool | None = None) -> float:
     """Median seconds of one forward of ``t`` tokens per row, ``batch_size`` rows each after a cache
     holding ``prefix``, run as the engine runs it (``KVState``: compiled steps with ``compile``, a

@@ -122,7 +122,7 @@ def decode(
     trust_remote_code: o.TrustRemoteCode = False,
     threads: o.Threads = 0,
     weights: o.Weights = "auto",
-    compile: o.Compile = False,
+    compile: o.Compile = "auto",
     prefill_chunk: Annotated[int, typer.Option("--prefill-chunk", help="Continuous batching: an admitted record's prompt is prefilled N tokens a round inside the running batch's verify forwards (SARATHI; more when the verify forward is wider) instead of in a forward of its own (0).")] = 0,
 ) -> None:
     """Decode a JSONL file of prompts: one output line per input line, in order, resumable."""
@@ -171,7 +171,7 @@ def bench(
     threads: o.Threads = 0,
     weights: o.Weights = "auto",
     shared_prefix: Annotated[str, typer.Option("--shared-prefix", help="A prompt prefix shared by a batch's records is prefilled once: auto, off, or FILE.")] = "auto",
-    compile: o.Compile = False,
+    compile: o.Compile = "auto",
     busy: Annotated[int, typer.Option("--busy", min=0, help="Competing CPU-bound processes kept running through the whole run (a shared machine's load), recorded in the report.")] = 0,
 ) -> None:
     """Benchmark methods against plain decoding (and transformers' own) in one process, on the same prompts."""

@@ -54,7 +54,7 @@ DtypeOpt = Annotated[Dtype, typer.Option("--dtype", help="auto: the checkpoint's
 DeviceMapOpt = Annotated[Optional[DeviceMap], typer.Option("--device-map", help="auto: spread a target too large for one GPU over all visible GPUs (accelerate).")]
 AttnImpl = Annotated[Optional[str], typer.Option("--attn-implementation", help="sdpa, eager or flex_attention (default: the model's own choice).")]
 TrustRemoteCode = Annotated[bool, typer.Option("--trust-remote-code", help="Allow the checkpoint's own Python code (off by default).")]
-Compile = Annotated[bool, typer.Option("--compile", help="Run decode steps through torch.compile against preallocated key/value buffers (CUDA graphs on a GPU); the first steps of each shape pay the compilation.")]
+Compile = Annotated[str, typer.Option("--compile", help="Decode steps over preallocated key/value buffers: graphs (CUDA graphs of the eager kernels, recorded in a forward per shape), inductor (torch.compile, a minute or more per shape), off, or auto (graphs on a GPU, off on a CPU).")]
 Threads = Annotated[int, typer.Option("--threads", help="CPU intra-op threads (0: follow the load, the cores other processes keep busy left to them; one thread for forwards under 1.2M parameters x rows).")]
 Weights = Annotated[str, typer.Option("--weights", help="auto: a GGUF target's layers multiply by the file's quantised blocks on a CPU (the same weights, 4-7x fewer bytes a token); float32: by the converted float32 weights.")]
 KernelsOpt = Annotated[Kernels, typer.Option("--kernels", help="Verification and tree-attention kernels: auto (Triton on CUDA), triton or torch.")]

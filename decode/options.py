@@ -112,8 +112,9 @@ class SchedulingOptions:
     shared_prefix: str = "auto"
     # a memory budget as written ("4GiB"): decode fits batch size and draft width into it (decode.jobs.memory)
     max_memory: str | None = None
-    # decode steps compiled against preallocated key/value buffers (decode.engine.compiled)
-    compile: bool = False
+    # decode steps compiled against preallocated key/value buffers (decode.engine.compiled.MODES): auto
+    # records CUDA graphs on a GPU and runs eagerly elsewhere
+    compile: str = "auto"
     kernels: str = "auto"  # kernels.BACKENDS
 
 

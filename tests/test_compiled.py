@@ -39,23 +39,33 @@ def quick_backend(monkeypatch):
 
 @pytest.fixture()
 def calls(monkeypatch):
-    """How many forwards ran through the compiled module (so a test fails if nothing was compiled)."""
+    """How many forwards ran through a compiled module (so a test fails if nothing was compiled)."""
     counts = {"compiled": 0, "with_prefix": 0}
-    make = compiled.Compiled.__init__
 
-    def counting(self, model, mode):
-        make(self, model, mode)
-        inner = self.forward
+    def counted(cls):
+        make = cls.__init__
 
-        def forward(*args, **kwargs):
-            counts["compiled"] += 1
-            counts["with_prefix"] += "shared_prefix" in kwargs
-            return inner(*args, **kwargs)
+        def counting(self, model, *args):
+            make(self, model, *args)
+            inner = self.forward
 
-        self.forward = forward
+            def forward(*args, **kwargs):
+                counts["compiled"] += 1
+                counts["with_prefix"] += "shared_prefix" in kwargs
+                return inner(*args, **kwargs)
 
-    monkeypatch.setattr(compiled.Compiled, "__init__", counting)
+            self.forward = forward
+
+        monkeypatch.setattr(cls, "__init__", counting)
+
+    counted(compiled.Compiled)
+    counted(compiled.Graphed)
     return counts
+
+
+# both compiled modes: torch.compile (aot_eager here) and recorded graphs (on a CPU each "replay" runs the
+# recorded step function over the same static input copies, so keys, copies and outputs are what is tested)
+MODES = pytest.mark.parametrize("mode", ["inductor", "graphs"])
 
 
 def test_bucket_and_capacity():
@@ -64,14 +74,15 @@ def test_bucket_and_capacity():
     assert cache_module.capacity_for(1) == 16 and cache_module.capacity_for(16) == 16 and cache_module.capacity_for(17) == 32
 
 
-def test_compiled_state_matches_eager_forward(target):
+@MODES
+def test_compiled_state_matches_eager_forward(target, mode):
     """The same segments through both states: logits agree, and the compiled state's buffers hold
     exactly the committed keys and values of the eager one (rollback and gather included)."""
     torch.manual_seed(0)
     ids = torch.randint(3, 96, (2, 9))
     valid = torch.ones_like(ids, dtype=torch.bool)
     valid[1, :3] = False  # left padding
-    states = [KVState(target, 2, ids.device), KVState(target, 2, ids.device, compile=True)]
+    states = [KVState(target, 2, ids.device), KVState(target, 2, ids.device, compile=mode)]
     outs = [s.forward(ids, valid).logits for s in states]
     torch.testing.assert_close(outs[0], outs[1])
     for s in states:
@@ -91,25 +102,27 @@ def test_compiled_state_matches_eager_forward(target):
     assert states[1].cache.capacity >= states[1].length
 
 
+@MODES
 @pytest.mark.parametrize("name", ["ar", "draft", "recycle", "eagle-dynamic"])
 @pytest.mark.parametrize("bsz", [1, 3])
-def test_greedy_compiled_is_plain_greedy(target, draft_model, calls, name, bsz):
+def test_greedy_compiled_is_plain_greedy(target, draft_model, calls, name, bsz, mode):
     prompts = make_prompts(bsz, seed=11, lo=3, hi=35)
     budgets = [30, 7, 19][:bsz]
     reqs = [GenRequest(p, n) for p, n in zip(prompts, budgets)]
     plain = SpecEngine(target, ByteTokenizer()).generate(reqs)
-    fast = SpecEngine(target, ByteTokenizer(), make_drafter(name, target, draft_model), compile=True).generate(reqs)
+    fast = SpecEngine(target, ByteTokenizer(), make_drafter(name, target, draft_model), compile=mode).generate(reqs)
     assert [r.token_ids for r in fast] == [r.token_ids for r in plain]
     assert calls["compiled"] > 0
 
 
-def test_continuous_batching_compiled(target, draft_model, calls):
+@MODES
+def test_continuous_batching_compiled(target, draft_model, calls, mode):
     """Rows admitted into a running batch and finished rows dropped: buffers are rebuilt for the new
     rows each time, and every output still equals decoding the request alone."""
     prompts = make_prompts(len(BUDGETS), seed=5, lo=3, hi=40)
     reqs = [GenRequest(p, n) for p, n in zip(prompts, BUDGETS)]
     alone = [SpecEngine(target, ByteTokenizer()).generate([r])[0] for r in reqs]
-    engine = SpecEngine(target, ByteTokenizer(), make_drafter("draft", target, draft_model), compile=True)
+    engine = SpecEngine(target, ByteTokenizer(), make_drafter("draft", target, draft_model), compile=mode)
     got = dict(engine.stream(iter(reqs), BATCH))
     assert [got[i].token_ids for i in range(len(reqs))] == [r.token_ids for r in alone]
     assert calls["compiled"] > 0
@@ -122,13 +135,14 @@ def test_continuous_batching_compiled_with_rows_joining_by_chunks(target, draft_
     prompts = make_prompts(len(BUDGETS), seed=5, lo=3, hi=40)
     reqs = [GenRequest(p, n) for p, n in zip(prompts, BUDGETS)]
     alone = [SpecEngine(target, ByteTokenizer()).generate([r])[0] for r in reqs]
-    engine = SpecEngine(target, ByteTokenizer(), make_drafter("ngram", target, draft_model), compile=True, prefill_chunk=chunk)
+    engine = SpecEngine(target, ByteTokenizer(), make_drafter("ngram", target, draft_model), compile="inductor", prefill_chunk=chunk)
     got = dict(engine.stream(iter(reqs), BATCH))
     assert [got[i].token_ids for i in range(len(reqs))] == [r.token_ids for r in alone]
     assert calls["compiled"] > 0
 
 
-def test_a_prefix_held_once_runs_compiled(target, draft_model, calls, monkeypatch):
+@MODES
+def test_a_prefix_held_once_runs_compiled(target, draft_model, calls, monkeypatch, mode):
     """Compiled steps whose rows hold only their suffixes: the prefix held once enters every compiled
     forward's attention, and greedy output is that of whole prompts, in static and continuous batches."""
     from test_shared_prefix import _prompts
@@ -146,26 +160,28 @@ def test_a_prefix_held_once_runs_compiled(target, draft_model, calls, monkeypatc
         return original(*args, **kwargs)
 
     monkeypatch.setattr(hydragen, "prefix_suffix_attention", counting)
-    engine = SpecEngine(target, ByteTokenizer(), ModelDrafter(draft_model), shared_prefix="auto", min_shared=8, compile=True)
+    engine = SpecEngine(target, ByteTokenizer(), ModelDrafter(draft_model), shared_prefix="auto", min_shared=8, compile=mode)
     assert [r.token_ids for r in engine.generate(reqs[:3]) + engine.generate(reqs[3:])] == whole
     got = dict(engine.stream(iter(reqs), 2))
     assert [got[i].token_ids for i in range(len(reqs))] == whole
     assert engine._hydragen() and held["calls"] > 0 and calls["with_prefix"] > 0
 
 
+@MODES
 @pytest.mark.parametrize("arch", ["mistral", "gemma2", "gpt2"])
-def test_other_architectures_compiled(calls, arch):
+def test_other_architectures_compiled(calls, arch, mode):
     """An all-sliding model, a hybrid one (one mask per layer type, Gemma-2's soft-capping) and GPT-2's
     learned positions: the window lives in the mask, which spans the whole buffer."""
     model = build(arch)
     reqs = [GenRequest(p, NEW) for p in PROMPTS]
     plain = SpecEngine(model, ByteTokenizer(), eos_ids=[EOS]).generate(reqs)
-    fast = SpecEngine(model, ByteTokenizer(), RecycleDrafter(), eos_ids=[EOS], compile=True).generate(reqs)
+    fast = SpecEngine(model, ByteTokenizer(), RecycleDrafter(), eos_ids=[EOS], compile=mode).generate(reqs)
     assert [r.token_ids for r in fast] == [r.token_ids for r in plain]
     assert calls["compiled"] > 0
 
 
-def test_sampling_compiled_keeps_the_target_distribution(calls):
+@MODES
+def test_sampling_compiled_keeps_the_target_distribution(calls, mode):
     """T=0.8 with a draft model and compiled steps: the first two tokens' joint frequencies match the
     target's exact joint distribution (chi-square over many rows of one batch)."""
     vocab = 12
@@ -175,7 +191,7 @@ def test_sampling_compiled_keeps_the_target_distribution(calls):
     drafter = ModelDrafter(tiny_llama(vocab=vocab, hidden=32, layers=1, seed=4))
     prompt = [5, 7, 5, 7, 5]
     sampling = Sampling(temperature=0.8)
-    engine = SpecEngine(target, ByteTokenizer(), drafter, sampling, num_draft=3, seed=123, eos_ids=[], compile=True)
+    engine = SpecEngine(target, ByteTokenizer(), drafter, sampling, num_draft=3, seed=123, eos_ids=[], compile=mode)
     res = engine.generate([GenRequest(prompt, 2) for _ in range(6000)])
     assert two_token_pvalue(res, target, prompt, sampling) > P_FLOOR
     assert sum(r.stats["accepted_tokens"] for r in res) > 0
@@ -187,7 +203,7 @@ def test_decode_cli_compile(tmp_path, tiny_family):
     src = tmp_path / "in.jsonl"
     src.write_text("".join(f'{{"id": {i}, "prompt": "def f{i}(x):"}}\n' for i in range(3)))
     outs = []
-    for flag in ([], ["--compile"]):
+    for flag in ([], ["--compile", "inductor"]):
         out = tmp_path / f"out{len(flag)}.jsonl"
         res = invoke(["decode", "--in", str(src), "--out", str(out), "--target", str(tiny_family / "target"),
                       "--drafter", "ngram", "--max-new-tokens", "12", *flag])
@@ -201,7 +217,38 @@ def test_a_small_draft_keeps_its_lean_forward_on_a_cpu(target):
     there, and a model lean cannot run still compiles."""
     cpu = torch.device("cpu")
     draft = tiny_llama(seed=1, layers=1, hidden=32)  # its own: other tests hook or re-point the shared ones
-    draft_state = KVState(draft, 2, cpu, lean=True, compile=True)
+    draft_state = KVState(draft, 2, cpu, lean=True, compile="inductor")
     assert draft_state._lean is not None and draft_state._compiled is None
-    target_state = KVState(target, 2, cpu, compile=True)
+    target_state = KVState(target, 2, cpu, compile="inductor")
     assert target_state._lean is None and target_state._compiled is not None
+
+
+def test_graphs_record_once_per_shape_and_buffers(target):
+    """A step is recorded once per key (shapes, flags, buffer addresses) and replayed after: a second
+    step of the same bucket over the same buffers records nothing, a new bucket or new buffers do."""
+    torch.manual_seed(1)
+    state = KVState(target, 2, torch.device("cpu"), compile="graphs")
+    graphed = state._compiled
+    prompt = torch.randint(3, 96, (2, 20))
+    state.forward(prompt)  # the first forward allocates the buffers: run as it is, nothing recorded
+    state.commit_prefix(20, torch.ones_like(prompt, dtype=torch.bool))
+    assert graphed.recorded == 0
+    for t in (1, 1, 3, 4, 1):  # buckets 1, 1, 4, 4, 1
+        step = torch.randint(3, 96, (2, t))
+        state.forward(step)
+        state.commit_prefix(t, torch.ones_like(step, dtype=torch.bool))
+    assert graphed.recorded == 2 and graphed.replays == 5
+    state._reserve(state.cache.capacity + 1)  # grown: new buffers, new addresses
+    state.forward(torch.randint(3, 96, (2, 1)))
+    assert graphed.recorded == 3
+
+
+def test_graphs_need_a_cuda_device(tmp_path, tiny_family):
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"prompt": "def f(x):"}\n')
+    res = invoke(["decode", "--in", str(src), "--out", str(tmp_path / "o.jsonl"), "--target", str(tiny_family / "target"),
+                  "--device", "cpu", "--compile", "graphs"])
+    assert res.exit_code == 2 and "--compile graphs records CUDA graphs" in res.output
+    res = invoke(["decode", "--in", str(src), "--out", str(tmp_path / "o.jsonl"), "--target", str(tiny_family / "target"),
+                  "--compile", "fast"])
+    assert res.exit_code == 2 and "--compile must be one of" in res.output

@@ -124,8 +124,9 @@ def _cuda_float32(tiny_family):
 
 @pytest.mark.parametrize("drafter", ["ar", "draft", "draft+parallel", "draft+parallel+pre-verify"])
 def test_cuda_compiled_steps_and_parallel_drafts_decode_as_eager_ones_do(tiny_family, drafter):
-    """CUDA graphs over the preallocated buffers (--compile), and PEARL's draft on a stream of its own,
-    give the tokens eager decoding gives, with rows joining a running batch."""
+    """Recorded CUDA graphs over the preallocated buffers (--compile graphs, the default on a GPU), and
+    PEARL's draft on a stream of its own, give the tokens eager decoding gives, with rows joining a
+    running batch; the graphs were recorded and replayed."""
     import dataclasses
 
     from specdec.decode.engine.loop import SpecEngine
@@ -137,12 +138,16 @@ def test_cuda_compiled_steps_and_parallel_drafts_decode_as_eager_ones_do(tiny_fa
     opts = dataclasses.replace(opts, parallel="parallel" in flags, pre_verify="pre-verify" in flags)
     spec = str(tiny_family / "draft") if name == "draft" else name
     reqs = [GenRequest(tok(f"def f{i}(x, y):\n    return")["input_ids"], 8 + 5 * i) for i in range(5)]
-    eager = SpecEngine(model, tok, build_drafter(spec, model, tok, opts), eos_ids=[])
+    from specdec.decode.engine import compiled
+
+    eager = SpecEngine(model, tok, build_drafter(spec, model, tok, opts), eos_ids=[], compile="off")
     want = [r.token_ids for r in eager.generate(reqs)]
-    for compile in (False, True):
-        engine = SpecEngine(model, tok, build_drafter(spec, model, tok, opts), eos_ids=[], compile=compile)
-        got = dict(engine.stream(iter(reqs), 2))
-        assert [got[i].token_ids for i in range(len(reqs))] == want, (drafter, compile)
+    engine = SpecEngine(model, tok, build_drafter(spec, model, tok, opts), eos_ids=[])
+    assert engine.compile == "graphs"  # auto, on a GPU
+    got = dict(engine.stream(iter(reqs), 2))
+    assert [got[i].token_ids for i in range(len(reqs))] == want, drafter
+    graphed = compiled.for_model(model, "graphs")
+    assert graphed.record and graphed.recorded > 0 and graphed.replays > graphed.recorded
 
 
 def test_cuda_a_prefix_held_once_decodes_as_whole_prompts_do(tiny_family):

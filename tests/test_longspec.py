@@ -83,7 +83,7 @@ def test_evicted_cache_gives_the_logits_of_the_kept_tokens():
     g = torch.Generator().manual_seed(1)
     seqs = [torch.randint(3, 96, (n,), generator=g).tolist() for n in (203, 150)]
     drafter = LongDrafter(model, WINDOW, SINKS)
-    batch = SimpleNamespace(seqs=[list(s) for s in seqs], device=torch.device("cpu"), compile=False)
+    batch = SimpleNamespace(seqs=[list(s) for s in seqs], device=torch.device("cpu"), compile="off")
     drafter.begin(batch, None)
     with torch.no_grad():
         got = drafter._feed_pending(batch)

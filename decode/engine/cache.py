@@ -260,12 +260,12 @@ class SlotBuffers(Cache):
 
 
 class KVState(SlotBook):
-    def __init__(self, model, batch_size: int, device: torch.device, lean: bool = False, compile: bool = False):
+    def __init__(self, model, batch_size: int, device: torch.device, lean: bool = False, compile: str = "off"):
         """lean: run the model through ``decode.engine.lean``'s plain-function forward where it reproduces HF's
-        (small Llama-architecture drafts; others keep HF's forward). compile: decode steps run compiled
-        against preallocated buffers (``decode.engine.compiled``); on a GPU it takes precedence over lean, on a
-        CPU lean does (a small draft's plain-function forward costs less per call than a compiled
-        graph's guards and dispatch)."""
+        (small Llama-architecture drafts; others keep HF's forward). compile: ``off``, or the mode decode
+        steps run compiled in against preallocated buffers (``graphs``, ``inductor``:
+        ``decode.engine.compiled``); on a GPU it takes precedence over lean, on a CPU lean does (a small
+        draft's plain-function forward costs less per call than a compiled graph's guards and dispatch)."""
         super().__init__(batch_size, device)
         self.model = model
         types, window = arch.layer_types(model.config), arch.sliding_window(model.config)
@@ -275,8 +275,8 @@ class KVState(SlotBook):
         # decode.engine.lean reproduces a forward that takes one mask
         lean = lean_step(model) if lean and not self._mixed else None
         if lean is not None and torch.device(device).type == "cpu":
-            compile = False
-        self._compiled = compiled.for_model(model) if compile else None
+            compile = "off"
+        self._compiled = compiled.for_model(model, compile) if compile != "off" else None
         self._lean = lean if self._compiled is None else None
         # full cache layers only: every layer keeps every slot, sliding ones included; the buffers are
         # allocated at the first forward, when the shapes are known
@@ -488,7 +488,7 @@ class KVState(SlotBook):
     def share(self, n: int) -> "KVState":
         """A state of ``n`` rows that attend to this one-row state's slots as a prefix held once
         (``decode.engine.hydragen``), each with an empty suffix of its own."""
-        out = KVState(self.model, n, self.pos.device, compile=self._compiled is not None)
+        out = KVState(self.model, n, self.pos.device, compile=self._compiled.mode if self._compiled is not None else "off")
         out.prefix = self._committed()
         out.pos = self.pos.expand(n).clone()
         out._solid = False  # the prefix needs the suffix mask passed through the attention function

@@ -1,9 +1,16 @@
 """Compiled decode steps over preallocated key/value buffers (``--compile``).
 
 A decode step's cost on a GPU at small batch is launch overhead and weight reads, not arithmetic: the
-eager forward launches hundreds of kernels per layer. With ``--compile`` a model's forwards run through
-``torch.compile`` (CUDA graphs on a GPU: ``mode="reduce-overhead"``) against the preallocated
-``decode.engine.cache.SlotBuffers``, written in place at a write offset held in a tensor and read whole (so a
+eager forward launches hundreds of kernels per layer. ``--compile`` takes a mode:
+
+- ``graphs`` (the default on a GPU: ``auto``): each step's eager kernels are recorded once as a CUDA
+  graph and replayed (``Graphed``), as serving engines do; recording costs one forward per shape, so a
+  job warms up in seconds;
+- ``inductor``: the forwards run through ``torch.compile`` (CUDA graphs on a GPU:
+  ``mode="reduce-overhead"``), fused kernels for a compile of a minute or more per shape;
+- ``off`` (the default on a CPU): eager forwards.
+
+Both compiled modes run against the preallocated ``decode.engine.cache.SlotBuffers``, written in place at a write offset held in a tensor and read whole (so a
 step's shapes and addresses do not change from round to round), with the causal/tree/hole mask
 spanning the whole capacity.
 
@@ -26,14 +33,27 @@ MAX_BUCKET = 64  # segments up to this many tokens run compiled; longer ones (pr
 # generating code, so that capture is tested in seconds
 BACKEND = "inductor"
 
-_COMPILED: "weakref.WeakKeyDictionary[torch.nn.Module, Compiled]" = weakref.WeakKeyDictionary()
+MODES = ("auto", "off", "graphs", "inductor")
+# keyword arguments a step is given by reference (held for a whole job): keyed by address, never copied
+FIXED = ("shared_prefix",)
+
+_COMPILED: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
+
+
+def resolve(mode: str, device) -> str:
+    """The mode a job runs: ``auto`` is ``graphs`` on a CUDA device and ``off`` elsewhere."""
+    if mode == "auto":
+        return "graphs" if torch.device(device).type == "cuda" else "off"
+    return mode
 
 
 class Compiled:
     """A model's compiled forward and how its outputs must be treated."""
 
+    mode = "inductor"
+
     def __init__(self, model: torch.nn.Module, mode: str | None):
-        self.mode = mode
+        self.torch_mode = mode
         # dynamic=None: a dimension seen at a second size (the batch, as rows finish) is traced as
         # symbolic from then on, instead of one graph per size up to dynamo's recompile limit
         self.forward = torch.compile(model, mode=mode, backend=BACKEND, dynamic=None)
@@ -45,17 +65,21 @@ class Compiled:
     @property
     def graphs(self) -> bool:
         """CUDA graphs replay into the same output buffers: results are cloned before the next call."""
-        return self.mode == "reduce-overhead"
+        return self.torch_mode == "reduce-overhead"
 
 
-def for_model(model: torch.nn.Module) -> Compiled:
-    """``model``'s compiled forward (CUDA graphs on a GPU), made once per model and shared by every
-    state that runs it compiled (the graphs are the expensive part)."""
-    step = _COMPILED.get(model)
-    if step is None:
-        mode = "reduce-overhead" if next(model.parameters()).device.type == "cuda" else None
-        step = _COMPILED[model] = Compiled(model, mode)
-    return step
+def for_model(model: torch.nn.Module, mode: str = "inductor") -> "Compiled | Graphed":
+    """``model``'s compiled forward in ``mode`` (``graphs`` or ``inductor``), made once per model and
+    mode and shared by every state that runs it so (the graphs are the expensive part)."""
+    if mode not in ("graphs", "inductor"):
+        raise ValueError(f"no compiled forward for mode {mode!r}")
+    made = _COMPILED.setdefault(model, {})
+    if mode not in made:
+        if mode == "graphs":
+            made[mode] = Graphed(model)
+        else:
+            made[mode] = Compiled(model, "reduce-overhead" if next(model.parameters()).device.type == "cuda" else None)
+    return made[mode]
 
 
 def bucket(t: int) -> int | None:
@@ -63,3 +87,98 @@ def bucket(t: int) -> int | None:
     if t > MAX_BUCKET:
         return None
     return 1 << max(0, (t - 1).bit_length())
+
+
+class Graphed:
+    """A model's decode steps recorded as CUDA graphs of its eager kernels (``--compile graphs``).
+
+    No compiler runs: the first call of each shape runs the forward eagerly (once, on a side stream, to
+    warm cuBLAS and the allocator up), records it as a graph over static copies of its inputs, and
+    replays it; later calls of that shape copy their inputs into those copies and replay. A step's key
+    is everything a graph bakes in: the inputs' shapes and dtypes, the flags, and the addresses of the
+    key/value buffers it reads and writes (a graph holds raw addresses). Graphs live as long as the
+    buffers they were recorded against (``weakref``), and share one memory pool.
+
+    On a CPU (tests) nothing is recorded: a "replay" runs the same step function eagerly over the same
+    static copies, so keys, copies and outputs are exercised where no GPU is.
+    """
+
+    graphs = True
+    mode = "graphs"
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.record = next(model.parameters()).device.type == "cuda"
+        self._pool = None
+        self._steps: "weakref.WeakKeyDictionary[object, dict]" = weakref.WeakKeyDictionary()
+        self.recorded = 0  # graphs recorded (steps set up, on a CPU): tests and reports read it
+        self.replays = 0
+
+    def forward(self, **kwargs):
+        cache = kwargs["past_key_values"]
+        if not all(getattr(layer, "is_initialized", False) for layer in cache.layers):
+            # the buffers are allocated by the first forward that writes them: nothing to record against yet
+            return self.model(**kwargs)
+        kwargs = dict(kwargs)
+        del kwargs["past_key_values"]
+        fixed = {k: kwargs.pop(k) for k in FIXED if k in kwargs}
+        leaves, spec = torch.utils._pytree.tree_flatten(kwargs)
+        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        key = (
+            str(spec),
+            tuple(x if not isinstance(x, torch.Tensor) else (tuple(x.shape), x.dtype) for x in leaves),
+            tuple(x.data_ptr() for x in torch.utils._pytree.tree_leaves(fixed) if isinstance(x, torch.Tensor)),
+            _buffers(cache),
+        )
+        steps = self._steps.setdefault(cache, {})
+        step = steps.get(key)
+        if step is None:
+            step = steps[key] = self._record(cache, fixed, leaves, spec)
+        else:
+            for static, x in zip(step.inputs, tensors):
+                static.copy_(x)
+            if self.record:
+                step.graph.replay()
+            else:
+                step.out = step.run()
+        self.replays += 1
+        return type(step.out)(**step.out)  # a fresh container: callers replace its fields
+
+    def _record(self, cache, fixed: dict, leaves: list, spec) -> "_Step":
+        statics = [x.clone() if isinstance(x, torch.Tensor) else x for x in leaves]
+        inputs = [x for x in statics if isinstance(x, torch.Tensor)]
+        kwargs = torch.utils._pytree.tree_unflatten(statics, spec)
+        run = lambda: self.model(**kwargs, **fixed, past_key_values=cache)  # noqa: E731
+        self.recorded += 1
+        if not self.record:
+            return _Step(inputs, None, run(), run)
+        # the warm-up is a real step: it advances the buffers' write offsets, which the replay below
+        # must find where this step began
+        offsets = [layer.cumulative_length.clone() for layer in cache.layers]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            run()
+        torch.cuda.current_stream().wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = run()
+        for layer, offset in zip(cache.layers, offsets):
+            layer.cumulative_length.copy_(offset)
+        graph.replay()
+        return _Step(inputs, graph, out, run)
+
+
+class _Step:
+    __slots__ = ("inputs", "graph", "out", "run")
+
+    def __init__(self, inputs, graph, out, run):
+        self.inputs, self.graph, self.out, self.run = inputs, graph, out, run
+
+
+def _buffers(cache) -> tuple:
+    """The addresses and row counts of every layer's key/value buffers and write offset."""
+    return tuple((layer.keys.data_ptr(), layer.values.data_ptr(), layer.cumulative_length.data_ptr(), layer.keys.shape[0])
+                 for layer in cache.layers)

@@ -35,7 +35,7 @@ from typing import Iterable, Iterator
 
 import torch
 
-from specdec.decode.engine import hydragen, split
+from specdec.decode.engine import compiled, hydragen, split
 from specdec.decode.engine.cache import KVState
 from specdec.decode.engine.length import DraftLength, LengthPolicy
 from specdec.decode.engine.own import append_tokens, eos_ids as _eos_ids
@@ -63,7 +63,7 @@ class Batch:
     device: torch.device
     num_draft: int
     rows: list[int] = field(default_factory=list)  # original request index of each active row
-    compile: bool = False  # decode steps run compiled (decode.engine.compiled): drafters' own caches too
+    compile: str = "off"  # the mode decode steps run compiled in (decode.engine.compiled): drafters' own caches too
     groups: list[int | None] = field(default_factory=list)  # each active row's ``GenRequest.group``
     references: list[list[int] | None] = field(default_factory=list)  # each active row's ``GenRequest.reference``
     keys: list[int] = field(default_factory=list)  # each active row's race identity (``GenRequest.key``)
@@ -104,7 +104,7 @@ class SpecEngine:
         shared_prefix: list[int] | str | None = None,
         min_shared: int = 32,
         admit_fraction: float = 0.25,
-        compile: bool = False,
+        compile: str = "off",
         hold_prefix_once: bool = True,
         prefill_chunk: int = 0,
         adaptive_length: bool | None = None,
@@ -144,7 +144,7 @@ class SpecEngine:
         self.shared_prefix = shared_prefix
         self.min_shared = min_shared
         self.admit_fraction = admit_fraction
-        self.compile = compile
+        self.compile = compiled.resolve(compile, self.device)
         # prompt tokens a joining row prefills per round riding the verify forward (0: admitted rows are
         # prefilled in a forward of their own); a round whose verify forward is wider gives them its width
         self.prefill_chunk = prefill_chunk

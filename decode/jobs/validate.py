@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import torch
+
 from specdec.decode.drafters.registry import DrafterChoice, check_drafter_options
 from specdec.decode.options import SCHEDULES, DecodeOptions, flag
 from specdec.models.artifacts import artifact_kind, read_config
@@ -92,6 +94,7 @@ def validate_options(opts: DecodeOptions) -> None:
     if chunk and scheduling.schedule == "static":
         raise UsageError("--prefill-chunk applies to continuous batching: static batches admit no records mid-way")
     check_kernels(scheduling.kernels)
+    check_compile(scheduling.compile, opts.placement.device)
     if scheduling.max_memory is not None:
         from specdec.decode.jobs.memory import parse_size
 
@@ -115,6 +118,17 @@ def check_kernels(kernels: str) -> None:
                          "(from SPECDEC_KERNELS)") from None
     except RuntimeError as exc:
         raise UsageError(f"--kernels {kernels}: {exc}") from None
+
+
+def check_compile(mode: str, device: str) -> None:
+    """``--compile`` names a mode, and ``graphs`` (CUDA graphs) a job that runs on a CUDA device."""
+    from specdec.decode.engine.compiled import MODES
+
+    if mode not in MODES:
+        raise UsageError(f"--compile must be one of {', '.join(MODES)}, got {mode!r}")
+    on_cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+    if mode == "graphs" and not on_cuda:
+        raise UsageError("--compile graphs records CUDA graphs: it needs a CUDA device (auto runs eagerly on a CPU)")
 
 
 def check_shared_prefix(spec: str) -> None:
