@@ -104,7 +104,7 @@ class SpecEngine:
         shared_prefix: list[int] | str | None = None,
         min_shared: int = 32,
         admit_fraction: float = 0.25,
-        compile: str = "off",
+        compile: str = "auto",
         hold_prefix_once: bool = True,
         prefill_chunk: int = 0,
         adaptive_length: bool | None = None,
