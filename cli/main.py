@@ -65,15 +65,12 @@ class Schedule(str, Enum):
     static = "static"
 
 
-DrafterOpt = Annotated[str, typer.Option("--drafter", help="ar, ngram, recycle, copy, input-copy, aded, stand, retrieval:INDEX, layerskip[:i,j], swift, a default-family member (draft, medusa, clover, eagle) or an artifact folder; approximate modes: superposed, ead:DRAFT, skipdecode[:FIRST,LAST], an lud artifact.")]
-
-
 @app.command()
 def decode(
     in_path: Annotated[str, typer.Option("--in", help="Input JSONL ('-' for stdin).")],
     out_path: Annotated[str, typer.Option("--out", help="Output JSONL ('-' for stdout). Re-running resumes it.")] = "-",
     target: o.Target = None,
-    drafter: DrafterOpt = "ar",
+    drafter: o.DrafterOpt = "auto",
     num_draft: Annotated[Optional[int], typer.Option("--num-draft", "-k", help="Drafted tokens per round (tree depth for tree drafters).")] = None,
     max_new_tokens: o.MaxNewTokens = 128,
     temperature: o.Temperature = 0.0,

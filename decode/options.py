@@ -54,11 +54,16 @@ class SamplingOptions:
     diversity_penalty: float = 0.0
 
 
+AUTO = "auto"  # --drafter auto
+
+
 @dataclass(frozen=True)
 class DraftingOptions:
     """The drafter spec and the options drafter factories take; ``num_draft`` applies to every drafter,
     the others to the drafters whose factory declares them (``decode.drafters.registry``)."""
 
+    # "ar": plain decoding; ``specdec decode``'s default is AUTO, resolved per target before the job starts
+    # (decode.jobs.validate.resolve_auto)
     drafter: str = "ar"
     num_draft: int | None = None
     # n-gram drafter: the longest suffix matched

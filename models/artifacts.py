@@ -68,6 +68,45 @@ def family_spec(name: str) -> tuple[str, str] | None:
     return None
 
 
+WINNER_FILE = "fastest.json"  # a family's fastest lossless method, as measured: {"method", "summary", "report"}
+
+
+def family_of(source: str | os.PathLike) -> str | None:
+    """The family whose target the folder ``source`` is, found without converting or loading anything."""
+    path = Path(source)
+    if not path.is_dir():
+        return None
+    path = path.resolve()
+    for family in FAMILIES:
+        if family == DEFAULT_FAMILY:
+            from specdec.models.gguf import gemma_dir
+
+            target = gemma_dir()
+        else:
+            target = family_dir(family) / "target"
+        if target is not None and target.exists() and target.resolve() == path:
+            return family
+    return None
+
+
+def family_winner(source: str | os.PathLike) -> dict | None:
+    """For a family's target: {"family", "method" (a spec), "summary"} from the family's ``fastest.json``,
+    when it names a drafter that needs nothing (``ngram``) or a member the family holds; else None."""
+    family = family_of(source)
+    if family is None:
+        return None
+    fam = family_dir(family)
+    if not (fam / WINNER_FILE).is_file():
+        return None
+    info = json.loads((fam / WINNER_FILE).read_text())
+    method = str(info["method"])
+    if method in FAMILY_MEMBERS:
+        if not (fam / method).is_dir():
+            return None
+        method = f"{family}/{method}"
+    return {"family": family, "method": method, "summary": str(info.get("summary", ""))}
+
+
 def resolve_member(name_or_dir: str | os.PathLike, family: str | None = None) -> Path:
     """A path that exists wins; otherwise a bare member name resolves inside the default family, and
     ``FAMILY/MEMBER`` inside that family."""

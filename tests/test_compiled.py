@@ -243,6 +243,34 @@ def test_graphs_record_once_per_shape_and_buffers(target):
     assert graphed.recorded == 3
 
 
+def test_graphs_leave_hooked_forwards_unrecorded(target):
+    """A forward hook's per-call tensors (the riding drafters' columns) would be frozen into a recorded
+    graph: while one is registered, steps run as they are, and the hook sees every one of them."""
+    torch.manual_seed(2)
+    state = KVState(target, 1, torch.device("cpu"), compile="graphs")
+    graphed = state._compiled
+    prompt = torch.randint(3, 96, (1, 12))
+    state.forward(prompt)
+    state.commit_prefix(12, torch.ones_like(prompt, dtype=torch.bool))
+    seen = []
+    handle = target.get_input_embeddings().register_forward_hook(lambda mod, args, out: seen.append(args[0].shape))
+    try:
+        for _ in range(3):
+            step = torch.randint(3, 96, (1, 1))
+            state.forward(step)
+            state.commit_prefix(1, torch.ones_like(step, dtype=torch.bool))
+    finally:
+        handle.remove()
+    assert graphed.recorded == 0 and len(seen) == 3
+    # transformers installs its output-capturing hooks at the first forward that asks for hidden states;
+    # they collect outputs for the output object and are recorded with the step
+    for t in (1, 2):
+        step = torch.randint(3, 96, (1, t))
+        state.forward(step, hidden=True)
+        state.commit_prefix(t, torch.ones_like(step, dtype=torch.bool))
+    assert graphed.recorded == 2
+
+
 def test_graphs_need_a_cuda_device(tmp_path, tiny_family):
     src = tmp_path / "in.jsonl"
     src.write_text('{"prompt": "def f(x):"}\n')

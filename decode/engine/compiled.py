@@ -36,6 +36,8 @@ BACKEND = "inductor"
 MODES = ("auto", "off", "graphs", "inductor")
 # keyword arguments a step is given by reference (held for a whole job): keyed by address, never copied
 FIXED = ("shared_prefix",)
+# where transformers' output-capturing forward hooks live (``output_hidden_states``): safe to record
+TRANSFORMERS_HOOKS = ("transformers.utils.output_capturing", "transformers.utils.generic")
 
 _COMPILED: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
 
@@ -108,7 +110,10 @@ class Graphed:
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
-        self.record = next(model.parameters()).device.type == "cuda"
+        # a model spread over several GPUs (--device-map) runs its steps unrecorded: one graph records one device
+        spread = len(set(getattr(model, "hf_device_map", {}).values())) > 1
+        self.record = next(model.parameters()).device.type == "cuda" and not spread
+        self._modules = list(model.modules())
         self._pool = None
         self._steps: "weakref.WeakKeyDictionary[object, dict]" = weakref.WeakKeyDictionary()
         self.recorded = 0  # graphs recorded (steps set up, on a CPU): tests and reports read it
@@ -118,6 +123,10 @@ class Graphed:
         cache = kwargs["past_key_values"]
         if not all(getattr(layer, "is_initialized", False) for layer in cache.layers):
             # the buffers are allocated by the first forward that writes them: nothing to record against yet
+            return self.model(**kwargs)
+        if self._hooked():
+            # a forward hook's per-call inputs (the riding drafters' columns) are Python state a graph would
+            # freeze at its recording: such steps run as they are, over the same buffers
             return self.model(**kwargs)
         kwargs = dict(kwargs)
         del kwargs["past_key_values"]
@@ -143,6 +152,19 @@ class Graphed:
                 step.out = step.run()
         self.replays += 1
         return type(step.out)(**step.out)  # a fresh container: callers replace its fields
+
+    def _hooked(self) -> bool:
+        """Whether a forward hook other than transformers' own output capture is registered on the model
+        or any of its modules, or globally. transformers' hooks collect a forward's outputs for the
+        output object, which a recording keeps as it is (its tensors are the graph's outputs)."""
+        from torch.nn.modules import module as nn_module
+
+        def foreign(hooks) -> bool:
+            return any(not getattr(h, "__module__", "").startswith(TRANSFORMERS_HOOKS) for h in hooks.values())
+
+        if foreign(nn_module._global_forward_hooks) or foreign(nn_module._global_forward_pre_hooks):
+            return True
+        return any(foreign(m._forward_hooks) or foreign(m._forward_pre_hooks) for m in self._modules)
 
     def _record(self, cache, fixed: dict, leaves: list, spec) -> "_Step":
         statics = [x.clone() if isinstance(x, torch.Tensor) else x for x in leaves]

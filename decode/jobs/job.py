@@ -466,6 +466,8 @@ def _decode_job(in_path, out_path, plan: DecodePlan, strict, overwrite, console,
         if placement.device == "auto" and not placement.device_map:
             plan = dataclasses.replace(plan, options=plan.options.with_overrides({"device": str(state.device)}))
     world, rank = (state.num_processes, state.process_index) if state else (1, 0)
+    if plan.note and console is not None and rank == 0:
+        console.print(plan.note)
     if world > 1 and out_path == "-":
         raise UsageError("multi-process decoding needs --out FILE (shards are merged into it)")
     # rank 0 holds the merged output's lock from the start, so a second job on it is refused at once

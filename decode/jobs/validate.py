@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 
 from specdec.decode.drafters.registry import DrafterChoice, check_drafter_options
-from specdec.decode.options import SCHEDULES, DecodeOptions, flag
+from specdec.decode.options import AUTO, SCHEDULES, DecodeOptions, flag
 from specdec.models.artifacts import artifact_kind, read_config
 from specdec.models.errors import UsageError
 from specdec.models.loading import Placement, check_weights, resolve_source
@@ -241,6 +241,7 @@ class DecodePlan:
     is_diffusion: bool
     schedule: str
     drafter: DrafterChoice | None
+    note: str | None = None  # what the job says before it starts (the choice --drafter auto made)
 
 
 def plan_decode(target: str | None, options: DecodeOptions, default_target: Callable[[], str] | None = None,
@@ -249,14 +250,22 @@ def plan_decode(target: str | None, options: DecodeOptions, default_target: Call
     takes (``check_drafter_options``) and what its traits rule out (``check_drafter_traits``), and the
     job's ``paths`` (--in, --out) when given; then, with the target (``target``, or ``default_target()``
     when None), what applies to it. Raises ``UsageError``."""
-    validate_options(options)
-    drafter = check_drafter_options(options.drafting.drafter, options)
-    check_drafter_traits(drafter, options)
+    auto = options.drafting.drafter == AUTO
+    # with auto, the options are checked here as plain decoding's, and again with the drafter it picks
+    validate_options(options.with_overrides({"drafter": "ar"}) if auto else options)
+    if not auto:
+        drafter = check_drafter_options(options.drafting.drafter, options)
+        check_drafter_traits(drafter, options)
     if paths is not None:
         validate_paths(*paths)
     target = target if target is not None else default_target()
     source = resolve_source(target)
     diffusion = is_diffusion_model(source, options)
+    note = None
+    if auto and diffusion:
+        options = options.with_overrides({"drafter": "ar"})  # a diffusion LM decodes without a drafter
+    elif auto:
+        options, drafter, note = resolve_auto(source, options)
     schedule = resolve_schedule(options.scheduling.schedule, diffusion, target)
     if diffusion:
         causal_only = [flag(n) for n in options.given("drafting")]
@@ -269,7 +278,33 @@ def plan_decode(target: str | None, options: DecodeOptions, default_target: Call
     given = [flag(n) for n in options.given("diffusion")]
     if given:
         raise UsageError(f"{target} is a causal LM: {_listed(given)} to diffusion LMs only")
-    return DecodePlan(target, source, options, False, schedule, drafter)
+    return DecodePlan(target, source, options, False, schedule, drafter, note)
+
+
+def resolve_auto(source: str, options: DecodeOptions) -> tuple[DecodeOptions, DrafterChoice, str]:
+    """``--drafter auto``: the fastest lossless method measured for the target's family (its
+    ``fastest.json``, when the drafter it names ships), else ``ngram``; ``ar`` where the other options
+    rule the candidate out (beams, an approximate mode's options, ...). The options with the choice, the
+    choice, and the line that says why."""
+    from specdec.models.artifacts import family_winner
+
+    winner = family_winner(source)
+    if winner is not None:
+        spec, why = winner["method"], f"the fastest lossless method measured for {winner['family']} ({winner['summary']})"
+    else:
+        spec, why = "ngram", "no faster drafter ships for this target; n-gram lookup needs none"
+    refusal = None
+    for candidate, reason in ((spec, why), ("ar", "the other options take plain decoding")):
+        chosen = options.with_overrides({"drafter": candidate})
+        try:
+            validate_options(chosen)
+            drafter = check_drafter_options(candidate, chosen)
+            check_drafter_traits(drafter, chosen)
+        except UsageError as exc:
+            refusal = exc
+            continue
+        return chosen, drafter, f"drafter: {candidate} (auto: {reason})"
+    raise refusal  # plain decoding's own refusal: the options need a drafter named with --drafter
 
 
 def _listed(flags: list[str]) -> str:

@@ -1,0 +1,67 @@
+"""``--drafter auto``, decode's default: the fastest lossless method measured for the target's family
+(its ``fastest.json``, when the drafter it names ships), ``ngram`` otherwise, ``ar`` where the other
+options take plain decoding; the job says which, and the text is plain decoding's."""
+
+from __future__ import annotations
+
+import json
+import runpy
+import shutil
+from pathlib import Path
+
+from conftest import invoke
+
+from specdec.models.artifacts import SHIPPED_DIR, WINNER_FILE
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _decode(tmp_path, target, *flags):
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"id": i, "prompt": f"def f{i}(x):\n    return x + x\n" * 2}) + "\n" for i in range(3)))
+    out = tmp_path / f"out{len(list(tmp_path.iterdir()))}.jsonl"
+    res = invoke(["decode", "--in", str(src), "--out", str(out), "--target", str(target), "--max-new-tokens", "12", *flags])
+    assert res.exit_code == 0, res.output
+    return res.output, [(r["completion"], r["stats"]) for r in map(json.loads, out.read_text().splitlines())]
+
+
+def test_auto_is_ngram_for_a_target_no_family_holds(tmp_path, tiny_family):
+    said, auto = _decode(tmp_path, tiny_family / "target")
+    assert "drafter: ngram (auto:" in said
+    _, plain = _decode(tmp_path, tiny_family / "target", "--drafter", "ar")
+    assert [c for c, _ in auto] == [c for c, _ in plain]
+    assert sum(s["drafted_tokens"] for _, s in auto) > 0 and sum(s["drafted_tokens"] for _, s in plain) == 0
+
+
+def test_auto_takes_the_family_winner_when_it_ships(tmp_path, tiny_family, monkeypatch):
+    home = tmp_path / "home"
+    family = home / "tiny-stdlib"
+    family.mkdir(parents=True)
+    shutil.copytree(tiny_family / "target", family / "target")
+    monkeypatch.setenv("SPECDEC_HOME", str(home))
+    (family / WINNER_FILE).write_text(json.dumps({"method": "draft", "summary": "measured here"}))
+    work = tmp_path / "work"
+    work.mkdir()
+    said, _ = _decode(work, "tiny-stdlib")
+    assert "drafter: ngram (auto:" in said  # the winner does not ship here: no silent failure, the fallback
+    shutil.copytree(tiny_family / "draft", family / "draft")
+    said, auto = _decode(work, "tiny-stdlib")
+    assert "drafter: tiny-stdlib/draft (auto: the fastest lossless method measured for tiny-stdlib (measured here))" in said
+    _, plain = _decode(work, "tiny-stdlib", "--drafter", "ar")
+    assert [c for c, _ in auto] == [c for c, _ in plain]
+
+
+def test_auto_takes_plain_decoding_where_the_options_need_it(tmp_path, tiny_family):
+    said, out = _decode(tmp_path, tiny_family / "target", "--beams", "2")
+    assert "drafter: ar (auto: the other options take plain decoding)" in said
+    assert all(s.get("drafted_tokens", 0) == 0 for _, s in out)
+
+
+def test_the_default_family_winner_is_its_report_fastest_lossless_method():
+    """The shipped ``fastest.json`` names the fastest lossless specdec method of the report it cites, so
+    the default follows a measurement, and a drafter that ships must beat it there to take its place."""
+    info = json.loads((SHIPPED_DIR / "gemma3-270m" / WINNER_FILE).read_text())
+    report = json.loads((ROOT / info["report"]).read_text())
+    doc = runpy.run_path(str(ROOT / "scripts" / "benchmarks-doc"), run_name="benchmarks_doc")
+    best = doc["headline"](Path(info["report"]).stem, report)
+    assert best["method"] == info["method"], (best, info)
