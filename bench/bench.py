@@ -47,6 +47,7 @@ from specdec.decode.options import DecodeOptions, parse_method
 from specdec.bench.roofline import nominal_bandwidth, peak_bandwidth, roofline
 from specdec.bench.report import plot, provenance, shown_path
 from specdec.bench.timing import Run, Runner, run_passes, speedup, tokens_per_s
+from specdec.decode.measure import distinct_ngram_ratio, time_forward
 from specdec.decode.engine.types import GenRequest, add_counts
 from specdec.models import blocks
 from specdec.models.artifacts import resolve_member
@@ -284,9 +285,9 @@ def _prepare_method(spec: str, model, tok, prompts, method: Method, warmup: int)
     fresh()
     engine, drafter = built["engine"], built["drafter"]
     bs, new_tokens = max(1, opts.scheduling.batch_size), opts.sampling.max_new_tokens
-    compiled = getattr(engine, "compile", "off") != "off"  # the engine resolved auto for its device
+    compiled = engine.compile != "off"  # the engine resolved auto for its device
     # rows per prompt: its samples, or one where the method makes a prompt's outputs itself
-    n = 1 if getattr(engine, "expands_samples", False) or opts.sampling.beams > 1 else opts.sampling.first_finish or opts.sampling.num_samples
+    n = 1 if engine.expands_samples else opts.sampling.first_finish or opts.sampling.num_samples
     warm = prompts[:warmup]
     # compiled steps compile once per shape (segment bucket, buffer capacity, batch size): warming up at
     # the full length on prompts from the shortest to the longest meets the capacities the timed passes
@@ -521,38 +522,6 @@ class _ForwardCosts:
         return self._memo[key]
 
 
-def time_forward(model, prefix: list[int], t: int, repeats: int, batch_size: int = 1, compile: str = "off",
-                 lean: bool = False, greedy: bool | None = None) -> float:
-    """Median seconds of one forward of ``t`` tokens per row, ``batch_size`` rows each after a cache
-    holding ``prefix``, run as the engine runs it (``KVState``: compiled steps with ``compile``, a
-    draft's lean forward with ``lean``), after three warm-up forwards. The forward is not committed,
-    so every repeat writes the same slots."""
-    from specdec.decode.engine.cache import KVState
-
-    device = next(model.parameters()).device
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)  # time the kernels, not their launch
-    times = []
-    from specdec.models import head
-
-    # inputs made under inference mode, as the engine's are: a compiled step guards on it; the output layer
-    # as the engine runs it (greedy None: as plain nn.Linear, as transformers runs it)
-    scope = head.scope(model, greedy) if greedy is not None else contextlib.nullcontext()
-    with torch.inference_mode(), scope:
-        ids = torch.tensor([prefix], device=device).expand(batch_size, -1)
-        step = ids[:, :t] if t <= ids.shape[1] else ids[:, :1].repeat(1, t)
-        state = KVState(model, batch_size, device, lean=lean, compile=compile)
-        state.forward(ids, logits_to_keep=1)
-        state.commit_prefix(ids.shape[1], torch.ones_like(ids, dtype=torch.bool))
-        for i in range(3 + repeats):
-            sync()
-            t0 = time.perf_counter()
-            state.forward(step)
-            sync()
-            if i >= 3:
-                times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 # -- the report -----------------------------------------------------------------------------------
 
 
@@ -720,13 +689,3 @@ def table(report: dict):
             ])
         parts.append(per)
     return Group(*parts)
-
-
-def distinct_ngram_ratio(token_lists: list[list[int]], n: int = 4) -> float:
-    """Distinct n-grams over all n-grams, each output counted on its own: text that loops scores low."""
-    grams, total = set(), 0
-    for toks in token_lists:
-        for i in range(len(toks) - n + 1):
-            grams.add((id(toks), tuple(toks[i : i + n])))
-            total += 1
-    return len(grams) / total if total else 0.0

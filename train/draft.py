@@ -127,6 +127,9 @@ def new_draft(target_config, arch: str):
 # Losses
 
 
+KD_WEIGHT = 0.9  # the share of the distillation term in a draft's loss (the rest: cross-entropy)
+
+
 def kd_loss(student_logits, input_ids, teacher, kd_weight: float, temperature: float, ce_labels: str = "data", labels=None):
     """kd_weight * T^2 * KL(p_T || q_T) + (1 - kd_weight) * CE.
 
@@ -436,7 +439,7 @@ def train_draft(
     cfg: TrainConfig,
     init: str | Path | None = None,
     arch: str | None = None,
-    kd_weight: float = 0.9,
+    kd_weight: float = KD_WEIGHT,
     temperature: float = 1.0,
     lora: bool = False,
     lora_save: str = "merged",

@@ -426,7 +426,7 @@ def timing_prefix(target, length: int = 128) -> list[int]:
 
 
 def time_model(model, prefix: list[int], t: int, batch_size: int, repeats: int) -> float:
-    from specdec.bench.bench import time_forward
+    from specdec.decode.measure import time_forward
 
     vocab = model.get_input_embeddings().weight.shape[0]  # a draft over a reduced vocabulary takes its own ids
     return time_forward(model, [i % vocab for i in prefix], t, repeats, batch_size=batch_size, greedy=True)

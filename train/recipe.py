@@ -28,7 +28,7 @@ from specdec.train.data import load_texts, self_distill
 from specdec.train.dllm import train_dllm
 from specdec.train.filter import train_filter
 from specdec.train.listtasks import list_tasks
-from specdec.train.draft import train_draft
+from specdec.train.draft import KD_WEIGHT, train_draft
 from specdec.train.heads import train_heads
 from specdec.train.loop import load_config
 from specdec.train.prompts import cut_code_prompts, dev_prompts, held_out_prompts
@@ -241,7 +241,7 @@ def run_pretrained(cfg: RecipeConfig, corpus, fam: Path, want: set, force: bool,
             from specdec.train.draft import train_draft
 
             results[name] = train_draft(target, files, dest, train, arch=spec.get("arch", "layers=2,hidden=256,heads=4,kv_heads=2,ffn=768"),
-                                        kd_weight=float(spec.get("kd_weight", 0.9)), placement=placement, draft_vocab=vocab,
+                                        kd_weight=float(spec.get("kd_weight", KD_WEIGHT)), placement=placement, draft_vocab=vocab,
                                         teacher_cache=cache, teacher_topk=topk, charge_teacher=not cache.exists())
         else:
             kind = "eagle" if name == "eagle3" else name
@@ -411,7 +411,7 @@ def build_target(cfg: RecipeConfig, corpus, out: Path, budget_s: float, force: b
 def evaluate_continuations(model, tok, corpus, n: int, new_tokens: int) -> dict:
     from specdec.decode.engine.loop import SpecEngine
     from specdec.decode.engine.types import GenRequest
-    from specdec.bench.bench import distinct_ngram_ratio
+    from specdec.decode.measure import distinct_ngram_ratio
 
     prompts = held_out_prompts(corpus, tok, per_category=max(1, n // 3))[:n]
     engine = SpecEngine(model, tok)
@@ -524,7 +524,7 @@ def build_drafters(family_dir: Path, train_files: list[Path], budget_minutes: fl
 
 def draft_knobs(extra: dict) -> dict:
     """train_draft's loss keyword arguments from a recipe section's ``extra``."""
-    return {"kd_weight": float(extra.get("kd_weight", 0.9)),
+    return {"kd_weight": float(extra.get("kd_weight", KD_WEIGHT)),
             "temperature": float(extra.get("temperature", 1.0)),
             "cache_teacher": bool(extra.get("cache_teacher", False)),
             "ce_labels": str(extra.get("ce_labels", "data"))}

@@ -77,6 +77,8 @@ class DiffusionGenerator:
     reads the plain proposal to place the window before the rule runs, so it keeps the reference path.
     """
 
+    expands_samples = False  # a record's samples are rows of their own, as in SpecEngine
+
     def __init__(
         self,
         model,

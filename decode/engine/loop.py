@@ -90,6 +90,8 @@ class SpecEngine:
     requests and returns one result per request in the same order, as ``DiffusionGenerator.generate``
     does for diffusion LMs (the job runner does not care which); ``stream`` batches continuously."""
 
+    expands_samples = False  # a record's --num-samples outputs are rows of their own (decode.engine.own)
+
     def __init__(
         self,
         target,

@@ -34,6 +34,7 @@ class OwnLoop:
     approximate = False
     argmax_only = False
     expands_samples = False
+    compile = "off"  # its forwards run eagerly (the engine's --compile mode, for bench's warm-up)
     model = None
     admits = True  # the job's continuous schedule hands it requests as they come (in batches here)
 

@@ -192,7 +192,7 @@ class Decoder:
         """Rows a record is decoded as: its samples (--num-samples, --first-finish), one where the method
         makes a record's outputs itself (beams, superposed drafts)."""
         sampling = self.options.sampling
-        if getattr(self.generator, "expands_samples", False) or sampling.beams > 1:
+        if self.generator.expands_samples:  # beam search's B outputs too (decode.engine.beams)
             return 1
         return sampling.first_finish or sampling.num_samples
 
