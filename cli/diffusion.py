@@ -66,7 +66,7 @@ def train_dllm_command(
     trust_remote_code: o.TrustRemoteCode = False,
     threads: o.Threads = 0,
 ) -> None:
-    from specdec.train.dllm import train_dllm
+    from specdec.train.trainers.dllm import train_dllm
     from specdec.train.listtasks import list_tasks as make_list_tasks
 
     if (from_dir is None) == (config is None):
@@ -112,7 +112,7 @@ def train_filter_command(
     threads: o.Threads = 0,
 ) -> None:
     from specdec.train.prompts import cut_code_prompts
-    from specdec.train.filter import train_filter
+    from specdec.train.trainers.filter import train_filter
 
     place = o.placement(device, dtype, device_map, attn_implementation, trust_remote_code, threads)
     prompts = read_prompts(data)

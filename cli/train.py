@@ -123,7 +123,7 @@ def train_draft_cmd(
 ) -> None:
     """Distil a draft model from the target (forward KL + CE)."""
     from specdec.models.errors import UsageError
-    from specdec.train.draft import train_draft
+    from specdec.train.trainers.draft import train_draft
     from specdec.train.recipe import draft_knobs
 
     if (target is None) == (targets is None):
@@ -181,7 +181,7 @@ def train_acceptance_cmd(
     threads: o.Threads = 0,
 ) -> None:
     """Train SpecDec++ acceptance heads (sampling and greedy) on the draft's hidden states."""
-    from specdec.train.acceptance import train_acceptance
+    from specdec.train.trainers.acceptance import train_acceptance
     from specdec.train.recipe import acceptance_knobs
 
     cfg = _config(recipe, "draft.yaml", "acceptance", max_steps=max_steps, budget_minutes=budget_minutes, batch=batch_size,
@@ -247,7 +247,7 @@ def train_heads_cmd(
     threads: o.Threads = 0,
 ) -> None:
     """Train Medusa / Clover / EAGLE / Chimera heads on the frozen target."""
-    from specdec.train.heads import train_heads
+    from specdec.train.trainers.heads import train_heads
 
     kind = kind.value
     cfg = _config(recipe, "heads.yaml", kind, max_steps=max_steps, budget_minutes=budget_minutes, batch=batch_size,
@@ -297,7 +297,7 @@ def train_lud_cmd(
     threads: o.Threads = 0,
 ) -> None:
     """Fine-tune the target with LoRA to predict lexical units of several tokens (Lexical Unit Decoding)."""
-    from specdec.train.lud import train_lud
+    from specdec.train.trainers.lud import train_lud
 
     cfg = _config(recipe, "lud.yaml", "lud", max_steps=max_steps, budget_minutes=budget_minutes, batch=batch_size,
                   seq_len=seq_len, lr=lr, seed=seed, checkpoint_every=checkpoint_every,
@@ -315,7 +315,7 @@ def export_cmd(
     out: Annotated[Optional[Path], typer.Option("--out", help="Where to write (default SRC-TO).")] = None,
 ) -> None:
     """Export a head artifact in the Medusa / EAGLE / speculators checkpoint conventions."""
-    from specdec.train.heads import export_artifact
+    from specdec.train.trainers.heads import export_artifact
 
     dst = export_artifact(src, out or src.with_name(f"{src.name}-{to.value}"), to.value)
     typer.echo(str(dst))

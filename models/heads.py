@@ -626,7 +626,7 @@ def soft_ce(log_q, teacher, start: int, n: int):
 # Inputs that ride the target's own forward (decode.drafters.parallel_prompts): PPD and Hidden Transfer.
 # Both predict tokens t+2..t+m+1 at m extra positions of a forward whose last real position is t; what
 # differs is what they inject there, through forward hooks on the target (``injecting``), the same in
-# training (``forward`` on a packed batch of train.lud.pack) and at decode (the engine's riding positions).
+# training (``forward`` on a packed batch of train.trainers.lud.pack) and at decode (the engine's riding positions).
 
 RIDE_KINDS = ("ppd", "hidden-transfer")
 
@@ -684,9 +684,9 @@ class _RideHeads(_TargetHead, nn.Module):
         return scope()
 
     def packed_logits(self, target, batch: dict, masks) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits [B, K*m, V], labels [B, K*m]) of the riding positions of a packed batch (``train.lud.pack``
+        """(logits [B, K*m, V], labels [B, K*m]) of the riding positions of a packed batch (``train.trainers.lud.pack``
         with unit size m + 1: each cut's last real position, then its m placeholders, which come last in the
-        input); ``masks`` makes its 4-D attention mask (``train.lud.MaskMaker``)."""
+        input); ``masks`` makes its 4-D attention mask (``train.trainers.lud.MaskMaker``)."""
         m, e, ids = self.num_heads, self.ensemble, batch["input_ids"]
         bsz = ids.shape[0]
         groups = batch["unit_pos"].view(bsz, -1, m + 1)  # with an ensemble, each cut's e groups in a row (LudCollate copies)

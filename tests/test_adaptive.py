@@ -149,7 +149,7 @@ def test_head_judges_each_token_from_the_state_that_proposed_it(target, draft_mo
 
 
 def test_greedy_labels_hand_built():
-    from specdec.train.acceptance_labels import greedy_labels
+    from specdec.train.trainers.acceptance_labels import greedy_labels
 
     # three positions, vocabulary 4: the draft's argmax, the target's argmax
     q = torch.tensor([[[0.1, 2.0, 0.3, 0.0], [1.0, 0.0, 0.0, 0.5], [0.0, 0.0, 0.2, 3.0]]])
@@ -163,7 +163,7 @@ def test_label_blocks_greedy_half_matches_the_models(target, draft_model):
     """The greedy head's data: features of the draft's argmax at every position, label 1[argmax q == argmax p]."""
     from datasets import Dataset
 
-    from specdec.train.acceptance_labels import label_blocks
+    from specdec.train.trainers.acceptance_labels import label_blocks
 
     ids = torch.randint(3, 90, (5, 9))
     blocks = Dataset.from_dict({"input_ids": ids.tolist()}).with_format("torch")
@@ -186,7 +186,7 @@ def test_label_blocks_greedy_half_matches_the_models(target, draft_model):
 def test_label_continuations_sampling_labels_are_the_chance_a_draft_is_kept(target, draft_model):
     """Sampled text: the draft's own sample is judged with min(1, p/q) at the temperature: 1 everywhere when the
     draft is the target, below 1 somewhere for an unrelated draft; greedy labels come from the same text."""
-    from specdec.train.acceptance_labels import label_continuations, target_continuations
+    from specdec.train.trainers.acceptance_labels import label_continuations, target_continuations
 
     from datasets import Dataset
 
@@ -204,7 +204,7 @@ def test_label_continuations_sampling_labels_are_the_chance_a_draft_is_kept(targ
 
 
 def test_draw_acceptance_keeps_each_draft_with_its_chance():
-    from specdec.train.acceptance_labels import draw_acceptance
+    from specdec.train.trainers.acceptance_labels import draw_acceptance
 
     chance = torch.tensor([[0.1, 0.5, 0.9], [1.0, 0.0, 0.3]])
     pred = torch.rand(2, 3)
@@ -317,7 +317,7 @@ def test_resolve_policies_defaults():
 
 
 def test_simulate_rounds_hand_built():
-    from specdec.train.acceptance_policy import simulate_rounds
+    from specdec.train.trainers.acceptance_policy import simulate_rounds
 
     # one row of 7 judged positions; a decode starts at index 1 (index 0 is the prefill's token)
     labels = torch.tensor([[1.0, 1.0, 1.0, 0.0, 1.0, 1.0, 1.0]])
@@ -337,7 +337,7 @@ def test_simulate_rounds_hand_built():
 
 
 def test_choose_policy_prefers_long_drafts_when_drafting_is_cheap_and_right():
-    from specdec.train.acceptance_policy import choose_policy
+    from specdec.train.trainers.acceptance_policy import choose_policy
 
     g = torch.Generator().manual_seed(0)
     labels = (torch.rand(8, 60, generator=g) < 0.9).float()
@@ -351,7 +351,7 @@ def test_choose_policy_prefers_long_drafts_when_drafting_is_cheap_and_right():
 
 def test_choose_policy_takes_a_fixed_length_when_the_head_cannot_pay_for_itself():
     from specdec.decode.drafters.adaptive import StopPolicy
-    from specdec.train.acceptance_policy import choose_policy, simulate_rounds
+    from specdec.train.trainers.acceptance_policy import choose_policy, simulate_rounds
 
     g = torch.Generator().manual_seed(0)
     labels = (torch.rand(8, 60, generator=g) < 0.5).float()
@@ -400,7 +400,7 @@ def test_train_acceptance_writes_two_heads_calibration_and_policy(tiny_family, t
     import json
 
     from specdec.models.acceptance import load_acceptance_heads
-    from specdec.train.acceptance import train_acceptance
+    from specdec.train.trainers.acceptance import train_acceptance
     from specdec.train.loop import config_from_dict
 
     data = tmp_path / "data.jsonl"
@@ -461,7 +461,7 @@ def test_train_acceptance_writes_two_heads_calibration_and_policy(tiny_family, t
 
 def test_label_sampling_is_exact():
     """The labeller's inverse-CDF sampler draws from the given distribution; zero-probability tokens never."""
-    from specdec.train.acceptance_labels import _sample
+    from specdec.train.trainers.acceptance_labels import _sample
 
     g = torch.Generator().manual_seed(0)
     p = torch.tensor([[0.5, 0.0, 0.3, 0.2], [0.05, 0.05, 0.0, 0.9]])
@@ -493,7 +493,7 @@ def test_min_draft_zero_skips_rounds_and_stays_exact(target, draft_model, bs):
 
 
 def test_simulate_rounds_plain_rounds():
-    from specdec.train.acceptance_policy import simulate_rounds
+    from specdec.train.trainers.acceptance_policy import simulate_rounds
 
     labels = torch.tensor([[1.0, 0.0, 1.0, 1.0, 0.0]])
     pred = torch.tensor([[0.5, 0.1, 0.9, 0.9, 0.1]])
@@ -504,7 +504,7 @@ def test_simulate_rounds_plain_rounds():
 
 
 def test_policy_prompts_file_errors_name_the_line(tmp_path):
-    from specdec.train.acceptance import read_policy_prompts
+    from specdec.train.trainers.acceptance import read_policy_prompts
 
     tok = tiny_tokenizer()
     good = tmp_path / "good.jsonl"

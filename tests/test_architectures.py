@@ -19,7 +19,7 @@ from specdec.decode.engine.loop import SpecEngine
 from specdec.decode.engine.types import GenRequest
 from specdec.models import arch
 from specdec.models.errors import SpecdecError, UsageError
-from specdec.train.draft import new_draft
+from specdec.train.trainers.draft import new_draft
 
 VOCAB, EOS, WINDOW, NEW = 128, 2, 8, 24
 SLIDING, FULL = arch.SLIDING, arch.FULL

@@ -126,7 +126,7 @@ def blocks_of(dataset) -> torch.Tensor:
 
 
 def test_train_draft_trains_on_bos_blocks(bos_workdir, monkeypatch):
-    from specdec.train import draft
+    from specdec.train.trainers import draft
 
     seen = capture_training(monkeypatch, draft)
     with pytest.raises(Stop):
@@ -137,7 +137,7 @@ def test_train_draft_trains_on_bos_blocks(bos_workdir, monkeypatch):
 
 @pytest.mark.parametrize("kind", ["medusa", "eagle"])
 def test_train_heads_trains_on_bos_blocks(bos_workdir, monkeypatch, kind):
-    from specdec.train import heads
+    from specdec.train.trainers import heads
 
     seen = capture_training(monkeypatch, heads)
     with pytest.raises(Stop):
@@ -149,7 +149,7 @@ def test_train_heads_trains_on_bos_blocks(bos_workdir, monkeypatch, kind):
 def test_packed_trainers_see_one_bos_and_do_not_learn_from_it(bos_workdir, monkeypatch, trainer):
     """PPD (train-heads' riding kinds) and train-lud pack their blocks: the packed input's block part is the
     block itself (BOS once, not put in front again), BOS's own next token is not learnt, no unit starts at it."""
-    from specdec.train import heads, lud
+    from specdec.train.trainers import heads, lud
 
     if trainer == "lud":
         seen = capture_training(monkeypatch, lud)
@@ -169,7 +169,7 @@ def test_packed_trainers_see_one_bos_and_do_not_learn_from_it(bos_workdir, monke
 
 
 def test_train_acceptance_labels_bos_blocks(bos_workdir, monkeypatch):
-    from specdec.train import acceptance
+    from specdec.train.trainers import acceptance
 
     seen: dict = {}
 
@@ -186,7 +186,7 @@ def test_train_acceptance_labels_bos_blocks(bos_workdir, monkeypatch):
 
 
 def test_dllm_examples_start_with_bos():
-    from specdec.train.dllm import pair_examples, text_examples
+    from specdec.train.trainers.dllm import pair_examples, text_examples
 
     tok = bos_tokenizer()
     texts = corpus(60)
@@ -200,7 +200,7 @@ def test_dllm_examples_start_with_bos():
 
 
 def test_train_lm_blocks_start_with_bos():
-    from specdec.train.lm import token_blocks
+    from specdec.train.trainers.lm import token_blocks
 
     tok = bos_tokenizer()
     texts = corpus(60)

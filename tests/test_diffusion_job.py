@@ -10,7 +10,7 @@ import torch
 from test_train_dllm import FAST, TINY, task_pairs, word_tokenizer
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from specdec.train.dllm import train_dllm
+from specdec.train.trainers.dllm import train_dllm
 
 
 @pytest.fixture(scope="module")

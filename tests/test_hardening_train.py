@@ -50,7 +50,7 @@ def _same(a: dict, b: dict) -> bool:
 
 
 def test_teacher_cache_follows_data_and_target_and_survives_a_torn_file(work, tmp_path, capsys):
-    from specdec.train.draft import train_draft
+    from specdec.train.trainers.draft import train_draft
 
     cfg = tiny_cfg(steps=1, mixed_precision="no", save_final_checkpoint=False)
 

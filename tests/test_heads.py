@@ -16,7 +16,7 @@ from conftest import ByteTokenizer, make_prompts
 from specdec.tests.test_train import make_target_dir, make_tokenizer, tiny_cfg, write_decode_output
 from specdec.models.heads import KINDS
 from specdec.models.head_artifacts import build_heads
-from specdec.train.heads import export_artifact, train_heads
+from specdec.train.trainers.heads import export_artifact, train_heads
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from specdec.models.heads import MedusaHeads
 from specdec.models.head_artifacts import load_heads, save_heads
 from specdec.models.interop import Eagle3Head, build_published_eagle, layer_config, load_foreign_heads
 from specdec.models.loading import load_target
-from specdec.train.heads import export_artifact
+from specdec.train.trainers.heads import export_artifact
 
 STEPS = 3
 

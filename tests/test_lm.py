@@ -1,4 +1,4 @@
-"""The recipe's target pretraining (``train.lm.pretrain``) on the shared loop: a 3-step smoke run."""
+"""The recipe's target pretraining (``train.trainers.lm.pretrain``) on the shared loop: a 3-step smoke run."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from specdec.train.lm import TokenBlocks, pretrain
+from specdec.train.trainers.lm import TokenBlocks, pretrain
 
 
 def test_pretrain_three_steps_on_tiny_llama():

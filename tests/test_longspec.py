@@ -1,5 +1,5 @@
 """LongSpec: a draft with a constant-size KV cache (sink tokens + a sliding window) trained at anchor-offset
-positions (train.draft ``long_context``, decode.drafters.long_draft)."""
+positions (train.trainers.draft ``long_context``, decode.drafters.long_draft)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def long(tmp_path_factory):
     position ids and masks its forwards were given."""
     from transformers.models.llama.modeling_llama import LlamaForCausalLM
 
-    from specdec.train.draft import train_draft
+    from specdec.train.trainers.draft import train_draft
 
     root = tmp_path_factory.mktemp("long")
     tok = tiny_tokenizer()
@@ -61,7 +61,7 @@ def test_training_uses_anchor_offset_positions_and_the_loss_falls(long):
 
 
 def test_anchor_positions_and_mask():
-    from specdec.train.draft import anchor_positions, sink_window_visible
+    from specdec.train.trainers.draft import anchor_positions, sink_window_visible
 
     g = torch.Generator().manual_seed(0)
     pos = anchor_positions(64, 32, 4, 1024, g)

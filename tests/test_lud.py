@@ -15,7 +15,7 @@ from specdec.decode.engine.types import GenRequest
 from specdec.decode.options import DecodeOptions
 from specdec.models.loading import load_target
 from specdec.tests.test_train import make_tokenizer, tiny_cfg, write_decode_output
-from specdec.train.lud import LudCollate, choose_placeholder, train_lud, unit_loss
+from specdec.train.trainers.lud import LudCollate, choose_placeholder, train_lud, unit_loss
 
 
 def make_target(path):
@@ -57,7 +57,7 @@ def test_packed_units_compute_what_separate_inputs_would():
     whose window (8) is shorter than the block, with a BOS put in front."""
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-    from specdec.train.lud import MaskMaker, lud_forward
+    from specdec.train.trainers.lud import MaskMaker, lud_forward
 
     torch.manual_seed(0)
     cfg = Gemma3TextConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,

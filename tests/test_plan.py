@@ -126,7 +126,7 @@ CODE = [
 @pytest.fixture(scope="module")
 def planned(tiny_family, tmp_path_factory):
     """The tiny target, a data file, and two tiny drafts of different sizes trained a few steps each."""
-    from specdec.train.draft import train_draft
+    from specdec.train.trainers.draft import train_draft
 
     root = tmp_path_factory.mktemp("plan")
     rng = random.Random(0)

@@ -21,7 +21,7 @@ from specdec.decode.engine.verify import Sampling
 from specdec.models.head_artifacts import build_heads
 from specdec.tests.test_sampling import P_FLOOR, two_token_pvalue
 from specdec.tests.test_train import make_target_dir, tiny_cfg, write_decode_output
-from specdec.train.heads import train_heads
+from specdec.train.trainers.heads import train_heads
 
 
 def _generate(target, drafter, prompts, max_new=16, sampling=None, **kw):

@@ -63,7 +63,7 @@ def test_pycode_sizes_fit_the_family_cap():
 
     from specdec.models.acceptance import AcceptanceHead
     from specdec.models.head_artifacts import build_heads
-    from specdec.train.draft import new_draft
+    from specdec.train.trainers.draft import new_draft
     from specdec.train.ship import ExportPlan
 
     cfg = RecipeConfig.load(recipe_path("pycode"))
@@ -127,7 +127,7 @@ def test_bits_per_byte_by_hand():
     of the predicted tokens, times 1/ln 2."""
     from conftest import tiny_tokenizer
 
-    from specdec.train.lm import TokenBlocks, bits_per_byte, heldout_metrics, token_byte_lengths
+    from specdec.train.trainers.lm import TokenBlocks, bits_per_byte, heldout_metrics, token_byte_lengths
 
     assert bits_per_byte(2 * math.log(2), 2) == pytest.approx(1.0)
     assert bits_per_byte(10.0, 4) == pytest.approx(10.0 / (4 * 0.6931471805599453))
@@ -300,7 +300,7 @@ def test_sharded_head_artifact_loads_as_its_single_file(tmp_path):
     assert torch.equal(loaded.fc.weight, weights["fc.weight"].to(torch.bfloat16).to(target.dtype))
     from safetensors.torch import load_file
 
-    from specdec.train.heads import export_artifact
+    from specdec.train.trainers.heads import export_artifact
 
     export_artifact(tmp_path / "one", tmp_path / "vllm", "vllm")  # the EAGLE layout, from the shards
     assert torch.equal(load_file(str(tmp_path / "vllm" / "model.safetensors"))["fc.weight"], weights["fc.weight"].to(torch.bfloat16))

@@ -1,5 +1,5 @@
 """S2D (sorted speculative decoding): one sorted draft whose first layers serve several targets sharing a
-tokenizer (train.draft with several targets, decode.drafters.draft_model.s2d_view)."""
+tokenizer (train.trainers.draft with several targets, decode.drafters.draft_model.s2d_view)."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def write_data(path, n: int = 160, seed: int = 0):
 @pytest.fixture(scope="module")
 def s2d(tmp_path_factory):
     """Two targets of one tokenizer (1 layer of 32, 3 layers of 48) and a 2-layer sorted draft trained on both."""
-    from specdec.train.draft import train_draft
+    from specdec.train.trainers.draft import train_draft
 
     root = tmp_path_factory.mktemp("s2d")
     tok = tiny_tokenizer()
@@ -88,7 +88,7 @@ def test_depth_taps_are_the_sub_models_logits():
     from conftest import tiny_llama
 
     from specdec.decode.drafters.self_speculation import layer_skip_view
-    from specdec.train.draft import DepthTaps
+    from specdec.train.trainers.draft import DepthTaps
 
     model = tiny_llama(seed=2, layers=3)
     ids = torch.randint(3, 96, (2, 11))
@@ -107,7 +107,7 @@ def test_depth_rule_and_assignment():
     from conftest import tiny_llama
 
     from specdec.decode.drafters.draft_model import s2d_depth, target_identity
-    from specdec.train.draft import assign_depths
+    from specdec.train.trainers.draft import assign_depths
 
     a, b = tiny_llama(layers=2).config, tiny_llama(layers=3).config
     meta = {"targets": [{"name": "a", "source": "/m/a", "identity": target_identity(a), "depth": 1},
@@ -128,7 +128,7 @@ def test_depth_rule_and_assignment():
 
 
 def test_targets_must_share_a_tokenizer_and_cli(s2d, tmp_path):
-    from specdec.train.draft import train_draft
+    from specdec.train.trainers.draft import train_draft
 
     root, _ = s2d
     other = tiny_tokenizer()

@@ -1,4 +1,4 @@
-"""train/loop.py, train/data.py, train/draft.py, train/acceptance.py on tiny random models."""
+"""train/loop.py, train/data.py, train/trainers/draft.py, train/trainers/acceptance.py on tiny random models."""
 
 from __future__ import annotations
 
@@ -188,7 +188,7 @@ def test_budget_stops(tmp_path):
 
 def test_kd_loss_falls_and_artifact(workdir):
     from specdec.models.loading import load_draft
-    from specdec.train.draft import train_draft
+    from specdec.train.trainers.draft import train_draft
 
     out = workdir / "draft"
     m = train_draft(workdir / "target", [workdir / "data.jsonl"], out, tiny_cfg(steps=10), arch="layers=1,hidden=32,heads=4", kd_weight=1.0)
@@ -209,7 +209,7 @@ def test_kd_loss_falls_and_artifact(workdir):
 def test_kd_loss_terms_on_a_hand_built_example():
     import torch.nn.functional as F
 
-    from specdec.train.draft import kd_loss
+    from specdec.train.trainers.draft import kd_loss
 
     torch.manual_seed(0)
     s, t = torch.randn(2, 5, 7), torch.randn(2, 5, 7)
@@ -238,7 +238,7 @@ def test_kd_loss_terms_on_a_hand_built_example():
 
 def test_ce_only_cached_teacher_and_lora(workdir):
     from specdec.models.loading import load_draft
-    from specdec.train.draft import train_draft
+    from specdec.train.trainers.draft import train_draft
 
     base = workdir / "draft-base"
     train_draft(workdir / "target", [workdir / "data.jsonl"], base, tiny_cfg(steps=2), arch="layers=1,hidden=32,heads=4", kd_weight=0.0)
@@ -254,7 +254,7 @@ def test_ce_only_cached_teacher_and_lora(workdir):
 
 def test_draft_for_other_tokenizer_refused(workdir, tmp_path):
     from specdec.models.artifacts import check_fingerprint, read_config
-    from specdec.train.draft import train_draft
+    from specdec.train.trainers.draft import train_draft
 
     other = make_target_dir(tmp_path / "other", vocab_size=80, tok_seed=1)
     draft_cfg = read_config(workdir / "draft") if (workdir / "draft").exists() else None
@@ -267,7 +267,7 @@ def test_draft_for_other_tokenizer_refused(workdir, tmp_path):
     with pytest.raises(SpecdecError, match="another tokenizer"):
         train_draft(other, [workdir / "data.jsonl"], tmp_path / "x", tiny_cfg(steps=1), init=workdir / "draft")
     with pytest.raises(SpecdecError, match="another tokenizer"):
-        from specdec.train.acceptance import train_acceptance
+        from specdec.train.trainers.acceptance import train_acceptance
 
         train_acceptance(other, workdir / "draft", [workdir / "data.jsonl"], tmp_path / "y", tiny_cfg(steps=1))
 
@@ -277,8 +277,8 @@ def test_draft_for_other_tokenizer_refused(workdir, tmp_path):
 
 
 def test_acceptance_labels_hand_built():
-    from specdec.train.acceptance_labels import acceptance_labels
-    from specdec.train.acceptance import weighted_bce
+    from specdec.train.trainers.acceptance_labels import acceptance_labels
+    from specdec.train.trainers.acceptance import weighted_bce
 
     p = torch.tensor([[0.5, 0.3, 0.2], [0.1, 0.1, 0.8]])
     q = torch.tensor([[0.25, 0.6, 0.15], [0.5, 0.5, 0.0]])
@@ -313,7 +313,7 @@ def test_acceptance_features_from_one_causal_forward_match_incremental(draft_mod
 
 def test_train_acceptance_artifact(workdir):
     from specdec.decode.drafters.adaptive import build_adaptive
-    from specdec.train.acceptance import train_acceptance
+    from specdec.train.trainers.acceptance import train_acceptance
     from specdec.models.loading import load_draft
 
     if not (workdir / "draft").exists():
@@ -404,7 +404,7 @@ def test_self_distill_writes_the_targets_greedy_continuations(workdir, tmp_path)
 
 
 def test_acceptance_labelling_stops_at_its_deadline(draft_model):
-    from specdec.train.acceptance_labels import build_features
+    from specdec.train.trainers.acceptance_labels import build_features
 
     from datasets import Dataset
 
@@ -419,7 +419,7 @@ def test_weighted_bce_optimum_is_undone_by_log_w():
     """The saved acceptance head adds log w to its bias: that recovers y from the weighted optimum."""
     import math
 
-    from specdec.train.acceptance import weighted_bce
+    from specdec.train.trainers.acceptance import weighted_bce
 
     for y in (0.2, 0.5, 0.9):
         z = torch.zeros(1, requires_grad=True)
@@ -446,7 +446,7 @@ def test_a_draft_over_a_reduced_vocabulary(workdir):
     from specdec.decode.engine.types import GenRequest
     from specdec.models import vocab as draft_vocab
     from specdec.models.loading import load_target
-    from specdec.train.draft import train_draft
+    from specdec.train.trainers.draft import train_draft
 
     out = workdir / "draft-vocab"
     m = train_draft(workdir / "target", [workdir / "data.jsonl"], out, tiny_cfg(steps=12, lr=1e-2),

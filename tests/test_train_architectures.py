@@ -66,7 +66,7 @@ def _identical_to_plain(workdir, spec, options=None):
 
 
 def test_train_draft_on_a_non_llama_target_decodes_losslessly(workdir):
-    from specdec.train.draft import train_draft
+    from specdec.train.trainers.draft import train_draft
 
     metrics = train_draft(workdir / "target", [workdir / "data.jsonl"], workdir / "draft", _cfg(), arch="layers=1,hidden=32,heads=4")
     assert metrics["steps"] == 3
@@ -75,7 +75,7 @@ def test_train_draft_on_a_non_llama_target_decodes_losslessly(workdir):
 
 @pytest.mark.parametrize("kind", ["medusa", "clover", "eagle"])
 def test_train_heads_on_a_non_llama_target_decode_losslessly(workdir, kind):
-    from specdec.train.heads import train_heads
+    from specdec.train.trainers.heads import train_heads
 
     extra = {"window": 16} if kind == "clover" else {}
     metrics = train_heads(kind, workdir / "target", [workdir / "data.jsonl"], workdir / kind, _cfg(), **extra)
@@ -84,8 +84,8 @@ def test_train_heads_on_a_non_llama_target_decode_losslessly(workdir, kind):
 
 
 def test_train_acceptance_on_a_non_llama_target_decodes_losslessly(workdir):
-    from specdec.train.acceptance import train_acceptance
-    from specdec.train.draft import train_draft
+    from specdec.train.trainers.acceptance import train_acceptance
+    from specdec.train.trainers.draft import train_draft
 
     if not (workdir / "draft" / "config.json").exists():
         train_draft(workdir / "target", [workdir / "data.jsonl"], workdir / "draft", _cfg(), arch="layers=1,hidden=32,heads=4")

@@ -13,7 +13,7 @@ from specdec.models.artifacts import artifact_kind
 from specdec.decode.diffusion.generator import DiffusionGenerator
 from specdec.models.dllm import load_dllm, load_filter
 from specdec.decode.engine.types import GenRequest
-from specdec.train.dllm import (
+from specdec.train.trainers.dllm import (
     CertaintyForcingCollate,
     DllmTrainConfig,
     Example,
@@ -21,7 +21,7 @@ from specdec.train.dllm import (
     self_generated_examples,
     train_dllm,
 )
-from specdec.train.filter import train_filter
+from specdec.train.trainers.filter import train_filter
 from specdec.train.prompts import code_prompts
 from specdec.bench.quality import first_line_matches
 from specdec.train.listtasks import OPERATIONS, WORDS, list_tasks
@@ -112,7 +112,7 @@ def test_train_filter_loss_falls(dllm, tmp_path):
 def test_filter_labelling_stops_at_its_deadline(dllm):
     import time
 
-    from specdec.train.filter import FilterTrainConfig, collect_filter_data
+    from specdec.train.trainers.filter import FilterTrainConfig, collect_filter_data
 
     out, _ = dllm
     model, tokenizer, spec = load_dllm(out)
@@ -283,7 +283,7 @@ def test_train_dllm_resumes_to_the_weights_of_an_uninterrupted_run(tmp_path, ar_
     weights an uninterrupted run reaches (the masks are drawn per micro-batch, not from a running stream)."""
     from safetensors.torch import load_file
 
-    from specdec.train import dllm as dllm_module
+    from specdec.train.trainers import dllm as dllm_module
 
     kwargs = dict(block_size=8, max_steps=6, extra_examples=task_pairs(40), checkpoint_every=2, **FAST)
     train_dllm(ar_dir, [], tmp_path / "full", **kwargs)

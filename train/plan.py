@@ -213,7 +213,7 @@ def fit_rate(points) -> TrainRate:
 def parse_sizes(text: str) -> list[str]:
     """``--sizes``: arch strings separated by ';' (or whitespace); within one, a key that repeats
     starts the next size, so ``layers=1,hidden=32,heads=4,layers=2,hidden=64,heads=4`` is two."""
-    from specdec.train.draft import parse_arch
+    from specdec.train.trainers.draft import parse_arch
 
     sizes: list[str] = []
     for chunk in text.replace(";", " ").split():
@@ -241,7 +241,7 @@ def arch_string(arch: dict) -> str:
 
 def arch_of(spec: str) -> dict:
     """``layers/hidden/heads`` of an arch string, train-draft's defaults for those it leaves out."""
-    from specdec.train.draft import parse_arch
+    from specdec.train.trainers.draft import parse_arch
 
     kw = {"num_hidden_layers": 2, "hidden_size": 128, "num_attention_heads": 4} | parse_arch(spec)
     return {"layers": kw["num_hidden_layers"], "hidden": kw["hidden_size"], "heads": kw["num_attention_heads"]}
@@ -396,7 +396,7 @@ def train_points(target: str, data: list, sizes: list[str], cfg, work_dir: Path,
     """One quick draft per size, each through ``train_draft`` with the same config (budget, steps,
     seed: the same held-out blocks measure every one). The teacher runs on the fly, so the
     training rate counts its forwards per token."""
-    from specdec.train.draft import train_draft
+    from specdec.train.trainers.draft import train_draft
 
     knobs = dict(knobs or {}) | {"cache_teacher": False}
     points = []
@@ -438,7 +438,7 @@ def random_draft(target, arch: str, vocab: int | None = None):
     import torch
 
     from specdec.models.loading import input_device
-    from specdec.train.draft import new_draft
+    from specdec.train.trainers.draft import new_draft
 
     torch.manual_seed(0)
     model = new_draft(target.config, arch)

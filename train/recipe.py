@@ -23,13 +23,13 @@ from specdec.models.artifacts import built_dir, write_json
 from specdec.models.errors import SpecdecError, UsageError
 from specdec.recipes import RECIPES_DIR as RECIPES
 from specdec.recipes import recipe_path
-from specdec.train.acceptance import train_acceptance
+from specdec.train.trainers.acceptance import train_acceptance
 from specdec.train.data import load_texts, self_distill
-from specdec.train.dllm import train_dllm
-from specdec.train.filter import train_filter
+from specdec.train.trainers.dllm import train_dllm
+from specdec.train.trainers.filter import train_filter
 from specdec.train.listtasks import list_tasks
-from specdec.train.draft import KD_WEIGHT, train_draft
-from specdec.train.heads import train_heads
+from specdec.train.trainers.draft import KD_WEIGHT, train_draft
+from specdec.train.trainers.heads import train_heads
 from specdec.train.loop import load_config
 from specdec.train.prompts import cut_code_prompts, dev_prompts, held_out_prompts
 
@@ -238,7 +238,7 @@ def run_pretrained(cfg: RecipeConfig, corpus, fam: Path, want: set, force: bool,
                                   **cfg.training, **spec.get("training", {})})
         log(console, f"[bold]{name}[/bold]: training for {minutes:.0f} minutes")
         if name == "draft":
-            from specdec.train.draft import train_draft
+            from specdec.train.trainers.draft import train_draft
 
             results[name] = train_draft(target, files, dest, train, arch=spec.get("arch", "layers=2,hidden=256,heads=4,kv_heads=2,ffn=768"),
                                         kd_weight=float(spec.get("kd_weight", KD_WEIGHT)), placement=placement, draft_vocab=vocab,
@@ -355,7 +355,7 @@ def build_target(cfg: RecipeConfig, corpus, out: Path, budget_s: float, force: b
         return json.loads((out / "metrics.json").read_text())
     import torch
 
-    from specdec.train.lm import TargetArch, build_model, pretrain, save_target, token_blocks, token_byte_lengths, train_tokenizer
+    from specdec.train.trainers.lm import TargetArch, build_model, pretrain, save_target, token_blocks, token_byte_lengths, train_tokenizer
 
     torch.manual_seed(cfg.seed)
     t0 = time.perf_counter()

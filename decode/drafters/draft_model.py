@@ -224,7 +224,7 @@ class ModelDrafter(Drafter):
 
 
 # ---------------------------------------------------------------------------------------------
-# S2D: a sorted draft's sub-model for this target (train.draft trains it, with ``specdec_s2d`` in its config)
+# S2D: a sorted draft's sub-model for this target (train.trainers.draft trains it, with ``specdec_s2d`` in its config)
 
 # the config fields that make a target's identity at decode (``target_identity``): its architecture, read
 # alike from the folder it was trained from and from the model a decode loaded (any dtype, device map)

@@ -10,7 +10,7 @@ Positions stay the text's own: a slot keeps the position id it was written at (`
 the keys were rotated at that position when written (HF caches store keys already rotated), and a new
 token gets its row's next position, so evicting slots shifts nothing. Which slots a query sees is the
 slots' validity mask, as everywhere in ``decode.engine.cache``. The draft was trained for it
-(``train.draft``: a sinks + window mask at anchor-offset positions); whatever it drafts, the target
+(``train.trainers.draft``: a sinks + window mask at anchor-offset positions); whatever it drafts, the target
 verifies: decoding stays lossless.
 """
 

@@ -23,7 +23,7 @@ from specdec.models.artifacts import tokenizer_fingerprint, write_json
 from specdec.models.dllm import ConfidenceFilter, encode_prompt, save_filter
 from specdec.models.errors import SpecdecError
 from specdec.decode.engine.types import GenRequest
-from specdec.train.dllm import curve_summary
+from specdec.train.trainers.dllm import curve_summary
 
 
 @dataclass

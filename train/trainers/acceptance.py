@@ -27,8 +27,8 @@ from pathlib import Path
 
 from specdec.models.acceptance import FEATURES, HEAD_MODES, N_STATS, AcceptanceHead
 from specdec.models.artifacts import SpecdecError, UsageError, check_fingerprint, read_config, tokenizer_fingerprint, write_json
-from specdec.train.acceptance_labels import draw_acceptance, label_blocks, label_continuations, target_continuations
-from specdec.train.acceptance_policy import POLICY_PROMPTS, choose_policy, measure_round_costs, onpolicy_greedy
+from specdec.train.trainers.acceptance_labels import draw_acceptance, label_blocks, label_continuations, target_continuations
+from specdec.train.trainers.acceptance_policy import POLICY_PROMPTS, choose_policy, measure_round_costs, onpolicy_greedy
 from specdec.train.loop import TrainConfig, make_accelerator, run_training, save_config
 
 

@@ -171,12 +171,12 @@ def _train_riding(kind: str, target_dir, data_files, out_dir, cfg: TrainConfig, 
     """PPD prompt embeddings or Hidden Transfer maps (``models.heads.PromptTokens`` / ``TransferMaps``) on the frozen
     target: each training block gets ``cuts`` cut points (extra ``cuts``, default 16), each followed by m
     placeholder positions (extra ``num_heads``, default 3) that see the block up to the cut; one forward per block
-    covers every cut (``train.lud.pack``, the packing of Lexical Unit Decoding, unit size m + 1). Placeholder j
+    covers every cut (``train.trainers.lud.pack``, the packing of Lexical Unit Decoding, unit size m + 1). Placeholder j
     after the cut's last real token x_t learns x_{t+2+j} (x_{t+1} is the target's own next token), the module's
     inputs injected by hooks on the target as at decode (``decode.drafters.parallel_prompts``)."""
     from specdec.train.data import block_prefix, load_blocks, load_teacher
     from specdec.train.loop import make_accelerator
-    from specdec.train.lud import LudCollate, MaskMaker, choose_placeholder
+    from specdec.train.trainers.lud import LudCollate, MaskMaker, choose_placeholder
 
     out_dir = Path(out_dir)
     accelerator = make_accelerator(cfg)
