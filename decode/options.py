@@ -104,6 +104,8 @@ class DraftingOptions:
     # S2D (a sorted draft, train-draft --targets): the depth chosen per draft step: the shallowest recorded
     # sub-model drafts where its top probability is at least exit_threshold, the target's own depth elsewhere
     exit_threshold: float | None = None
+    # SuffixDecoding: a folder keeping finished texts across jobs (decode.drafters.suffix)
+    suffix_cache: str | None = None
 
 
 @dataclass(frozen=True)

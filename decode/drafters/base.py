@@ -153,6 +153,9 @@ class Drafter:
     def select_rows(self, rows: torch.Tensor) -> None:
         pass
 
+    def retire(self, seqs: list[list[int]]) -> None:
+        """Rows that finished, their whole text (prompt and output), before they leave the batch."""
+
     def admit(self, batch, seg: Segment) -> None:
         raise SpecdecError(f"the {type(self).__name__} drafter cannot take new rows into a running batch: decode with --schedule static")
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from specdec.decode.drafters import aded, base, copying, draft_model, long_draft, model_free, retrieval, stand
+from specdec.decode.drafters import aded, base, copying, draft_model, long_draft, model_free, retrieval, stand, suffix
 from specdec.decode.drafters import self_speculation as swift
 from specdec.decode.drafters.adaptive import build_adaptive
 from specdec.decode.drafters.heads import build_head_drafter
@@ -153,6 +153,7 @@ NAMED_DRAFTERS: dict[str, Factory] = {
     "swift": Factory(swift.build_swift, label="swift", check=swift.check_swift_spec),
     "aded": Factory(lambda spec, target, tokenizer, options: aded.AdedDrafter(), label="the aded drafter", model_free=True),
     "stand": Factory(lambda spec, target, tokenizer, options: stand.StandDrafter(), label="the stand drafter", model_free=True),
+    "suffix": Factory(suffix.build_suffix, frozenset({"suffix_cache"}), "the suffix drafter", model_free=True),
     "retrieval": Factory(retrieval.build_retrieval, label="retrieval:INDEX", check=retrieval.check_retrieval_spec, model_free=True),
     # approximate modes with a loop of their own (decode.engine.own)
     "superposed": Factory(_superposed, frozenset({"ngram_weight", "max_ngram"}), "superposed decoding", check=_check_superposed,

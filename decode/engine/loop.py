@@ -604,6 +604,7 @@ class SpecEngine:
         kept = [i for i, r in enumerate(batch.rows) if not rows[r].finish]
         if len(kept) == len(batch.rows):
             return
+        self.drafter.retire([batch.seqs[i] for i, r in enumerate(batch.rows) if rows[r].finish])
         held = (state.cache_bytes(), self.drafter.cache_bytes())  # before the rows go: what the batch held at its largest
         for r in batch.rows:
             if rows[r].finish:
