@@ -169,13 +169,41 @@ def _build_draft(path: Path | str, target, tokenizer, options: DecodeOptions):
     """A draft model from an artifact folder or a hub id, checked against the target's tokenizer, drafting
     in the mode the options select (``DRAFT_MODES``). A sorted (S2D) draft runs as the sub-model of the depth
     its config records for this target (``draft_model.s2d_view``), or with ``--exit-threshold`` at a depth
-    chosen per draft step (``draft_model.SortedExitDrafter``)."""
+    chosen per draft step (``draft_model.SortedExitDrafter``). A draft with a tokenizer of its own drafts
+    re-tokenised chains (``bridge.TokenizerBridgeDrafter``)."""
+    foreign = _foreign_tokenizer(path, tokenizer, options)
+    if foreign is not None:
+        return _bridge(path, foreign, target, tokenizer, options)
     model = load_checked_draft(path, target, tokenizer, options)
     factory = DRAFTER_KINDS["draft"].mode(options.drafting)
     if factory.switch == "exit_threshold":  # the depth chosen per step needs the whole sorted draft
         return factory(model, tokenizer, options, target)
     model, _ = draft_model.s2d_view(model, getattr(getattr(model, "config", None), "specdec_s2d", None), target)
     return factory(model, tokenizer, options)
+
+
+def _foreign_tokenizer(path: Path | str, tokenizer, options: DecodeOptions):
+    """The draft's own tokenizer where it has one and it is not the target's; None otherwise (a draft
+    without a tokenizer is checked against the target it records, in ``load_checked_draft``)."""
+    folder = Path(path)
+    if folder.is_dir() and not ((folder / "tokenizer.json").exists() or (folder / "tokenizer_config.json").exists()):
+        return None
+    own = load_tokenizer(str(path), options.placement)
+    return None if tokenizer_fingerprint(own) == tokenizer_fingerprint(tokenizer) else own
+
+
+def _bridge(path, draft_tokenizer, target, tokenizer, options: DecodeOptions):
+    """A draft of another tokenizer: plain greedy chains, re-tokenised into the target's tokens."""
+    from specdec.decode.drafters.bridge import TokenizerBridgeDrafter
+    from specdec.decode.engine.types import Scheme
+
+    mode = DRAFTER_KINDS["draft"].mode(options.drafting)
+    if mode.switch is not None or Scheme(options.drafting.verify) != Scheme.standard:
+        what = mode.label if mode.switch is not None else f"--verify {Scheme(options.drafting.verify).value}"
+        raise UsageError(f"draft {path} has a tokenizer of its own: it drafts plain chains re-tokenised into the "
+                         f"target's tokens, which {what} does not take")
+    model = load_draft(path, options.placement, device=input_device(target), dtype=target.dtype)
+    return TokenizerBridgeDrafter(model, draft_tokenizer, tokenizer)
 
 
 def load_checked_draft(path: Path | str, target, tokenizer, options: DecodeOptions):
