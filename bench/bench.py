@@ -45,7 +45,7 @@ from specdec.decode.jobs.memory import draft_width, memory_model
 from specdec.decode.jobs.validate import check_drafter_traits, is_diffusion_model, validate_options
 from specdec.decode.options import DecodeOptions, parse_method
 from specdec.bench.roofline import nominal_bandwidth, peak_bandwidth, roofline
-from specdec.bench.report import plot, provenance, shown_path
+from specdec.bench.report import plot, provenance, shown_home, shown_path
 from specdec.bench.timing import Run, Runner, run_passes, speedup, tokens_per_s
 from specdec.decode.measure import distinct_ngram_ratio, time_forward
 from specdec.decode.engine.types import GenRequest, add_counts
@@ -569,7 +569,8 @@ def _entry(spec, run: Run, ar: Run, categories, costs, draft_model, base: Decode
         return out
 
     # the headline is the same summary over every prompt: one way to compute a speedup, for a category or all
-    entry = {"method": spec, **summarize(list(range(len(run.outputs)))), "walls_s": [round(w, 4) for w in run.walls]}
+    # a spec's paths as the command shows them ($SPECDEC_HOME/...), not where this machine keeps its home
+    entry = {"method": shown_home(spec), **summarize(list(range(len(run.outputs)))), "walls_s": [round(w, 4) for w in run.walls]}
     if any(st.get("approximate") for st in run.stats):
         entry["approximate"] = True
     for name in ("target_cache_bytes", "draft_cache_bytes"):  # key/value memory: the largest any batch held
