@@ -57,6 +57,9 @@ class Factory:
     # greedily, batches by --batch-size, and its records say "approximate": true
     approximate: bool = False
     several_at_greedy: bool = False  # its --num-samples outputs differ at T = 0 (superposed decoding's k best drafts)
+    # a draft model's mode that takes the whole sorted (S2D) draft and the target, choosing depths itself, rather
+    # than the sub-model of the target's depth
+    whole_sorted_draft: bool = False
 
     def __call__(self, *args):
         return self.build(*args)
@@ -176,7 +179,7 @@ def _build_draft(path: Path | str, target, tokenizer, options: DecodeOptions):
         return _bridge(path, foreign, target, tokenizer, options)
     model = load_checked_draft(path, target, tokenizer, options)
     factory = DRAFTER_KINDS["draft"].mode(options.drafting)
-    if factory.switch == "exit_threshold":  # the depth chosen per step needs the whole sorted draft
+    if factory.whole_sorted_draft:
         return factory(model, tokenizer, options, target)
     model, _ = draft_model.s2d_view(model, getattr(getattr(model, "config", None), "specdec_s2d", None), target)
     return factory(model, tokenizer, options)
@@ -283,7 +286,8 @@ DRAFT_MODES = (
             "adaptive draft length (SpecDec++, a chain)", switch="acceptance"),
     Factory(_parallel, frozenset({"parallel", "pre_verify"}), "PEARL (a plain chain)", switch="parallel"),
     Factory(_rasd, frozenset({"retrieval"}), "RASD (a retrieval tree fused with the draft's greedy chain)", switch="retrieval"),
-    Factory(_sorted_exit, frozenset({"exit_threshold"}), "S2D's depth per step (a sorted draft's chain)", switch="exit_threshold"),
+    Factory(_sorted_exit, frozenset({"exit_threshold"}), "S2D's depth per step (a sorted draft's chain)", switch="exit_threshold",
+            whole_sorted_draft=True),
 )
 
 HEAD_OPTIONS = frozenset({"tree", "tree_tokens", "top_k"})
