@@ -131,3 +131,17 @@ def test_modes_that_need_the_drafts_distribution_are_refused(pair, tmp_path):
     assert res.exit_code != 0 and res.output.strip().startswith("error:") and "tokenizer of its own" in res.output
     res, _ = _decode(root, tmp_path, "pearl", "--drafter", str(root / "other"), "--parallel")
     assert res.exit_code != 0 and "tokenizer of its own" in res.output and "Traceback" not in res.output
+
+
+def test_bench_times_a_draft_of_another_tokenizer_by_its_proposals(pair, tmp_path):
+    """bench's drafting cost for such a draft is its measured propose time: its model reads its own ids, so
+    timing it on the target's tokens (as for a draft that shares them) would index past its vocabulary."""
+    root = pair[0]
+    src = tmp_path / "p.jsonl"
+    src.write_text("".join(json.dumps({"prompt": f"def h{i}(x):\n    return x"}) + "\n" for i in range(2)))
+    out = tmp_path / "r.json"
+    res = invoke(["bench", "--in", str(src), "--target", str(root / "target"), "--methods", f"ar,{root / 'other'}",
+                  "--max-new-tokens", "8", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    row = next(m for m in json.loads(out.read_text())["methods"] if m["method"] != "ar")
+    assert row["identical_to_ar"] == 1.0 and row["draft_cost"] is not None

@@ -27,8 +27,13 @@ class TokenizerBridgeDrafter(Drafter):
     default_k = 4
 
     def __init__(self, model, draft_tokenizer, target_tokenizer, context: int = 256):
-        self.model, self.draft_tokenizer, self.target_tokenizer = model.eval(), draft_tokenizer, target_tokenizer
+        # not ``model``: that names a draft that reads the target's token ids (the bench times it on them); this
+        # one reads its own, so its cost is the measured propose time, and the memory model counts it through modules()
+        self.draft_model, self.draft_tokenizer, self.target_tokenizer = model.eval(), draft_tokenizer, target_tokenizer
         self.context = context
+
+    def modules(self) -> list:
+        return [self.draft_model]
 
     def admit(self, batch, seg: Segment) -> None:
         pass  # nothing is kept per row: each round reads the row's text afresh
@@ -38,7 +43,7 @@ class TokenizerBridgeDrafter(Drafter):
         forward per step, rows left-padded with their positions counted from their first real token."""
         tok = self.draft_tokenizer
         ids = [tok(t, add_special_tokens=True)["input_ids"][-self.context :] or [tok.eos_token_id or 0] for t in texts]
-        device = next(self.model.parameters()).device
+        device = next(self.draft_model.parameters()).device
         width = max(map(len, ids))
         x = torch.tensor([[0] * (width - len(i)) + i for i in ids], device=device)
         mask = torch.tensor([[0] * (width - len(i)) + [1] * len(i) for i in ids], device=device)
@@ -47,7 +52,7 @@ class TokenizerBridgeDrafter(Drafter):
         with torch.inference_mode():
             for _ in range(k):
                 positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -x.shape[1] :]
-                out = self.model(input_ids=x, attention_mask=mask, position_ids=positions, past_key_values=past, use_cache=True)
+                out = self.draft_model(input_ids=x, attention_mask=mask, position_ids=positions, past_key_values=past, use_cache=True)
                 past = out.past_key_values
                 x = out.logits[:, -1].argmax(-1, keepdim=True)
                 new = torch.cat([new, x], dim=1)
