@@ -243,6 +243,25 @@ def test_graphs_record_once_per_shape_and_buffers(target):
     assert graphed.recorded == 3
 
 
+def test_graphs_die_with_their_buffers(target):
+    """A cache's recorded steps are dropped with it: nothing they keep holds the buffers, so a batch's key/value
+    memory (and on a GPU its graphs) goes when the batch does."""
+    import gc
+    import weakref
+
+    state = KVState(target, 1, torch.device("cpu"), compile="graphs")
+    prompt = torch.randint(3, 96, (1, 12))
+    state.forward(prompt)
+    state.commit_prefix(12, torch.ones_like(prompt, dtype=torch.bool))
+    out = state.forward(torch.randint(3, 96, (1, 1)))
+    assert state._compiled.recorded == 1 and out.past_key_values is state.cache
+    old = weakref.ref(state.cache)
+    del out
+    state._reserve(state.cache.capacity + 1)  # new buffers: the old ones are no longer the state's
+    gc.collect()
+    assert old() is None and len(state._compiled._steps) == 0
+
+
 def test_graphs_leave_hooked_forwards_unrecorded(target):
     """A forward hook's per-call tensors (the riding drafters' columns) would be frozen into a recorded
     graph: while one is registered, steps run as they are, and the hook sees every one of them."""

@@ -149,9 +149,10 @@ class Graphed:
             if self.record:
                 step.graph.replay()
             else:
-                step.out = step.run()
+                step.out = _detached(step.run())
         self.replays += 1
-        return type(step.out)(**step.out)  # a fresh container: callers replace its fields
+        # a fresh container (callers replace its fields), holding the live cache the stored one leaves out
+        return type(step.out)(**{**step.out, "past_key_values": cache})
 
     def _hooked(self) -> bool:
         """Whether a forward hook other than transformers' own output capture is registered on the model
@@ -170,10 +171,13 @@ class Graphed:
         statics = [x.clone() if isinstance(x, torch.Tensor) else x for x in leaves]
         inputs = [x for x in statics if isinstance(x, torch.Tensor)]
         kwargs = torch.utils._pytree.tree_unflatten(statics, spec)
-        run = lambda: self.model(**kwargs, **fixed, past_key_values=cache)  # noqa: E731
+        # the steps of a cache live only as long as it does (``_steps`` holds it weakly): nothing they keep may
+        # hold it, so the step function reaches it through a weak reference and stored outputs drop it
+        buffers = weakref.ref(cache)
+        run = lambda: self.model(**kwargs, **fixed, past_key_values=buffers())  # noqa: E731
         self.recorded += 1
         if not self.record:
-            return _Step(inputs, None, run(), run)
+            return _Step(inputs, None, _detached(run()), run)
         # the warm-up is a real step: it advances the buffers' write offsets, which the replay below
         # must find where this step began
         offsets = [layer.cumulative_length.clone() for layer in cache.layers]
@@ -190,7 +194,13 @@ class Graphed:
         for layer, offset in zip(cache.layers, offsets):
             layer.cumulative_length.copy_(offset)
         graph.replay()
-        return _Step(inputs, graph, out, run)
+        return _Step(inputs, graph, _detached(out), run)
+
+
+def _detached(out):
+    """A forward's output without its cache, to be stored beside the cache's steps (a new container:
+    transformers' outputs keep a field set to None in their mapping)."""
+    return type(out)(**{k: v for k, v in out.items() if k != "past_key_values"})
 
 
 class _Step:
