@@ -120,9 +120,13 @@ class SuffixDrafter(Drafter):
         start = len(self.corpus)
         self.corpus.extend(tokens)
         self.corpus.append(SEPARATOR)
+        keep = 4 * self.max_occurrences  # the occurrences a lookup reads: the most recent
         for n in KEY_LENGTHS:
             for end in range(n, len(tokens)):  # a suffix with a token after it
-                self.keys.setdefault((n, hash(tuple(tokens[end - n : end]))), []).append(start + end)
+                found = self.keys.setdefault((n, hash(tuple(tokens[end - n : end]))), [])
+                found.append(start + end)
+                if len(found) > 2 * keep:  # a frequent suffix keeps its recent occurrences, not every one
+                    del found[:-keep]
 
     def retire(self, seqs: list[list[int]]) -> None:
         for seq in map(list, seqs):
