@@ -156,12 +156,25 @@ def test_sigkill_mid_run_then_resume(tiny_family, tmp_path):
     assert [o["completion"] for o in got] == [o["completion"] for o in read_jsonl(clean)]
 
 
-def test_foreign_tokenizer_draft_is_refused_before_work(tiny_family, tmp_path):
-    src = write_jsonl(tmp_path / "in.jsonl", PROMPTS[:1])
+def test_a_draft_of_another_tokenizer_is_bridged_and_one_without_its_tokenizer_refused(tiny_family, tmp_path):
+    """A draft that brings its own tokenizer drafts re-tokenised text (decode.drafters.bridge); one whose
+    vocabulary is not the target's and that brings no tokenizer to say what its ids mean is refused before any work."""
+    import shutil
+
+    src = write_jsonl(tmp_path / "in.jsonl", PROMPTS[:2])
+    plain, bridged = tmp_path / "plain.jsonl", tmp_path / "bridged.jsonl"
+    assert decode(tiny_family, "--in", str(src), "--out", str(plain), "--drafter", "ar").exit_code == 0
+    res = decode(tiny_family, "--in", str(src), "--out", str(bridged), "--drafter", str(tiny_family / "foreign-draft"))
+    assert res.exit_code == 0, res.output
+    assert [o["completion"] for o in read_jsonl(bridged)] == [o["completion"] for o in read_jsonl(plain)]
+    bare = tmp_path / "bare-draft"
+    shutil.copytree(tiny_family / "foreign-draft", bare)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+        (bare / name).unlink(missing_ok=True)
     out = tmp_path / "out.jsonl"
-    res = decode(tiny_family, "--in", str(src), "--out", str(out), "--drafter", str(tiny_family / "foreign-draft"))
+    res = decode(tiny_family, "--in", str(src), "--out", str(out), "--drafter", str(bare))
     assert res.exit_code == 1
-    assert "another tokenizer" in res.output and "size 301" in res.output and "size 300" in res.output
+    assert "vocabulary size 301" in res.output and "300" in res.output
     assert not out.exists() or out.read_text() == ""
 
 
