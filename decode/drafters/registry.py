@@ -177,7 +177,7 @@ def _build_draft(path: Path | str, target, tokenizer, options: DecodeOptions):
     foreign = _foreign_tokenizer(path, tokenizer, options)
     if foreign is not None:
         return _bridge(path, foreign, target, tokenizer, options)
-    model = load_checked_draft(path, target, tokenizer, options)
+    model = load_checked_draft(path, target, tokenizer, options, tokenizer_checked=True)
     factory = DRAFTER_KINDS["draft"].mode(options.drafting)
     if factory.whole_sorted_draft:
         return factory(model, tokenizer, options, target)
@@ -185,11 +185,16 @@ def _build_draft(path: Path | str, target, tokenizer, options: DecodeOptions):
     return factory(model, tokenizer, options)
 
 
+def _brings_tokenizer(path: Path | str) -> bool:
+    """Whether a draft comes with a tokenizer of its own: a hub id does, a folder where it saved one."""
+    folder = Path(path)
+    return not folder.is_dir() or (folder / "tokenizer.json").exists() or (folder / "tokenizer_config.json").exists()
+
+
 def _foreign_tokenizer(path: Path | str, tokenizer, options: DecodeOptions):
     """The draft's own tokenizer where it has one and it is not the target's; None otherwise (a draft
     without a tokenizer is checked against the target it records, in ``load_checked_draft``)."""
-    folder = Path(path)
-    if folder.is_dir() and not ((folder / "tokenizer.json").exists() or (folder / "tokenizer_config.json").exists()):
+    if not _brings_tokenizer(path):
         return None
     own = load_tokenizer(str(path), options.placement)
     return None if tokenizer_fingerprint(own) == tokenizer_fingerprint(tokenizer) else own
@@ -209,18 +214,19 @@ def _bridge(path, draft_tokenizer, target, tokenizer, options: DecodeOptions):
     return TokenizerBridgeDrafter(model, draft_tokenizer, tokenizer)
 
 
-def load_checked_draft(path: Path | str, target, tokenizer, options: DecodeOptions):
+def load_checked_draft(path: Path | str, target, tokenizer, options: DecodeOptions, tokenizer_checked: bool = False):
     """The draft model of an artifact folder or a hub id, loaded beside ``target`` (its input device and
     dtype) once its tokenizer fingerprint and vocabulary are checked against the target's; a reduced
     vocabulary's draft comes wrapped (``MappedVocabLM``: target ids in, logits over the target's
-    vocabulary out). Draft models' drafters and EAD's draft (``decode.approx.ead``) load it here."""
+    vocabulary out). Draft models' drafters and EAD's draft (``decode.approx.ead``) load it here.
+    ``tokenizer_checked``: the caller has compared the tokenizer the draft brings (``_foreign_tokenizer``)."""
     local = Path(path).is_dir()
     cfg = read_config(path) if local else load_model_config(str(path), options.placement).to_dict()
     expected = cfg.get("specdec_target")
     actual = tokenizer_fingerprint(tokenizer)
     if expected:
         check_fingerprint(expected, actual, f"draft {path}")
-    elif not local or (Path(path) / "tokenizer.json").exists() or (Path(path) / "tokenizer_config.json").exists():
+    elif not tokenizer_checked and _brings_tokenizer(path):
         check_fingerprint(tokenizer_fingerprint(load_tokenizer(str(path), options.placement)), actual, f"draft {path}")
     # a matching tokenizer does not make the embedding tables match: a draft with fewer rows would
     # index past its vocabulary on the target's tokens

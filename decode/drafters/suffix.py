@@ -44,12 +44,14 @@ class SuffixCache:
             check_fingerprint(read_config(self.folder)["tokenizer"], fingerprint, f"the suffix cache {folder}")
         else:
             write_json(self.folder / "config.json", {"kind": "suffix-cache", "tokenizer": fingerprint})
-        self.seen: set[str] = set()
+        self.seen: set[str] = set()  # the digests of the texts held
         self.texts: list[list[int]] = []
         path = self.folder / TEXTS
+        torn = False  # the file's last line lacks its end: a job was killed writing it
         if path.is_file():
             with open(path, encoding="utf-8") as f:
                 for line in f:
+                    torn = not line.endswith("\n")
                     try:
                         entry = json.loads(line)
                         tokens = [int(t) for t in entry["tokens"]]
@@ -58,14 +60,14 @@ class SuffixCache:
                     if entry.get("hash") == _digest(tokens) and entry["hash"] not in self.seen:
                         self.seen.add(entry["hash"])
                         self.texts.append(tokens)
-        torn = path.is_file() and path.stat().st_size > 0 and _last_byte(path) != b"\n"
         self._file = open(path, "a", encoding="utf-8")
         if torn:  # end the torn line, so that the next text starts a line of its own
             self._file.write("\n")
 
-    def add(self, tokens: list[int]) -> bool:
-        """Append a finished text unless it is there already; True when it was new."""
-        digest = _digest(tokens)
+    def add(self, tokens: list[int], digest: str | None = None) -> bool:
+        """Append a finished text (``digest``: its ``_digest``, where the caller has it) unless it is there
+        already; True when it was new."""
+        digest = digest or _digest(tokens)
         if digest in self.seen:
             return False
         self.seen.add(digest)
@@ -73,12 +75,6 @@ class SuffixCache:
         self._file.flush()
         os.fsync(self._file.fileno())
         return True
-
-
-def _last_byte(path: Path) -> bytes:
-    with open(path, "rb") as f:
-        f.seek(-1, os.SEEK_END)
-        return f.read(1)
 
 
 def _digest(tokens: list[int]) -> str:
@@ -111,9 +107,10 @@ class SuffixDrafter(Drafter):
         self.max_occurrences, self.max_depth = max_occurrences, max_depth
         self.corpus = array("q")
         self.keys: dict[tuple[int, int], list[int]] = {}  # (length, hash of the suffix) -> positions after it
-        self.seen: set[str] = set()  # the texts indexed, by digest: a text met again adds no weight
+        # the texts indexed, by digest (a text met again adds no weight): with a cache, the cache's own set,
+        # which holds what it loaded and what it appends
+        self.seen: set[str] = cache.seen if cache is not None else set()
         for tokens in cache.texts if cache is not None else ():
-            self.seen.add(_digest(tokens))
             self._index(tokens)
 
     def _index(self, tokens: list[int]) -> None:
@@ -133,10 +130,11 @@ class SuffixDrafter(Drafter):
             digest = _digest(seq)
             if digest in self.seen:
                 continue
-            self.seen.add(digest)
             self._index(seq)
             if self.cache is not None:
-                self.cache.add(seq)
+                self.cache.add(seq, digest)
+            else:
+                self.seen.add(digest)
 
     def admit(self, batch, seg: Segment) -> None:
         pass  # drafts come from the corpus and each row's own text
