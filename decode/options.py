@@ -106,6 +106,8 @@ class DraftingOptions:
     exit_threshold: float | None = None
     # SuffixDecoding: a folder keeping finished texts across jobs (decode.drafters.suffix)
     suffix_cache: str | None = None
+    # a model-free lookup (decode.drafters.hybrid.LOOKUPS) whose chains join a head drafter's trees
+    lookup: str | None = None
 
 
 @dataclass(frozen=True)

@@ -257,8 +257,10 @@ class AcceptanceCalibration:
         """Count the verified tree: a node is at stake when its parent was accepted (or is the root)."""
         bsz, n = tree.tokens.shape
         path = seg.keep_index[:, 1:] - 1  # accepted nodes, in order; invalid slots point at node -1
+        # nodes past the drafter's own (a lookup's chain merged into the tree: decode.drafters.hybrid) are not counted
+        own = seg.keep_valid[:, 1:] & (path < n)
         on_path = torch.zeros(bsz, n, dtype=torch.float64, device=path.device)
-        on_path.scatter_add_(1, path.clamp(min=0), seg.keep_valid[:, 1:].double())
+        on_path.scatter_add_(1, path.clamp(min=0, max=max(n - 1, 0)), own.double())
         par = tree.parents
         at_stake = ((par == -1) | ((par >= 0) & (on_path.gather(1, par.clamp(min=0)) > 0))).double()
         key = tree.key.flatten()

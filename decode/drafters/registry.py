@@ -297,10 +297,18 @@ DRAFT_MODES = (
 )
 
 HEAD_OPTIONS = frozenset({"tree", "tree_tokens", "top_k"})
+# heads whose trees take a lookup's chains (--lookup; its own options with it, checked in decode.jobs.validate)
+TREE_HEAD_OPTIONS = HEAD_OPTIONS | {"lookup", "max_ngram", "suffix_cache"}
 
 
 def _heads(path, target, tokenizer, options: DecodeOptions):
-    return build_head_drafter(path, target, tokenizer, options.drafting)
+    heads = build_head_drafter(path, target, tokenizer, options.drafting)
+    lookup = options.drafting.lookup
+    if not lookup:
+        return heads
+    from specdec.decode.drafters.hybrid import LookupTree
+
+    return LookupTree(heads, NAMED_DRAFTERS[lookup](lookup, target, tokenizer, options))
 
 
 def _riding(path, target, tokenizer, options: DecodeOptions):
@@ -313,10 +321,10 @@ def _riding(path, target, tokenizer, options: DecodeOptions):
 # kind (config.json "specdec_kind"/"kind") -> factory(path, target, tokenizer, options)
 DRAFTER_KINDS: dict[str, Factory] = {
     "draft": Factory(_build_draft, label="draft models", modes=DRAFT_MODES),
-    "medusa": Factory(_heads, HEAD_OPTIONS, "medusa heads"),
-    "clover": Factory(_heads, HEAD_OPTIONS, "clover heads"),
-    "eagle": Factory(_heads, HEAD_OPTIONS, "eagle heads"),
-    "chimera": Factory(_heads, HEAD_OPTIONS, "chimera heads"),
+    "medusa": Factory(_heads, TREE_HEAD_OPTIONS, "medusa heads"),
+    "clover": Factory(_heads, TREE_HEAD_OPTIONS, "clover heads"),
+    "eagle": Factory(_heads, TREE_HEAD_OPTIONS, "eagle heads"),
+    "chimera": Factory(_heads, TREE_HEAD_OPTIONS, "chimera heads"),
     # their drafts ride the target's verify forward: a chain, or a sparse tree with a riding chain per node
     "ppd": Factory(_riding, HEAD_OPTIONS, "ppd prompt tokens"),
     "hidden-transfer": Factory(_riding, HEAD_OPTIONS, "hidden-transfer maps"),

@@ -254,7 +254,10 @@ class SpecEngine:
             start = time.perf_counter()
             proposal = self.drafter.propose(batch) if batch.num_draft > 0 else None
             if self.length is not None and proposal is not None and not proposal.is_tree and proposal.rest is None:
-                self.length.record_draft(proposal.tokens.shape[1], time.perf_counter() - start)
+                # a drafter that sizes its trees itself times its own levels; its chains (a lookup's,
+                # decode.drafters.hybrid) cost no draft forward and would dilute that timing
+                if self.drafter.length_policy is not LengthPolicy.tree:
+                    self.length.record_draft(proposal.tokens.shape[1], time.perf_counter() - start)
                 if self.drafter.length_policy is LengthPolicy.after:
                     proposal = self._trim(proposal)
         if proposal is not None and proposal.rest is not None:

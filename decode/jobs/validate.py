@@ -76,6 +76,7 @@ def validate_options(opts: DecodeOptions) -> None:
                         (drafting.max_ngram, "max_ngram"), (drafting.online_every, "online_every")):
         if value is not None:
             _positive_int(value, flag(name))
+    check_lookup(drafting)
     if drafting.top_k is not None and drafting.top_k > MAX_TOP_K:
         raise UsageError(f"--top-k must be in 1..{MAX_TOP_K}, got {drafting.top_k}")
     if drafting.tree_tokens is not None and drafting.tree_tokens > MAX_TREE_TOKENS:
@@ -102,6 +103,24 @@ def validate_options(opts: DecodeOptions) -> None:
     check_shared_prefix(scheduling.shared_prefix)
     # the models layer's own rules for where models run (they are what loading relies on)
     Placement(**{f.name: getattr(opts.placement, f.name) for f in dataclasses.fields(Placement)})
+
+
+def check_lookup(drafting) -> None:
+    """``--lookup`` names a lookup a head's trees take chains from (decode.drafters.hybrid.LOOKUPS)."""
+    from specdec.decode.drafters.hybrid import LOOKUPS
+
+    if drafting.lookup is not None and drafting.lookup not in LOOKUPS:
+        raise UsageError(f"--lookup must be one of {', '.join(LOOKUPS)}, got {drafting.lookup!r}")
+
+
+def check_lookup_options(drafter: DrafterChoice, drafting) -> None:
+    """A head drafter takes a lookup's own options (``max_ngram``, ``--suffix-cache``) only with that lookup."""
+    if "lookup" not in drafter.factory.takes:
+        return
+    own = {"ngram": "max_ngram", "suffix": "suffix_cache"}
+    for lookup, name in own.items():
+        if getattr(drafting, name) != getattr(type(drafting)(), name) and drafting.lookup != lookup:
+            raise UsageError(f"{flag(name)} applies to {drafter.factory.label} only with --lookup {lookup}")
 
 
 def check_kernels(kernels: str) -> None:
@@ -148,6 +167,7 @@ def check_drafter_traits(drafter: DrafterChoice, opts: DecodeOptions) -> None:
     method's outputs differ at T = 0); an approximate mode decodes greedily (its drafts, units or exits
     stand in for the target's argmax) and, as beam search, batches by --batch-size."""
     sampling, factory = opts.sampling, drafter.factory
+    check_lookup_options(drafter, opts.drafting)
     if sampling.num_samples > 1 and sampling.temperature <= 0 and not factory.several_at_greedy:
         raise UsageError(f"--num-samples {sampling.num_samples} needs --temperature > 0: greedy decoding would give "
                          f"{sampling.num_samples} identical samples")

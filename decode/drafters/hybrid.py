@@ -1,0 +1,158 @@
+"""Lookup and trained heads in one verified tree (``--lookup ngram`` with a head artifact).
+
+Where the text repeats, a lookup in it (n-gram prompt lookup, a suffix cache) proposes long chains that
+a trained head cannot match; elsewhere the head's tree is the only source of drafts. ``LookupTree``
+runs both for every round: the lookup first (it costs no forward), then
+
+- every row's match is long (``STRONG_MATCH`` tokens or more): the round is the lookup's chain alone,
+  trimmed to the length the engine's cost model chooses for its match class; the head is not run, so a
+  round costs what an ``ngram`` round costs;
+- otherwise: the head grows its tree and each row's lookup chain is merged into it as one more path
+  from the root (a prefix the tree already holds is shared, not repeated), so the target verifies
+  both kinds of candidates in one forward.
+
+The head keeps its state (its own cache of the target's features) in every round, whichever source
+won, because it observes every verify segment as it would alone. Verification does not depend on where
+a candidate came from (a tree of deterministic candidates is verified exactly, greedy or sampled), so
+the output is the target's own.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdec.decode.drafters.base import Drafter, Proposal, Segment, tree_proposal
+
+STRONG_MATCH = 2  # n-gram matches of this many tokens or more draft alone: their chains are accepted far more often than a head's
+LOOKUPS = ("ngram", "suffix")  # model-free chain drafters a head's tree takes candidates from
+
+
+class LookupTree(Drafter):
+    """``heads`` (a HeadTreeDrafter) with the chains of ``lookup`` (a model-free chain drafter whose
+    proposals may carry match ``classes``) merged into its trees."""
+
+    proposes_trees = True
+
+    def __init__(self, heads, lookup):
+        self.heads, self.lookup = heads, lookup
+        self.needs_hidden = heads.needs_hidden
+        self.hidden_layers = heads.hidden_layers
+        self.default_k = max(heads.default_k, lookup.default_k)
+        self.length_policy = heads.length_policy
+        self.model = heads.model
+        self._length = None
+        self._round: tuple[list[list[int]], list[int]] | None = None  # the lookup's chains in the tree under verification
+        self.sources = {"lookup": 0, "tree": 0}  # rounds of each kind (stats, tests)
+
+    # the engine hands a drafter of LengthPolicy.tree its DraftLength: the head sizes its trees with it and the
+    # lookup's chains are trimmed by it
+    @property
+    def length(self):
+        return self._length
+
+    @length.setter
+    def length(self, value) -> None:
+        self._length = value
+        self.heads.length = value
+
+    @property
+    def admits(self) -> bool:
+        return self.heads.admits and self.lookup.admits
+
+    def modules(self) -> list:
+        return self.heads.modules()
+
+    def cost_share(self, target) -> float:
+        return self.heads.cost_share(target)
+
+    def begin(self, batch, seg: Segment) -> None:
+        self.heads.begin(batch, seg)
+        self.lookup.begin(batch, seg)
+
+    def admit(self, batch, seg: Segment) -> None:
+        self.heads.admit(batch, seg)
+        self.lookup.admit(batch, seg)
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        self.heads.select_rows(rows)
+        self.lookup.select_rows(rows)
+
+    def retire(self, seqs: list[list[int]]) -> None:
+        self.heads.retire(seqs)
+        self.lookup.retire(seqs)
+
+    def _chains(self, batch) -> tuple[list[list[int]], list[int]]:
+        """Each row's lookup chain (trimmed by the cost model where the engine keeps one) and match class."""
+        bsz = len(batch.seqs)
+        found = self.lookup.propose(batch)
+        if found is None:
+            return [[] for _ in range(bsz)], [0] * bsz
+        tokens = found.tokens.tolist()
+        have = found.lengths.tolist() if found.lengths is not None else [len(t) for t in tokens]
+        classes = list(found.classes) if found.classes is not None else [0] * bsz
+        if self._length is not None:
+            have = self._length.lengths(classes, have)
+        return [t[:n] for t, n in zip(tokens, have)], classes
+
+    def propose(self, batch) -> Proposal | None:
+        self._round = None
+        chains, classes = self._chains(batch)
+        if all(c >= STRONG_MATCH and chain for c, chain in zip(classes, chains)):
+            self.sources["lookup"] += 1
+            width = max(map(len, chains))
+            tokens = torch.zeros(len(chains), width, dtype=torch.long)
+            for r, chain in enumerate(chains):
+                tokens[r, : len(chain)] = torch.tensor(chain)
+            lengths = torch.tensor([len(c) for c in chains])
+            # a chain: the engine learns its acceptance per class (DraftLength.observe) as it does for ngram's
+            return Proposal(tokens=tokens.to(batch.device), lengths=lengths.to(batch.device), classes=classes)
+        self.sources["tree"] += 1
+        tree = self.heads.propose(batch)
+        if not any(chains):
+            return tree
+        self._round = (chains, classes)
+        return merge_chains(tree, chains, batch.device)
+
+    def observe(self, batch, seg: Segment) -> None:
+        self.heads.observe(batch, seg)
+        self.lookup.observe(batch, seg)
+        if self._round is None or self._length is None:
+            return
+        chains, classes = self._round
+        self._round = None
+        # the lookup's chain was verified inside the tree: its accepted prefix is what the kept path shares with it
+        kept = seg.input_ids.gather(1, seg.keep_index).tolist()
+        accepted = []
+        for r, chain in enumerate(chains):
+            path = kept[r][1 : 1 + seg.accepted[r]]
+            n = 0
+            while n < min(len(chain), len(path)) and chain[n] == path[n]:
+                n += 1
+            accepted.append(n)
+        self._length.observe(classes, [len(c) for c in chains], accepted)
+
+
+def merge_chains(tree: Proposal | None, chains: list[list[int]], device) -> Proposal | None:
+    """``tree`` (a tree proposal, or None) with each row's chain added as a path from the root: a chain's
+    prefix that is already a path of the tree is shared, the rest hangs below it. The tree's own nodes keep
+    their indices (a drafter that learns from which of its nodes were accepted still reads them)."""
+    bsz = len(chains)
+    if tree is None:
+        rows = [([], []) for _ in range(bsz)]
+    else:
+        rows = list(zip(tree.tokens.tolist(), tree.parents.tolist()))
+    merged = []
+    for (toks, pars), chain in zip(rows, chains):
+        toks, pars = list(toks), list(pars)
+        # padding nodes (parent -2) stay where they are, as padding: no chain hangs below them
+        children: dict[tuple[int, int], int] = {(p, t): i for i, (t, p) in enumerate(zip(toks, pars)) if p >= -1}
+        at = -1
+        for token in chain:
+            nxt = children.get((at, token))
+            if nxt is None:
+                toks.append(token)
+                pars.append(at)
+                nxt = children[(at, token)] = len(toks) - 1
+            at = nxt
+        merged.append((toks, pars))
+    return tree_proposal(merged, device)

@@ -1,0 +1,136 @@
+"""A lookup's chains and a head's tree in one verified tree (decode.drafters.hybrid): the merge, greedy
+output identical to plain decoding, the exact distribution at T > 0, and the options."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import ByteTokenizer, make_prompts, tiny_llama
+from specdec.decode.drafters import hybrid
+from specdec.decode.drafters.base import tree_attention_from_parents
+from specdec.decode.drafters.heads import DRAFTERS
+from specdec.decode.drafters.hybrid import LookupTree, merge_chains
+from specdec.decode.drafters.model_free import NgramDrafter
+from specdec.decode.engine.loop import SpecEngine
+from specdec.decode.engine.types import GenRequest
+from specdec.decode.engine.verify import Sampling
+from specdec.models.head_artifacts import build_heads
+from test_sampling import P_FLOOR, two_token_pvalue
+
+
+def _heads(kind, target, dtype=torch.float64):
+    torch.manual_seed(0)
+    return build_heads(kind, target, {"window": 16}).attach(target, init_from_lm_head=True).to(dtype).eval()
+
+
+def _generate(target, drafter, prompts, max_new=24, sampling=None, **kw):
+    reqs = [GenRequest(prompt_ids=p, max_new_tokens=max_new) for p in prompts]
+    return SpecEngine(target, ByteTokenizer(), drafter, sampling=sampling, **kw).generate(reqs)
+
+
+def _tree(tokens, parents):
+    from specdec.decode.drafters.base import Proposal
+
+    t, p = torch.tensor([tokens]), torch.tensor([parents])
+    attn, depth = tree_attention_from_parents(p)
+    return Proposal(tokens=t, parents=p, tree_attn=attn, depth=depth, max_depth=int(depth.max()))
+
+
+def test_a_chain_shares_the_trees_prefix_and_hangs_the_rest_below_it():
+    # root -> 5 -> 6, root -> 7, and a padding node (parent -2) that no chain may extend
+    tree = _tree([5, 7, 6, 9], [-1, -1, 0, -2])
+    out = merge_chains(tree, [[5, 6, 8, 9]], "cpu")
+    assert out.tokens[0].tolist() == [5, 7, 6, 9, 8, 9]
+    # the tree's own nodes keep their indices; 8 hangs below 6 (node 2), 9 below 8; the padding stays padding
+    assert out.parents[0].tolist() == [-1, -1, 0, -2, 2, 4]
+    assert out.depth[0].tolist() == [0, 1, 1, 2, 1, 3, 4]  # root, then per node (padding counts as depth 1)
+    # a chain the tree already holds adds nothing; no tree at all makes the chain a path from the root
+    assert merge_chains(tree, [[7]], "cpu").tokens.shape[1] == 4
+    alone = merge_chains(None, [[3, 4], []], "cpu")
+    assert alone.parents.tolist() == [[-1, 0], [-2, -2]]
+
+
+@pytest.mark.parametrize("kind,tree", [("eagle", "dynamic"), ("eagle", "static"), ("medusa", "static")])
+@pytest.mark.parametrize("bs", [1, 3])
+def test_greedy_output_is_plain_decodings_and_both_sources_draft(target, kind, tree, bs):
+    prompts = [p + p[:6] + p[:6] for p in make_prompts(bs, seed=30 + bs)]  # repeats, so the lookup finds matches
+    ar = _generate(target, None, prompts, max_new=32)
+    drafter = LookupTree(DRAFTERS[kind](_heads(kind, target), target, tree=tree, tree_tokens=8, top_k=2), NgramDrafter())
+    out = _generate(target, drafter, prompts, max_new=32)
+    assert [r.token_ids for r in out] == [r.token_ids for r in ar]
+    assert drafter.sources["tree"] > 0 and sum(r.stats["drafted_tokens"] for r in out) > 0
+
+
+def test_long_matches_draft_the_lookups_chain_alone(target, monkeypatch):
+    """Every round whose rows all match long drafts the lookup's chain and leaves the head idle; with no
+    round long enough, the head drafts every round."""
+    prompts = [list(range(10, 30)) * 3]
+    heads = DRAFTERS["eagle"](_heads("eagle", target), target, tree="dynamic", tree_tokens=8, top_k=2)
+    drafter = LookupTree(heads, NgramDrafter())
+    grown = []
+    real = heads.propose
+    monkeypatch.setattr(heads, "propose", lambda batch: grown.append(1) or real(batch))
+    out = _generate(target, drafter, prompts, max_new=32)
+    assert out[0].token_ids == _generate(target, None, prompts, max_new=32)[0].token_ids
+    assert drafter.sources["lookup"] > 0 and len(grown) == drafter.sources["tree"]
+    monkeypatch.setattr(hybrid, "STRONG_MATCH", 99)
+    drafter = LookupTree(DRAFTERS["eagle"](_heads("eagle", target), target, tree="dynamic", tree_tokens=8, top_k=2), NgramDrafter())
+    _generate(target, drafter, prompts, max_new=32)
+    assert drafter.sources["lookup"] == 0 and drafter.sources["tree"] > 0
+
+
+def _stale_attention_merge(tree, chains, device):
+    """A broken merge: the chains' nodes join the tree, but the tree's ancestor matrix is the head's own,
+    padded, so a chain's node sees itself only (not the root, not its parent): its logits are the
+    target's for another context."""
+    merged = merge_chains(tree, chains, device)
+    n_old = tree.tokens.shape[1]
+    attn = merged.tree_attn.clone()
+    attn[:, n_old + 1 :, :] = False
+    idx = torch.arange(n_old + 1, attn.shape[1])
+    attn[:, idx, idx] = True
+    merged.tree_attn = attn
+    return merged
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_sampling_keeps_the_targets_two_token_distribution(monkeypatch, broken):
+    """At T = 0.8 the first two tokens follow the target's exact joint distribution with the lookup's
+    chains merged into every tree (the verification draws each token by the race, whatever the candidates); a
+    merge whose chain nodes do not see their context fails the test."""
+    vocab = 12
+    target = tiny_llama(vocab=vocab, hidden=32, layers=2, seed=3)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(0.25)  # many tokens matter
+    monkeypatch.setattr(hybrid, "STRONG_MATCH", 99)  # every round merges
+    if broken:
+        monkeypatch.setattr(hybrid, "merge_chains", _stale_attention_merge)
+    heads = DRAFTERS["eagle"](_heads("eagle", target), target, tree="static", tree_tokens=4, top_k=2)
+    drafter = LookupTree(heads, NgramDrafter())
+    prompt = [5, 7, 5, 7, 5]  # repeats, so the lookup proposes 7, 5, ...
+    sampling = Sampling(temperature=0.8)
+    engine = SpecEngine(target, ByteTokenizer(), drafter, sampling, num_draft=3, seed=123, eos_ids=[])
+    res = engine.generate([GenRequest(prompt, 2) for _ in range(6000)])
+    assert sum(r.stats["accepted_tokens"] for r in res) > 0
+    p = two_token_pvalue(res, target, prompt, sampling)
+    assert (p < P_FLOOR) if broken else (p > P_FLOOR)
+
+
+def test_lookup_options_are_checked_before_anything_loads():
+    from specdec.decode.drafters.registry import DRAFTER_KINDS, DrafterChoice, check_drafter_options
+    from specdec.decode.jobs.validate import check_drafter_traits, validate_options
+    from specdec.decode.options import DecodeOptions
+    from specdec.models.errors import UsageError
+
+    with pytest.raises(UsageError, match="--lookup must be one of ngram, suffix"):
+        validate_options(DecodeOptions(drafter="ngram", lookup="recycle"))
+    with pytest.raises(UsageError, match="--lookup applies to"):
+        check_drafter_options("ngram", DecodeOptions(drafter="ngram", lookup="ngram"))
+    eagle = DrafterChoice("heads", "eagle", "heads", DRAFTER_KINDS["eagle"])
+    check_drafter_traits(eagle, DecodeOptions(drafter="heads", lookup="ngram", max_ngram=4))
+    check_drafter_traits(eagle, DecodeOptions(drafter="heads", lookup="suffix", suffix_cache="cache"))
+    with pytest.raises(UsageError, match="--suffix-cache applies to eagle heads only with --lookup suffix"):
+        check_drafter_traits(eagle, DecodeOptions(drafter="heads", lookup="ngram", suffix_cache="cache"))
+    with pytest.raises(UsageError, match="max-ngram=N applies to eagle heads only with --lookup ngram"):
+        check_drafter_traits(eagle, DecodeOptions(drafter="heads", max_ngram=4))
