@@ -67,7 +67,7 @@ Seed = Annotated[int, typer.Option("--seed", help="Seed for sampling (training: 
 NumSamples = Annotated[int, typer.Option("--num-samples", help="Independent samples per prompt (needs --temperature > 0), decoded as rows of one batch: drafters such as stand share what they learn between them. With --drafter superposed: its k drafts (greedy).")]
 Data = Annotated[list[Path], typer.Option("--data", help="Training data: JSONL (e.g. the output of specdec decode), Parquet or text; repeat for several files.")]
 OutDir = Annotated[Path, typer.Option("--out", help="Artifact folder to write (checkpoints go under OUT/checkpoints).")]
-DraftVocab = Annotated[Optional[int], typer.Option("--draft-vocab", min=2, help="Draft only the N - 1 most frequent tokens of the training data (a draft-to-target id map in the artifact): the target's output layer is read at N rows; verification stays exact.")]
+DraftVocab = Annotated[Optional[int], typer.Option("--draft-vocab", min=0, help="Draft only the N - 1 most frequent tokens of the training data (a draft-to-target id map in the artifact): the target's output layer is read at N rows; verification stays exact. Default: 32768 for a target of 65536 tokens or more (a new draft or heads), the whole vocabulary otherwise; 0: the whole vocabulary.")]
 Recipe = Annotated[Optional[Path], typer.Option("--recipe", help="Recipe YAML (training-config fields; unknown keys are an error). Default: the packaged recipe.")]
 MaxSteps = Annotated[Optional[int], typer.Option("--max-steps", min=1, help="Optimizer steps (overrides the recipe).")]
 Budget = Annotated[Optional[float], typer.Option("--budget-minutes", min=0.0, help="Stop training after this many wall-clock minutes.")]

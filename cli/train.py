@@ -227,8 +227,9 @@ def train_heads_cmd(
                         "section's extra).")] = None,
     draft_vocab: o.DraftVocab = None,
     teacher_cache: Annotated[Optional[Path], typer.Option("--teacher-cache", help="File for the target's features and top-k logits over the training blocks, computed once (used whenever --draft-vocab is given).")] = None,
-    layout: Annotated[HeadLayout, typer.Option("--layout", help="EAGLE: specdec (its own architecture) or published (EAGLE-1, or "
-                      "EAGLE-3 with --eagle3, as vLLM / SGLang / speculators run them: exportable --to speculators|eagle).")] = HeadLayout.specdec,
+    layout: Annotated[Optional[HeadLayout], typer.Option("--layout", help="EAGLE: published (EAGLE-1, or EAGLE-3 with --eagle3, "
+                      "as vLLM / SGLang / speculators run them: exportable --to speculators|eagle; the default) or specdec "
+                      "(its own architecture; the default with --fspad, which the published layouts cannot hold).")] = None,
     recipe: o.Recipe = None,
     max_steps: o.MaxSteps = None,
     budget_minutes: o.Budget = None,
@@ -263,6 +264,8 @@ def train_heads_cmd(
         hp.update(fspad=True, fspad_align=fspad_align)
     if eagle3:
         hp.update(eagle3=True, feature_layers="eagle3")
+    if layout is None and kind == "eagle" and not hp.get("fspad"):
+        layout = HeadLayout.published  # what a user trains exports to the serving engines without a flag
     if layout is HeadLayout.published:
         if kind != "eagle":
             from specdec.models.errors import UsageError

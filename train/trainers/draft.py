@@ -506,6 +506,9 @@ def train_draft(
         raise UsageError("--window must be at least 1 and --sinks at least 0")
     accelerator = make_accelerator(cfg)
     target, tokenizer = load_teacher(target_dirs[0], placement, accelerator)
+    from specdec.train.teacher import resolve_draft_vocab
+
+    draft_vocab = resolve_draft_vocab(draft_vocab, target.config.vocab_size, possible=not (init or lora or sorted_draft))
     fp = tokenizer_fingerprint(tokenizer)
     teachers = [target]  # S2D: every target, in the order given
     for other_dir in target_dirs[1:]:

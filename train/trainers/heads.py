@@ -15,7 +15,7 @@ from specdec.models.errors import SpecdecError, UsageError
 from specdec.models.heads import KINDS, RIDE_KINDS
 from specdec.models.head_artifacts import build_heads, save_heads
 from specdec.train.loop import TrainConfig, run_training, save_config
-from specdec.train.teacher import heldout_coverage, training_vocab
+from specdec.train.teacher import heldout_coverage, resolve_draft_vocab, training_vocab
 
 def evaluate_heads(heads, target, heldout, k: int, batch: int = 8, top_k: int = 5) -> dict:
     """Per-head top-1/top-k accuracy (against the data and the target's greedy choice) and tau."""
@@ -107,6 +107,7 @@ def train_heads(
     fp = tokenizer_fingerprint(tokenizer)
     train, held = load_blocks(data_files, tokenizer, cfg.seq_len, cfg.heldout, cfg.seed)
     torch.manual_seed(cfg.seed)
+    draft_vocab = resolve_draft_vocab(draft_vocab, target.config.vocab_size)
     if draft_vocab and kind == "medusa":
         hp.setdefault("shared_head", True)  # a head's own output layer would have the target's vocabulary
     vocab = training_vocab(train, tokenizer, draft_vocab, target.config.vocab_size) if draft_vocab else None
