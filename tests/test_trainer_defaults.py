@@ -23,7 +23,7 @@ def test_eagle_heads_train_in_the_published_layout_by_default(tiny_family, tmp_p
         "eagle:\n  steps: 2\n  batch: 2\n  seq_len: 32\n  warmup: 1\n  checkpoint_every: 0\n  heldout: 0.2\n  progress: false\n")
     args = ["train-heads", "--kind", "eagle", "--target", tiny_family / "target", "--data", tmp_path / "data.jsonl",
             "--recipe", tmp_path / "heads.yaml"]
-    for extra, layout in ((([], "eagle1"), (["--layout", "specdec"], None)):
+    for extra, layout in (([], "eagle1"), (["--layout", "specdec"], None)):
         out = tmp_path / f"heads-{len(extra)}-{layout}"
         res = invoke([*args, *extra, "--out", out])
         assert res.exit_code == 0, res.output
