@@ -235,6 +235,7 @@ def _config(cfg: BenchConfig) -> dict:
     """The bench's settings and the resolved decode options, flat (the methods name the drafters)."""
     bench = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in ("options", "command")}
     bench["in_path"] = shown_path(cfg.in_path)
+    bench["methods"] = [shown_home(m) for m in cfg.methods]  # as the method rows name them: no machine's paths
     options = {k: v for k, v in cfg.options.values().items() if k not in ("drafter", "strategy")}
     return bench | options
 

@@ -122,6 +122,11 @@ def test_reports_name_the_specdec_home_not_this_machines_folders(tmp_path, monke
     assert provenance()["command"] == "scripts/bench-schedule --target $SPECDEC_HOME/tiny-stdlib/target"
     # a folder that only begins like the home is not under it
     assert shown_path(str(home) + "-other/x") == str(home) + "-other/x"
+    # the settings name the methods as their rows do
+    from specdec.bench.bench import BenchConfig, _config
+
+    methods = _config(BenchConfig("p.jsonl", methods=["ar", f"{target}+lookup=ngram"]))["methods"]
+    assert methods == ["ar", "$SPECDEC_HOME/tiny-stdlib/target+lookup=ngram"]
 
 
 def test_roofline_counts_the_bytes_each_forward_must_read():
