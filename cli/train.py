@@ -40,6 +40,7 @@ class ExportTo(str, Enum):
     vllm = "vllm"
     speculators = "speculators"
     eagle = "eagle"
+    gguf = "gguf"
 
 
 class HeadLayout(str, Enum):
@@ -313,14 +314,18 @@ def train_lud_cmd(
 def export_cmd(
     src: Annotated[Path, typer.Argument(help="A medusa or eagle artifact directory.")],
     to: Annotated[ExportTo, typer.Option("--to", help="hf (the method's own checkpoint layout), vllm, speculators (EAGLE-3 "
-                  "heads: the format vLLM loads) or eagle (EAGLE-1 / EAGLE-3 as SafeAILab EAGLE and SpecForge write them); "
-                  "speculators and eagle take heads trained with --layout published.")],
-    out: Annotated[Optional[Path], typer.Option("--out", help="Where to write (default SRC-TO).")] = None,
+                  "heads: the format vLLM loads), eagle (EAGLE-1 / EAGLE-3 as SafeAILab EAGLE and SpecForge write them) or "
+                  "gguf (EAGLE-3 heads as one llama.cpp draft file: llama-server -m TARGET.gguf -md DRAFT.gguf --spec-type "
+                  "draft-eagle3); speculators, eagle and gguf take heads trained with --layout published.")],
+    out: Annotated[Optional[Path], typer.Option("--out", help="Where to write (default SRC-TO; --to gguf: SRC.gguf).")] = None,
+    target: Annotated[Optional[Path], typer.Option("--target", help="--to gguf: the target's GGUF file, whose tokenizer the "
+                      "draft carries (default: the file the head's target was converted from).")] = None,
 ) -> None:
-    """Export a head artifact in the Medusa / EAGLE / speculators checkpoint conventions."""
+    """Export a head artifact in the Medusa / EAGLE / speculators checkpoint conventions, or as a llama.cpp GGUF draft."""
     from specdec.train.trainers.heads import export_artifact
 
-    dst = export_artifact(src, out or src.with_name(f"{src.name}-{to.value}"), to.value)
+    default = src.with_name(f"{src.name}.gguf" if to is ExportTo.gguf else f"{src.name}-{to.value}")
+    dst = export_artifact(src, out or default, to.value, target)
     typer.echo(str(dst))
 
 

@@ -18,7 +18,7 @@ SCRIPT = ROOT / "scripts" / "benchmarks-doc"
 # options of other programs the README shows specdec running under, or serving its exports
 FOREIGN_OPTIONS = {"--num_processes", "--multi_gpu", "--speculative-config", "--model-path", "--speculative-algorithm",
                    "--speculative-draft-model-path", "--speculative-num-steps", "--speculative-eagle-topk",
-                   "--speculative-num-draft-tokens"}
+                   "--speculative-num-draft-tokens", "--spec-type"}
 PLACEMENT_USERS = ("decode", "bench", "train-draft", "train-acceptance", "train-heads", "train-dllm", "train-filter")
 TRAINERS_WITH_RECIPES = ("train-draft", "train-acceptance", "train-heads")
 OPTION = re.compile(r"(?<![\w-])--[a-z][\w-]*")

@@ -266,7 +266,7 @@ def _fspad_settings(kind: str, hp: dict) -> bool:
 # Export
 
 
-def export_artifact(src: Path, dst: Path, to: str) -> Path:
+def export_artifact(src: Path, dst: Path, to: str, target: Path | None = None) -> Path:
     """Write a head artifact in the public checkpoint conventions.
 
     medusa --to hf: the Medusa repo layout (config.json with medusa_num_heads/medusa_num_layers,
@@ -277,16 +277,25 @@ def export_artifact(src: Path, dst: Path, to: str) -> Path:
       EAGLE-1 / EAGLE-3 (SpecForge) layouts: models/interop.py.
     eagle --to hf|vllm: the EAGLE-1 layout (``fc.*``, ``layers.0.*`` of one Llama decoder layer, a
       Llama config with num_hidden_layers 1); multi-layer (EAGLE-3) artifacts add ``fuse.weight``.
+    eagle --to gguf: a published EAGLE-3 head as one GGUF file of llama.cpp's ``eagle3`` architecture,
+      the tokenizer copied from the target's GGUF file ``target`` (default: the one it was trained on):
+      models/gguf_export.py.
     """
     from safetensors.torch import save_file
 
     src, dst = Path(src), Path(dst)
+    if to == "gguf":
+        from specdec.models.gguf_export import export_gguf
+
+        return export_gguf(src, dst, target)
+    if target is not None:
+        raise UsageError(f"--target applies to --to gguf (the target's GGUF file), not --to {to}")
     if to in ("speculators", "eagle"):  # published EAGLE layouts (models/interop.py)
         from specdec.models import interop
 
         return interop.export_speculators(src, dst) if to == "speculators" else interop.export_eagle(src, dst)
     if to not in ("hf", "vllm"):
-        raise UsageError(f"--to must be hf, vllm, speculators or eagle, not {to!r}")
+        raise UsageError(f"--to must be hf, vllm, speculators, eagle or gguf, not {to!r}")
     cfg = read_config(src)
     kind = cfg.get("kind")
     if cfg.get("layout"):
