@@ -25,6 +25,7 @@ from specdec.models.gguf_export import KEY_NORM_BEFORE_FC, KEY_NORM_BEFORE_RESID
 from specdec.models.head_artifacts import build_heads, load_heads, save_heads
 from specdec.models.interop import build_published_eagle, layer_config
 from specdec.models.loading import load_target
+from test_interop import _perturb
 
 gguf = pytest.importorskip("gguf")
 
@@ -73,18 +74,6 @@ def _artifact(env, name, head):
     return out
 
 
-def _perturbed(head, seed):
-    """Random norms and weights: unit norms would hide a norm read in the wrong place."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in head.named_parameters():
-            if p.dim() == 1:
-                p.copy_(1.0 + 0.5 * torch.randn(p.shape, generator=g))
-            else:
-                p.add_(0.2 * torch.randn(p.shape, generator=g))
-    return head
-
-
 def _eagle3(env, name, seed=0, layer=None, **flags):
     _, _, target, _ = env
     torch.manual_seed(seed)
@@ -92,7 +81,7 @@ def _eagle3(env, name, seed=0, layer=None, **flags):
     if layer is not None:
         hp["layer"] = layer
     head = build_published_eagle(target, hp).attach(target, init_from_lm_head=True)
-    return _artifact(env, name, _perturbed(head, seed))
+    return _artifact(env, name, _perturb(head, seed, scale=0.2, keep=()))
 
 
 def _export(art, out, *extra):

@@ -33,15 +33,16 @@ def env(tmp_path_factory):
     return root, target, tok
 
 
-def _perturb(head, seed):
-    """Random norms and weights: a fresh head's unit norms would hide a norm read in the wrong place."""
+def _perturb(head, seed, scale: float = 0.05, keep: tuple = ("lm_head",)):
+    """Random norms and weights (matrices by ``scale``, those named ``keep*`` left alone): a fresh head's unit
+    norms would hide a norm read in the wrong place."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in head.named_parameters():
             if p.dim() == 1:
                 p.copy_(1.0 + 0.5 * torch.randn(p.shape, generator=g))
-            elif not name.startswith("lm_head"):
-                p.add_(0.05 * torch.randn(p.shape, generator=g))
+            elif not name.startswith(keep):
+                p.add_(scale * torch.randn(p.shape, generator=g))
     return head
 
 
