@@ -23,7 +23,7 @@ from specdec.cli import diffusion as diffusion_cli
 from specdec.cli import index as index_cli
 from specdec.cli import options as o
 from specdec.cli import train as train_cli
-from specdec.decode.engine.types import Scheme
+from specdec.decode.options import DraftingOptions
 from specdec.models.errors import SpecdecError, UsageError
 
 app = typer.Typer(
@@ -66,12 +66,12 @@ class Schedule(str, Enum):
 
 
 @app.command()
+@o.declared_flags(DraftingOptions)
 def decode(
     in_path: Annotated[str, typer.Option("--in", help="Input JSONL ('-' for stdin).")],
     out_path: Annotated[str, typer.Option("--out", help="Output JSONL ('-' for stdout). Re-running resumes it.")] = "-",
     target: o.Target = None,
     drafter: o.DrafterOpt = "auto",
-    num_draft: Annotated[Optional[int], typer.Option("--num-draft", "-k", help="Drafted tokens per round (tree depth for tree drafters).")] = None,
     max_new_tokens: o.MaxNewTokens = 128,
     temperature: o.Temperature = 0.0,
     top_p: o.TopP = 1.0,
@@ -88,24 +88,6 @@ def decode(
     stop: Annotated[Optional[list[str]], typer.Option("--stop", help="Stop string (repeatable).")] = None,
     strict: Annotated[bool, typer.Option("--strict", help="Stop at the first bad record (exit 3).")] = False,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Start --out over instead of resuming it.")] = False,
-    acceptance: Annotated[Optional[str], typer.Option("--acceptance", help="Acceptance-head artifact: adaptive draft length (SpecDec++).")] = None,
-    retrieval: Annotated[Optional[str], typer.Option("--retrieval", help="Retrieval index (specdec index build) fused into a draft model's tree (RASD).")] = None,
-    stop_threshold: Annotated[Optional[float], typer.Option("--stop-threshold", help="Adaptive drafting stops when 1 - prod(P_accept) exceeds this (default: the artifact's policy).")] = None,
-    min_draft: Annotated[Optional[int], typer.Option("--min-draft", help="Adaptive drafting: fewest drafts per round; 0 lets a round draft nothing.")] = None,
-    max_draft: Annotated[Optional[int], typer.Option("--max-draft", help="Adaptive drafting: most drafts per round.")] = None,
-    suffix_cache: Annotated[Optional[str], typer.Option("--suffix-cache", help="--drafter suffix: a folder that keeps finished texts (prompt and output) across jobs, appended as rows finish; drafts from earlier jobs' outputs.")] = None,
-    lookup: Annotated[Optional[str], typer.Option("--lookup", help="Head drafters (EAGLE, Medusa, ...): ngram or suffix: the lookup's chains join the heads' trees; a round whose lookup match is long drafts the lookup's chain alone.")] = None,
-    exit_threshold: Annotated[Optional[float], typer.Option("--exit-threshold", help="A sorted (S2D) draft: its depth chosen per draft step: the shallowest sub-model's token where its top probability is at least this, else the sub-model of this target's depth.")] = None,
-    verify: Annotated[Scheme, typer.Option("--verify", help="Draft models at T>0: standard (a chain), rsd (siblings sampled without replacement, recursive rejection) or spectr (k i.i.d. chains, k-sequential selection); --top-k siblings.")] = Scheme.standard,
-    entropy_threshold: Annotated[Optional[float], typer.Option("--entropy-threshold", help="ead:DRAFT (approximate): the target takes over while the draft's mean next-token entropy (nats) over the window is above this (0: always the target; inf: never).")] = None,
-    entropy_window: Annotated[Optional[int], typer.Option("--entropy-window", help="ead:DRAFT: next-token distributions the rolling entropy averages.")] = None,
-    unit_threshold: Annotated[Optional[float], typer.Option("--unit-threshold", help="lud artifacts (approximate): a lexical unit's tokens are emitted together while each one's probability is at least this.")] = None,
-    ngram_weight: Annotated[Optional[float], typer.Option("--ngram-weight", help="superposed (approximate): weight of the n-gram model over the job's prompts in the drafts' scores, in [0, 1).")] = None,
-    top_k: Annotated[Optional[int], typer.Option("--top-k", help="Siblings per step for --verify rsd|spectr; children per node for tree drafters.")] = None,
-    parallel: Annotated[bool, typer.Option("--parallel", help="Draft models: the draft drafts the next block while the target verifies this one (PEARL; a thread or CUDA stream each).")] = False,
-    pre_verify: Annotated[bool, typer.Option("--pre-verify", help="With --parallel: the target tests the first draft while the draft draws the rest, and a round whose first draft every row rejects ends there (PEARL's pre-verify; a second target forward when it is accepted).")] = False,
-    tree: Annotated[Optional[o.Tree], typer.Option("--tree", help="Tree drafters: static, or dynamic (EAGLE-2; EAGLE's default).")] = None,
-    tree_tokens: Annotated[Optional[int], typer.Option("--tree-tokens", help="Tree drafters: nodes per tree.")] = None,
     strategy: Annotated[str, typer.Option("--strategy", help="Diffusion LMs: static, threshold, factor, localleap, credit, entropy, learn2pd, freedave, with options as in bench specs (threshold+tau=0.8).")] = "static",
     adablock: Annotated[bool, typer.Option("--adablock", help="Diffusion LMs: adaptive block ends at a confident newline (AdaBlock).")] = False,
     gen_length: Annotated[Optional[int], typer.Option("--gen-length", help="Diffusion LMs: tokens to generate (default --max-new-tokens).")] = None,
@@ -123,21 +105,17 @@ def decode(
     weights: o.Weights = "auto",
     compile: o.Compile = "auto",
     prefill_chunk: Annotated[int, typer.Option("--prefill-chunk", help="Continuous batching: an admitted record's prompt is prefilled N tokens a round inside the running batch's verify forwards (SARATHI; more when the verify forward is wider) instead of in a forward of its own (0).")] = 0,
+    **drafting_flags,
 ) -> None:
     """Decode a JSONL file of prompts: one output line per input line, in order, resumable."""
     from specdec.decode.jobs.job import print_summary, run_decode_job
-    from specdec.decode.options import DecodeOptions, DiffusionOptions, DraftingOptions, SamplingOptions, SchedulingOptions
+    from specdec.decode.options import DecodeOptions, DiffusionOptions, SamplingOptions, SchedulingOptions
 
     console = _console()
     opts = DecodeOptions(  # checked once, by run_decode_job, before any model loads
         sampling=SamplingOptions(max_new_tokens, temperature, top_p, seed, num_samples, list(stop or []), first_finish, beams,
                                  beam_groups, diversity_penalty),
-        drafting=DraftingOptions(drafter=drafter, num_draft=num_draft, tree=tree.value if tree else None, tree_tokens=tree_tokens,
-                                 top_k=top_k, verify=verify, acceptance=acceptance, stop_threshold=stop_threshold,
-                                 min_draft=min_draft, max_draft=max_draft, parallel=parallel, pre_verify=pre_verify, retrieval=retrieval,
-                                 entropy_threshold=entropy_threshold, entropy_window=entropy_window, unit_threshold=unit_threshold,
-                                 ngram_weight=ngram_weight, exit_threshold=exit_threshold, suffix_cache=suffix_cache,
-                                 lookup=lookup),
+        drafting=DraftingOptions(drafter=drafter, **drafting_flags),
         scheduling=SchedulingOptions(batch_size, schedule.value, prefill_chunk, shared_prefix, max_memory, compile, kernels.value),
         placement=placement_options(device, dtype, device_map, attn_implementation, trust_remote_code, threads, weights),
         diffusion=DiffusionOptions(strategy, gen_length, block_size, steps, cache.value, filter_dir, adablock),

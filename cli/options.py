@@ -5,16 +5,15 @@ a usage error (exit 2) before anything loads. The decode options' values are che
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import inspect
+import typing
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-
-
-class Tree(str, Enum):
-    static = "static"
-    dynamic = "dynamic"
 
 
 class Kernels(str, Enum):
@@ -95,3 +94,47 @@ def console():
 
     # a log or a pipe has no width: rich's default of 80 columns folds bench's tables into slivers
     return Console(stderr=True, width=None if sys.stderr.isatty() else 160)
+
+
+def declared_flags(cls, exclude: tuple = ()):
+    """A command decorator: the options of ``cls`` (a piece of ``decode.options``) that declare their help
+    become the command's flags, each made from its one declaration (name, type, default, choices, help,
+    short alias); the command takes them as keyword arguments (``**declared`` in its signature). So a
+    new drafting option is a field in ``DraftingOptions`` and nothing here."""
+    from specdec.decode.options import flag
+
+    hints = typing.get_type_hints(cls)
+    made, choice_enums = [], set()
+    for f in dataclasses.fields(cls):
+        help_text = f.metadata.get("help")
+        if not help_text or f.name in exclude:
+            continue
+        typ, choices = hints[f.name], f.metadata.get("choices")
+        args = typing.get_args(typ)
+        optional = type(None) in args
+        base = next(a for a in args if a is not type(None)) if optional else typ
+        if choices:  # a choice is refused by the CLI itself, its values listed in --help
+            base = Enum(f"{f.name.title().replace('_', '')}Choice", [(c, c) for c in choices], type=str)
+            choice_enums.add(f.name)
+        names = [flag(f.name)] + ([f.metadata["short"]] if f.metadata.get("short") else [])
+        annotation = Annotated[Optional[base] if optional else base, typer.Option(*names, help=help_text)]
+        made.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=annotation))
+
+    def wrap(fn):
+        own = [p for p in inspect.signature(fn, eval_str=True).parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+        own = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own]
+
+        @functools.wraps(fn)
+        def command(**kwargs):
+            for name in choice_enums:
+                if isinstance(kwargs.get(name), Enum):
+                    kwargs[name] = kwargs[name].value
+            return fn(**kwargs)
+
+        params = own + made
+        command.__signature__ = inspect.Signature(params)
+        command.__annotations__ = {p.name: p.annotation for p in params}
+        del command.__wrapped__  # typer reads the signature above, not the function's own
+        return command
+
+    return wrap

@@ -23,12 +23,70 @@ Nothing here checks values: ``decode.jobs.validate`` checks every option once, b
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from enum import Enum
 
 from specdec.decode.engine.types import Scheme
 from specdec.models.errors import UsageError
 from specdec.models.loading import Placement
+
+@dataclass(frozen=True)
+class Range:
+    """An option's declared range, checked by ``decode.jobs.validate.check_declared`` before any model
+    loads: integer or number, its ends (open or closed), whether infinity is a value, and what the ends
+    mean (said in the refusal)."""
+
+    lo: float | None = None
+    hi: float | None = None
+    open_lo: bool = False
+    open_hi: bool = False
+    integer: bool = False
+    infinite: bool = False  # float("inf") is a meaningful value (an entropy threshold: never switch)
+    note: str = ""
+
+    def refusal(self, value, name: str) -> str | None:
+        """The one-line refusal of ``value`` for the option ``name`` (its flag), or None when it is in range."""
+        if self.integer:
+            if not isinstance(value, int) or isinstance(value, bool):
+                return f"{name} must be an integer, got {value!r}"
+        elif not isinstance(value, (int, float)) or isinstance(value, bool) or value != value or (
+                math.isinf(value) and not self.infinite):
+            return f"{name} must be {self.text()}{self.note}, got {value}"
+        low = self.lo is not None and (value < self.lo or (self.open_lo and value == self.lo))
+        high = self.hi is not None and (value > self.hi or (self.open_hi and value == self.hi))
+        return f"{name} must be {self.text()}{self.note}, got {value}" if low or high else None
+
+    def text(self) -> str:
+        lo, hi = (_shown(v) for v in (self.lo, self.hi))
+        if self.integer:
+            if self.hi is not None:
+                return f"in {lo}..{hi}"
+            return "a positive integer" if self.lo == 1 else f"an integer >= {lo}"
+        if self.hi is not None:
+            return f"in {'(' if self.open_lo else '['}{lo}, {hi}{')' if self.open_hi else ']'}"
+        return f"{'a number' if self.infinite else 'a finite number'} {'>' if self.open_lo else '>='} {lo}"
+
+
+def _shown(value) -> str:
+    return str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)
+
+
+POSITIVE = Range(1, integer=True)
+AT_LEAST_ZERO = Range(0, integer=True)
+
+
+def opt(default=None, *, range: Range | None = None, choices: tuple | None = None, help: str | None = None,
+        spec_only: bool = False, short: str | None = None, default_factory=None):
+    """A declared option: its default, its ``range`` or ``choices`` (checked once, before any model loads),
+    the ``help`` of its ``specdec decode`` flag (a drafting option with help gets its flag from this
+    declaration, ``cli.options.declared_flags``; ``short`` is a one-letter alias), or ``spec_only``: set
+    in method specs (``ngram+max-ngram=4``) and bench, with no flag."""
+    meta = {"range": range, "choices": choices, "help": help, "spec_only": spec_only, "short": short}
+    if default_factory is not None:
+        return field(default_factory=default_factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
 
 OPTION_ALIASES = {"k": "num_draft", "gamma": "num_draft"}
 # how a job batches its records: auto = continuous for causal LMs, static for diffusion LMs
@@ -37,86 +95,110 @@ SCHEDULES = ("auto", "continuous", "static")
 
 @dataclass(frozen=True)
 class SamplingOptions:
-    max_new_tokens: int = 128
-    temperature: float = 0.0
-    top_p: float = 1.0
+    max_new_tokens: int = opt(128, range=POSITIVE)
+    temperature: float = opt(0.0, range=Range(0, note=" (0 = greedy)"))
+    top_p: float = opt(1.0, range=Range(0, 1, open_lo=True))
     seed: int = 0
     # samples per record (T > 0 only), decoded as rows of one job that drafters may share state between
-    num_samples: int = 1
+    num_samples: int = opt(1, range=POSITIVE)
     stop: list = field(default_factory=list)
     # First Finish Search: launch N samples of a record and keep the first to finish (EOS or a stop
     # string); the others stop as soon as they can no longer finish first (decode.engine.loop)
-    first_finish: int = 0
+    first_finish: int = opt(0, range=AT_LEAST_ZERO)
     # beam search (decode.engine.beams): B beams in G groups decoded in turn, a group's scores lowered by
     # diversity_penalty for each earlier group's beam that chose the same token at the step (Diverse Beam Search)
-    beams: int = 1
-    beam_groups: int = 1
-    diversity_penalty: float = 0.0
+    beams: int = opt(1, range=POSITIVE)
+    beam_groups: int = opt(1, range=Range(1, integer=True, note=" (groups of --beams)"))
+    diversity_penalty: float = opt(0.0, range=Range(0))
 
 
 AUTO = "auto"  # --drafter auto
+MAX_NUM_DRAFT = 256  # drafted tokens per round; beyond this a round costs more than it can win
+MAX_TOP_K = 16  # siblings per step / children per node
+MAX_TREE_TOKENS = 1024
 
 
 @dataclass(frozen=True)
 class DraftingOptions:
     """The drafter spec and the options drafter factories take; ``num_draft`` applies to every drafter,
-    the others to the drafters whose factory declares them (``decode.drafters.registry``)."""
+    the others to the drafters whose factory declares them (``decode.drafters.registry``). Each option
+    is declared once here (``opt``): its range or choices, and the help its ``specdec decode`` flag
+    shows; the flags are made from these declarations."""
 
     # "ar": plain decoding; ``specdec decode``'s default is AUTO, resolved per target before the job starts
     # (decode.jobs.validate.resolve_auto)
     drafter: str = "ar"
-    num_draft: int | None = None
+    num_draft: int | None = opt(range=Range(1, MAX_NUM_DRAFT, integer=True, note=" (--drafter ar decodes without drafting)"),
+                                short="-k", help="Drafted tokens per round (tree depth for tree drafters).")
     # n-gram drafter: the longest suffix matched
-    max_ngram: int = 3
+    max_ngram: int = opt(3, range=POSITIVE, spec_only=True)
     # token trees of heads (None: the kind's default, dynamic for EAGLE, static for the others)
-    tree: str | None = None
-    tree_tokens: int | None = None
-    top_k: int | None = None  # children per expanded node (static: per head/depth; dynamic: frontier width); siblings for rsd/spectr
+    tree: str | None = opt(choices=("static", "dynamic"), help="Tree drafters: static, or dynamic (EAGLE-2; EAGLE's default).")
+    tree_tokens: int | None = opt(range=Range(1, MAX_TREE_TOKENS, integer=True), help="Tree drafters: nodes per tree.")
+    # children per expanded node (static: per head/depth; dynamic: frontier width); siblings for rsd/spectr
+    top_k: int | None = opt(range=Range(1, MAX_TOP_K, integer=True),
+                            help="Siblings per step for --verify rsd|spectr; children per node for tree drafters.")
     # how a draft model's samples are verified: standard (a chain), rsd or spectr (a tree of --top-k
     # siblings per draft step; decode.engine.verify.verify_tree_drafted)
-    verify: Scheme = Scheme.standard
+    verify: Scheme = opt(Scheme.standard, help="Draft models at T>0: standard (a chain), rsd (siblings sampled without "
+                         "replacement, recursive rejection) or spectr (k i.i.d. chains, k-sequential selection); --top-k siblings.")
     # adaptive draft length (SpecDec++): an acceptance-head artifact; the stop policy's fields (None: the
     # artifact's default policy for the decode mode, decode.drafters.adaptive.resolve_policies)
-    acceptance: str | None = None
-    stop_threshold: float | None = None
-    min_draft: int | None = None
-    max_draft: int | None = None
+    acceptance: str | None = opt(help="Acceptance-head artifact: adaptive draft length (SpecDec++).")
+    stop_threshold: float | None = opt(range=Range(0, 1, open_lo=True, open_hi=True),
+                                       help="Adaptive drafting stops when 1 - prod(P_accept) exceeds this (default: the artifact's policy).")
+    min_draft: int | None = opt(range=AT_LEAST_ZERO, help="Adaptive drafting: fewest drafts per round; 0 lets a round draft nothing.")
+    max_draft: int | None = opt(range=POSITIVE, help="Adaptive drafting: most drafts per round.")
     # online speculative decoding (decode.drafters.online): distil the draft model on the job's own rounds,
     # an update every online_every verification rounds
-    online: bool = False
-    online_every: int = 8
+    online: bool = opt(False, spec_only=True)
+    online_every: int = opt(8, range=POSITIVE, spec_only=True)
     # PEARL (decode.drafters.pearl): the draft model drafts the next block while the target verifies this one;
     # with pre_verify the target tests the first draft while the draft draws the rest
-    parallel: bool = False
-    pre_verify: bool = False
+    parallel: bool = opt(False, help="Draft models: the draft drafts the next block while the target verifies this one "
+                         "(PEARL; a thread or CUDA stream each).")
+    pre_verify: bool = opt(False, help="With --parallel: the target tests the first draft while the draft draws the rest, "
+                           "and a round whose first draft every row rejects ends there (PEARL's pre-verify; a second target "
+                           "forward when it is accepted).")
     # RASD: a retrieval index (specdec index build) whose drafts are fused into a draft model's tree
-    retrieval: str | None = None
+    retrieval: str | None = opt(help="Retrieval index (specdec index build) fused into a draft model's tree (RASD).")
     # Entropy Adaptive Decoding (ead:DRAFT, approximate): the target generates while the mean entropy (nats)
     # of the draft's last entropy_window next-token distributions is above entropy_threshold
-    entropy_threshold: float | None = None
-    entropy_window: int | None = None
+    entropy_threshold: float | None = opt(range=Range(0, infinite=True, note=" (nats; inf: never switch)"),
+                                          help="ead:DRAFT (approximate): the target takes over while the draft's mean "
+                                          "next-token entropy (nats) over the window is above this (0: always the target; inf: never).")
+    entropy_window: int | None = opt(range=POSITIVE, help="ead:DRAFT: next-token distributions the rolling entropy averages.")
     # Lexical Unit Decoding (an lud artifact, approximate): a unit's tokens are emitted together while each
     # one's probability clears unit_threshold
-    unit_threshold: float | None = None
+    unit_threshold: float | None = opt(range=Range(0, 1, open_lo=True),
+                                       help="lud artifacts (approximate): a lexical unit's tokens are emitted together while "
+                                       "each one's probability is at least this.")
     # Superposed Decoding (approximate): the weight of the n-gram model (order max_ngram) interpolated
     # with the model's next-token probabilities when the drafts are scored
-    ngram_weight: float | None = None
+    ngram_weight: float | None = opt(range=Range(0, 1, open_hi=True),
+                                     help="superposed (approximate): weight of the n-gram model over the job's prompts in the "
+                                     "drafts' scores, in [0, 1).")
     # S2D (a sorted draft, train-draft --targets): the depth chosen per draft step: the shallowest recorded
     # sub-model drafts where its top probability is at least exit_threshold, the target's own depth elsewhere
-    exit_threshold: float | None = None
+    exit_threshold: float | None = opt(range=Range(0, 1, note=" (0: always the shallow sub-model, 1: always the deep one)"),
+                                       help="A sorted (S2D) draft: its depth chosen per draft step: the shallowest sub-model's "
+                                       "token where its top probability is at least this, else the sub-model of this target's depth.")
     # SuffixDecoding: a folder keeping finished texts across jobs (decode.drafters.suffix)
-    suffix_cache: str | None = None
+    suffix_cache: str | None = opt(help="--drafter suffix: a folder that keeps finished texts (prompt and output) across jobs, "
+                                   "appended as rows finish; drafts from earlier jobs' outputs.")
     # a model-free lookup (decode.drafters.hybrid.LOOKUPS) whose chains join a head drafter's trees
-    lookup: str | None = None
+    lookup: str | None = opt(choices=("ngram", "suffix"),
+                             help="Head drafters (EAGLE, Medusa, ...): ngram or suffix: the lookup's chains join the heads' "
+                             "trees; a round whose lookup match is long drafts the lookup's chain alone.")
 
 
 @dataclass(frozen=True)
 class SchedulingOptions:
-    batch_size: int = 8
-    schedule: str = "auto"  # one of SCHEDULES
+    batch_size: int = opt(8, range=POSITIVE)
+    schedule: str = opt("auto", choices=SCHEDULES)
     # continuous batching: prompt tokens an admitted record prefills per round inside the verify forwards
     # (SARATHI); 0 prefills it in a forward of its own
-    prefill_chunk: int = 0
+    prefill_chunk: int = opt(0, range=Range(0, integer=True, note=" (0: admitted prompts are prefilled on their own)"))
     # a prompt prefix every record shares, prefilled once for the job: "auto" (detected), "off", or a file of its text
     shared_prefix: str = "auto"
     # a memory budget as written ("4GiB"): decode fits batch size and draft width into it (decode.jobs.memory)
@@ -140,9 +222,9 @@ class PlacementOptions(Placement):
 @dataclass(frozen=True)
 class DiffusionOptions:
     strategy: str = "static"  # a strategy spec: threshold+tau=0.8
-    gen_length: int | None = None
-    block_size: int = 32
-    steps: int | None = None
+    gen_length: int | None = opt(range=POSITIVE)
+    block_size: int = opt(32, range=POSITIVE)
+    steps: int | None = opt(range=POSITIVE)
     cache: str = "none"
     filter: str | None = None
     adablock: bool = False
@@ -153,7 +235,7 @@ PIECES = {"sampling": SamplingOptions, "drafting": DraftingOptions, "scheduling"
 # option name -> the piece that holds it
 PIECE_OF = {f.name: piece for piece, cls in PIECES.items() for f in dataclasses.fields(cls)}
 # options a method spec can set that ``specdec decode`` has no flag for
-SPEC_ONLY = ("max_ngram", "online", "online_every")
+SPEC_ONLY = tuple(f.name for cls in PIECES.values() for f in dataclasses.fields(cls) if f.metadata.get("spec_only"))
 
 
 def flag(name: str) -> str:

@@ -1,9 +1,11 @@
 """Where a decode's options are checked: once, before any model loads, each refusal one ``UsageError``
 (exit 2) naming the flag.
 
-- ``validate_options``: every value in its range (a value outside it would decode something else than
-  asked, ``--top-p 2`` samples from everything, ``--batch-size 0`` decodes nothing, or fail minutes later
-  after the models load), the kernels, the memory budget, the placement, a shared-prefix file;
+- ``validate_options``: every value in the range or among the choices its declaration states
+  (``check_declared``, ``decode.options.opt``: a value outside it would decode something else than asked,
+  ``--top-p 2`` samples from everything, ``--batch-size 0`` decodes nothing, or fail minutes later after
+  the models load), what options rule out together, the kernels, the memory budget, the placement, a
+  shared-prefix file;
 - ``check_drafter_options`` (``decode.drafters.registry``): the drafter a spec names, and the drafting
   options its factory does not take; ``check_drafter_traits``: what the traits its factory declares rule
   out (an approximate mode decodes greedily);
@@ -15,7 +17,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,75 +25,28 @@ from typing import Callable
 import torch
 
 from specdec.decode.drafters.registry import DrafterChoice, check_drafter_options
-from specdec.decode.options import AUTO, SCHEDULES, DecodeOptions, flag
+from specdec.decode.options import AUTO, PIECES, SCHEDULES, DecodeOptions, flag
 from specdec.models.artifacts import artifact_kind, read_config
 from specdec.models.errors import UsageError
 from specdec.models.loading import Placement, check_weights, resolve_source
 
-MAX_NUM_DRAFT = 256  # drafted tokens per round; beyond this a round costs more than it can win
-MAX_TOP_K = 16  # siblings per step / children per node
-MAX_TREE_TOKENS = 1024
 DIFFUSION_ATTENTION = ("sdpa", "eager")  # what takes a dLLM's 4-D masks (models.dllm.model_mask)
 
 
 def validate_options(opts: DecodeOptions) -> None:
     """Raise ``UsageError`` for the first option value that cannot be meant; return None otherwise."""
-    sampling, drafting, scheduling, diffusion = opts.sampling, opts.drafting, opts.scheduling, opts.diffusion
-    _positive_int(sampling.max_new_tokens, "--max-new-tokens")
-    _positive_int(scheduling.batch_size, "--batch-size")
-    if drafting.num_draft is not None:
-        _int(drafting.num_draft, "--num-draft")
-        if not 1 <= drafting.num_draft <= MAX_NUM_DRAFT:
-            hint = " (use --drafter ar to decode without drafting)" if drafting.num_draft == 0 else ""
-            raise UsageError(f"--num-draft must be in 1..{MAX_NUM_DRAFT}, got {drafting.num_draft}{hint}")
-    temperature = sampling.temperature
-    if not _is_number(temperature) or not math.isfinite(temperature) or temperature < 0:
-        raise UsageError(f"--temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
-    _positive_int(sampling.num_samples, "--num-samples")
+    drafting, scheduling = opts.drafting, opts.scheduling
+    check_declared(opts)
     check_several_outputs(opts)
-    check_approximate(opts)
-    top_p = sampling.top_p
-    if not _is_number(top_p) or not (0 < top_p <= 1):  # NaN fails both comparisons
-        raise UsageError(f"--top-p must be in (0, 1], got {top_p}")
     check_weights(opts.placement.weights)
     threads = opts.placement.threads
     if threads is not None:
         _int(threads, "--threads")
         if threads < 0:
             raise UsageError(f"--threads must be >= 0 (0: chosen by the model's size and the batch), got {threads}")
-    threshold = drafting.stop_threshold
-    if threshold is not None and (not _is_number(threshold) or not (0 < threshold < 1)):
-        raise UsageError(f"--stop-threshold must be in (0, 1), got {threshold}")
-    threshold = drafting.exit_threshold
-    if threshold is not None and (not _is_number(threshold) or not (0 <= threshold <= 1)):
-        raise UsageError(f"--exit-threshold must be in [0, 1] (0: always the shallow sub-model, 1: always the deep one), got {threshold}")
-    min_draft = drafting.min_draft
-    if min_draft is not None:
-        _int(min_draft, "--min-draft")
-        if min_draft < 0:
-            raise UsageError(f"--min-draft must be >= 0, got {min_draft}")
-    for value, name in ((drafting.tree_tokens, "tree_tokens"), (drafting.max_draft, "max_draft"), (drafting.top_k, "top_k"),
-                        (diffusion.gen_length, "gen_length"), (diffusion.block_size, "block_size"), (diffusion.steps, "steps"),
-                        (drafting.max_ngram, "max_ngram"), (drafting.online_every, "online_every")):
-        if value is not None:
-            _positive_int(value, flag(name))
-    check_lookup(drafting)
-    if drafting.top_k is not None and drafting.top_k > MAX_TOP_K:
-        raise UsageError(f"--top-k must be in 1..{MAX_TOP_K}, got {drafting.top_k}")
-    if drafting.tree_tokens is not None and drafting.tree_tokens > MAX_TREE_TOKENS:
-        raise UsageError(f"--tree-tokens must be in 1..{MAX_TREE_TOKENS}, got {drafting.tree_tokens}")
-    if drafting.tree not in (None, "static", "dynamic"):
-        raise UsageError(f"--tree must be static or dynamic, got {drafting.tree!r}")
-    max_draft = drafting.max_draft
-    if min_draft is not None and max_draft is not None and min_draft > max_draft:
-        raise UsageError(f"--min-draft ({min_draft}) must not exceed --max-draft ({max_draft})")
-    chunk = scheduling.prefill_chunk
-    _int(chunk, "--prefill-chunk")
-    if chunk < 0:
-        raise UsageError(f"--prefill-chunk must be >= 0 (0: admitted prompts are prefilled on their own), got {chunk}")
-    if scheduling.schedule not in SCHEDULES:
-        raise UsageError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {scheduling.schedule!r}")
-    if chunk and scheduling.schedule == "static":
+    if drafting.min_draft is not None and drafting.max_draft is not None and drafting.min_draft > drafting.max_draft:
+        raise UsageError(f"--min-draft ({drafting.min_draft}) must not exceed --max-draft ({drafting.max_draft})")
+    if scheduling.prefill_chunk and scheduling.schedule == "static":
         raise UsageError("--prefill-chunk applies to continuous batching: static batches admit no records mid-way")
     check_kernels(scheduling.kernels)
     check_compile(scheduling.compile, opts.placement.device)
@@ -105,12 +59,20 @@ def validate_options(opts: DecodeOptions) -> None:
     Placement(**{f.name: getattr(opts.placement, f.name) for f in dataclasses.fields(Placement)})
 
 
-def check_lookup(drafting) -> None:
-    """``--lookup`` names a lookup a head's trees take chains from (decode.drafters.hybrid.LOOKUPS)."""
-    from specdec.decode.drafters.hybrid import LOOKUPS
-
-    if drafting.lookup is not None and drafting.lookup not in LOOKUPS:
-        raise UsageError(f"--lookup must be one of {', '.join(LOOKUPS)}, got {drafting.lookup!r}")
+def check_declared(opts: DecodeOptions) -> None:
+    """Every option's value against what its declaration states (``decode.options.opt``: a range or a
+    choice), in declaration order, piece by piece; None (unset) passes."""
+    for piece in PIECES:
+        value = getattr(opts, piece)
+        for f in dataclasses.fields(value):
+            given, rng, choices = getattr(value, f.name), f.metadata.get("range"), f.metadata.get("choices")
+            if given is None:
+                continue
+            refusal = rng.refusal(given, flag(f.name)) if rng is not None else None
+            if refusal is None and choices and given not in choices:
+                refusal = f"{flag(f.name)} must be one of {', '.join(choices)}, got {given!r}"
+            if refusal is not None:
+                raise UsageError(refusal)
 
 
 def check_lookup_options(drafter: DrafterChoice, drafting) -> None:
@@ -179,15 +141,10 @@ def check_drafter_traits(drafter: DrafterChoice, opts: DecodeOptions) -> None:
 
 
 def check_several_outputs(opts: DecodeOptions) -> None:
-    """--first-finish, --beams, --beam-groups and --diversity-penalty: in range, and only where they mean
-    something (first-finish samples, beam search is deterministic and drafts nothing)."""
+    """--first-finish, --beams, --beam-groups and --diversity-penalty (their ranges declared) only where
+    they mean something (first-finish samples, beam search is deterministic and drafts nothing)."""
     sampling, drafter = opts.sampling, opts.drafting.drafter
-    _int(sampling.first_finish, "--first-finish")
-    _int(sampling.beams, "--beams")
-    _int(sampling.beam_groups, "--beam-groups")
     penalty = sampling.diversity_penalty
-    if not _is_number(penalty) or not math.isfinite(penalty) or penalty < 0:
-        raise UsageError(f"--diversity-penalty must be a finite number >= 0, got {penalty}")
     if sampling.first_finish:
         if sampling.first_finish < 2:
             raise UsageError(f"--first-finish must be at least 2 (samples that race to finish), got {sampling.first_finish}")
@@ -195,9 +152,7 @@ def check_several_outputs(opts: DecodeOptions) -> None:
             raise UsageError(f"--first-finish {sampling.first_finish} needs --temperature > 0: greedy samples would all finish together")
         if sampling.num_samples > 1:
             raise UsageError("--first-finish does not combine with --num-samples: it launches its own N samples and keeps one")
-    if sampling.beams < 1:
-        raise UsageError(f"--beams must be a positive integer, got {sampling.beams}")
-    if sampling.beam_groups < 1 or sampling.beams % sampling.beam_groups:
+    if sampling.beams % sampling.beam_groups:
         raise UsageError(f"--beam-groups must divide --beams ({sampling.beams}) into groups of equal size, got {sampling.beam_groups}")
     if sampling.beams == 1:
         if sampling.beam_groups > 1 or penalty:
@@ -212,38 +167,9 @@ def check_several_outputs(opts: DecodeOptions) -> None:
                          "target's whole distribution at every beam, which drafting does not save")
 
 
-def check_approximate(opts: DecodeOptions) -> None:
-    """The approximate modes' options in range (what the modes rule out: ``check_drafter_traits``)."""
-    drafting = opts.drafting
-    if drafting.entropy_threshold is not None:
-        value = drafting.entropy_threshold
-        if not _is_number(value) or value != value or value < 0:
-            raise UsageError(f"--entropy-threshold must be a number >= 0 (nats; inf: never switch), got {value}")
-    if drafting.entropy_window is not None:
-        _positive_int(drafting.entropy_window, "--entropy-window")
-    if drafting.unit_threshold is not None:
-        value = drafting.unit_threshold
-        if not _is_number(value) or not 0 < value <= 1:
-            raise UsageError(f"--unit-threshold must be in (0, 1], got {value}")
-    if drafting.ngram_weight is not None:
-        value = drafting.ngram_weight
-        if not _is_number(value) or not 0 <= value < 1:
-            raise UsageError(f"--ngram-weight must be in [0, 1), got {value}")
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 def _int(value, flag: str) -> None:
     if not isinstance(value, int) or isinstance(value, bool):
         raise UsageError(f"{flag} must be an integer, got {value!r}")
-
-
-def _positive_int(value, flag: str) -> None:
-    _int(value, flag)
-    if value < 1:
-        raise UsageError(f"{flag} must be a positive integer, got {value}")
 
 
 # -- with the target ------------------------------------------------------------------------------
