@@ -1,4 +1,4 @@
-"""Positions that ride the verify forward (``Drafter.ride_positions``) and the two drafters built on them,
+"""Positions that ride the verify forward (``decode.drafters.base.Riding``) and the two drafters built on them,
 PPD (trained prompt embeddings) and Hidden Transfer (linear maps of an intermediate layer's states):
 the riding positions never reach the cache, decoding stays exactly the target's (greedy and sampled),
 training lowers the loss, and ``train-heads --kind ppd`` writes an artifact ``decode --drafter`` takes."""
@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import ByteTokenizer, invoke, make_prompts, tiny_llama
 
-from specdec.decode.drafters.base import Drafter, chain_proposal
+from specdec.decode.drafters.base import Riding, chain_proposal
 from specdec.decode.drafters.parallel_prompts import RidingDrafter, build_riding_drafter
 from specdec.decode.engine import loop
 from specdec.decode.engine.loop import SpecEngine
@@ -42,7 +42,7 @@ def _decodes_as_ar(target, tok, drafter, before_each=None):
         assert all(r.stats["drafted_tokens"] > 0 for r in res)
 
 
-class GarbageRider(Drafter):
+class GarbageRider(Riding):
     """Random chains of random lengths, and 3 riding positions whose input embeddings are noise; checks after
     every round that the target's cache holds exactly each row's committed text (no riding slot)."""
 

@@ -8,7 +8,9 @@ A drafter implements five steps, all batched over the active rows:
   admit(batch, seg)      continuous batching: new rows join after the running ones; batch and seg
                          are the new rows' own prefill, exactly as ``begin`` would get them
 and declares what it needs and what its proposals hold as attributes of ``Drafter`` (its
-capabilities), which the engine, the memory model and the bench read and nothing probes for.
+capabilities), which the engine, the memory model and the bench read and nothing probes for. A rare
+capability is a class of its own that only its drafters derive from: ``Riding`` (positions that ride
+the verify forward).
 A drafter with per-row state that does not implement ``admit`` refuses it (``admits`` is False), so
 a running batch never goes on with state that lacks the new rows.
 The registry (``decode.drafters.registry``) maps a drafter spec to the factory that builds it and
@@ -80,12 +82,6 @@ class Drafter:
     needs_hidden = False  # the target's last hidden states in every segment (Medusa, Clover, EAGLE)
     hidden_layers: tuple[int, ...] | None = None  # extra hidden-state layers the drafter reads (EAGLE-3)
     needs_prefill_logits = False  # every prompt token's logits in begin/admit segments (else the last one's)
-    # positions that ride the verify forward (PPD, Hidden Transfer: decode.drafters.parallel_prompts): the engine
-    # appends this many input positions (``ride_ids``) after each row's chain, at positions continuing after its
-    # last draft, seeing the committed text, the root and every draft of the row; ``riding`` is entered around
-    # that forward (hooks that inject the drafter's inputs), their outputs come back as ``Segment.ride_logits`` /
-    # ``ride_hidden``, and their slots are never committed (dropped as rejected drafts are). Chains only.
-    ride_positions = 0
     # -- what its proposals hold
     default_k = 4  # drafted tokens (or tree nodes) per round when the user fixes no --num-draft
     proposes_trees = False  # token trees (else chains)
@@ -122,6 +118,33 @@ class Drafter:
     def begin(self, batch, seg: Segment) -> None:
         pass
 
+    def propose(self, batch) -> Proposal | None:
+        return None
+
+    def observe(self, batch, seg: Segment) -> None:
+        pass
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        pass
+
+    def retire(self, seqs: list[list[int]]) -> None:
+        """Rows that finished, their whole text (prompt and output), before they leave the batch."""
+
+    def admit(self, batch, seg: Segment) -> None:
+        raise SpecdecError(f"the {type(self).__name__} drafter cannot take new rows into a running batch: decode with --schedule static")
+
+
+class Riding(Drafter):
+    """An optional capability, carried only by the drafters that have it (``rides``): positions that ride the
+    verify forward (PPD, Hidden Transfer: decode.drafters.parallel_prompts). The engine appends
+    ``ride_positions`` input positions (``ride_ids``) after each row's chain, at positions continuing after
+    its last draft, seeing the committed text, the root and every draft of the row; ``riding`` is entered
+    around that forward (hooks that inject the drafter's inputs), their outputs come back as
+    ``Segment.ride_logits`` / ``ride_hidden``, and their slots are never committed (dropped as rejected
+    drafts are). Chains only, unless ``ride_layout`` lays out a tree's."""
+
+    ride_positions = 0
+
     def ride_count(self, slots: int) -> int:
         """Riding positions in a verify forward of ``slots`` slots (root and drafts): ``ride_positions`` after the
         chain, or (a tree that carries a riding chain per node) a multiple of them."""
@@ -144,20 +167,11 @@ class Drafter:
         draft). Default: nothing injected."""
         return contextlib.nullcontext()
 
-    def propose(self, batch) -> Proposal | None:
-        return None
 
-    def observe(self, batch, seg: Segment) -> None:
-        pass
 
-    def select_rows(self, rows: torch.Tensor) -> None:
-        pass
-
-    def retire(self, seqs: list[list[int]]) -> None:
-        """Rows that finished, their whole text (prompt and output), before they leave the batch."""
-
-    def admit(self, batch, seg: Segment) -> None:
-        raise SpecdecError(f"the {type(self).__name__} drafter cannot take new rows into a running batch: decode with --schedule static")
+def rides(drafter: Drafter) -> int:
+    """Positions ``drafter`` rides on each verify forward (0: it has no riding capability)."""
+    return drafter.ride_positions if isinstance(drafter, Riding) else 0
 
 
 def chain_proposal(drafts: list[list[int]], device) -> Proposal | None:

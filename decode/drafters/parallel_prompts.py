@@ -1,6 +1,6 @@
 """PPD (parallel prompt decoding) and Hidden Transfer: drafts predicted inside the target's own verify forward.
 
-Both drafters declare ``ride_positions = m`` (``decode.drafters.base.Drafter``): the engine appends m positions
+Both drafters declare ``ride_positions = m`` (``decode.drafters.base.Riding``): the engine appends m positions
 after each row's chain in every verify forward, at positions continuing after its last draft, seeing the
 committed text, the root and all the row's drafts; their key/value slots are never committed. The drafter
 injects its inputs there through forward hooks on the target (``riding``, entered by the engine around that
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from specdec.decode.drafters.base import Drafter, Proposal, Segment, tree_proposal
+from specdec.decode.drafters.base import Proposal, Riding, Segment, tree_proposal
 from specdec.decode.engine.length import LengthPolicy
 from specdec.models.artifacts import check_fingerprint, read_config, tokenizer_fingerprint
 from specdec.models.errors import SpecdecError
@@ -39,7 +39,7 @@ PRIOR_WEIGHT = 2.0
 DECAY = 0.995  # observations fade: the text changes as a job goes on
 
 
-class RidingDrafter(Drafter):
+class RidingDrafter(Riding):
     """A drafter whose drafts are the predictions of positions riding the previous verify forward; ``heads``
     (a ``models.heads`` PromptTokens or TransferMaps, attached to ``target``) injects their inputs.
 
@@ -217,7 +217,7 @@ class RidingDrafter(Drafter):
                 setattr(self, name, torch.cat([x, x.new_zeros(n, *x.shape[1:])]))
 
 
-def build_riding_drafter(artifact_dir: Path, target, tokenizer, options) -> Drafter:
+def build_riding_drafter(artifact_dir: Path, target, tokenizer, options) -> RidingDrafter:
     """Factory for ``--drafter DIR`` of kind ppd / hidden-transfer; ``options.num_draft`` caps the chain at the
     artifact's m riding positions."""
     cfg = read_config(artifact_dir)

@@ -40,7 +40,7 @@ from specdec.decode.engine.cache import KVState
 from specdec.decode.engine.length import DraftLength, LengthPolicy
 from specdec.decode.engine.own import append_tokens, eos_ids as _eos_ids
 from specdec.decode.engine.ride import Joining, Ride, stack
-from specdec.decode.drafters.base import Drafter, NoDrafter, Proposal, Segment, tree_attention_from_parents
+from specdec.decode.drafters.base import Drafter, NoDrafter, Proposal, Segment, rides, tree_attention_from_parents
 from specdec.decode.engine.types import GenRequest, GenResult, Scheme
 from specdec.decode.engine.verify import (
     Sampling, Verdict, race_noise, race_scores, verify_chain, verify_tree, verify_tree_drafted,
@@ -197,8 +197,8 @@ class SpecEngine:
         """Whether new rows can join the running state with their prompts riding its verify forwards:
         a split verification (PEARL's pre-verify) has no one forward to ride."""
         running = joining > 0 or (batch is not None and bool(batch.rows))
-        # nor do drafters whose positions ride the verify forward (Drafter.ride_positions): one thing rides at a time
-        return bool(self.prefill_chunk) and running and not self.drafter.pre_verify and not self.drafter.ride_positions
+        # nor do drafters whose positions ride the verify forward (decode.drafters.base.Riding): one thing rides at a time
+        return bool(self.prefill_chunk) and running and not self.drafter.pre_verify and not rides(self.drafter)
 
     @torch.inference_mode()
     def _run(self, requests: Iterator[GenRequest], batch_size: int) -> Iterator[tuple[int, GenResult]]:
@@ -432,7 +432,7 @@ class SpecEngine:
     def _verify(self, state: KVState, batch: Batch, proposal: Proposal | None, joining: list[Joining] = ()) -> tuple[Segment, Verdict]:
         """One target forward over [root, drafts...] and the shared verification routine. The prompts of
         ``joining`` rows ride along, a chunk each, in rows of their own after the batch's; or the drafter's
-        riding positions (``Drafter.ride_positions``: PPD, Hidden Transfer) follow each row's chain, their
+        riding positions (``decode.drafters.base.Riding``: PPD, Hidden Transfer) follow each row's chain, their
         outputs handed over in the segment (``ride_logits``), their slots never committed."""
         bsz = len(batch.seqs)
         root = batch.root[:, None]
@@ -463,10 +463,10 @@ class SpecEngine:
             positions.masked_fill_(~valid.cpu(), -1)  # slots past a row's drafts draw nothing
             noise = race_noise(self.seed, batch.keys, positions, self.vocab, self.device)
         sampling = GREEDY if noise is not None else batch.sampling
-        # the drafter's riding positions (Drafter.ride_positions) follow each row's chain: valid, at positions
+        # the drafter's riding positions (decode.drafters.base.Riding) follow each row's chain: valid, at positions
         # continuing after its last draft, causal; their outputs are split off after the forward and their
         # slots are never committed (commit_prefix keeps the first 1 + accepted slots only)
-        m = self.drafter.ride_count(1 + n) if bsz and batch.num_draft > 0 and self.drafter.ride_positions and ride is None else 0
+        m = self.drafter.ride_count(1 + n) if bsz and batch.num_draft > 0 and rides(self.drafter) and ride is None else 0
         riding = contextlib.nullcontext()
         if m:
             last = proposal.lengths if proposal.lengths is not None else torch.full((bsz,), n, device=self.device)
