@@ -96,11 +96,13 @@ def console():
     return Console(stderr=True, width=None if sys.stderr.isatty() else 160)
 
 
-def declared_flags(cls, exclude: tuple = ()):
-    """A command decorator: the options of ``cls`` (a piece of ``decode.options``) that declare their help
-    become the command's flags, each made from its one declaration (name, type, default, choices, help,
-    short alias); the command takes them as keyword arguments (``**declared`` in its signature). So a
-    new drafting option is a field in ``DraftingOptions`` and nothing here."""
+def declared_flags(cls, exclude: tuple = (), unset: bool = False):
+    """A command decorator: the fields of ``cls`` (a piece of ``decode.options``, a trainer's settings) that
+    declare their help become the command's flags, each made from its one declaration (name, type,
+    default, choices, help, short alias); the command takes them as keyword arguments (``**declared`` in
+    its signature). So a new drafting option is a field in ``DraftingOptions`` and nothing here.
+    ``unset``: every flag defaults to None (a switch is ``--x/--no-x``), so the command tells what was given
+    from what a recipe or the settings' defaults fill in."""
     from specdec.decode.options import flag
 
     hints = typing.get_type_hints(cls)
@@ -117,8 +119,11 @@ def declared_flags(cls, exclude: tuple = ()):
             base = Enum(f"{f.name.title().replace('_', '')}Choice", [(c, c) for c in choices], type=str)
             choice_enums.add(f.name)
         names = [flag(f.name)] + ([f.metadata["short"]] if f.metadata.get("short") else [])
-        annotation = Annotated[Optional[base] if optional else base, typer.Option(*names, help=help_text)]
-        made.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=annotation))
+        if unset and base is bool:
+            names[0] = f"{names[0]}/--no-{names[0][2:]}"
+        annotation = Annotated[Optional[base] if optional or unset else base, typer.Option(*names, help=help_text)]
+        made.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=None if unset else f.default,
+                                      annotation=annotation))
 
     def wrap(fn):
         own = [p for p in inspect.signature(fn, eval_str=True).parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]

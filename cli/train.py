@@ -25,16 +25,6 @@ class HeadKind(str, Enum):
     hidden_transfer = "hidden-transfer"
 
 
-class LoraSave(str, Enum):
-    merged = "merged"
-    adapter = "adapter"
-
-
-class CeLabels(str, Enum):
-    data = "data"
-    target = "target"
-
-
 class ExportTo(str, Enum):
     hf = "hf"
     vllm = "vllm"
@@ -93,18 +83,7 @@ def train_draft_cmd(
     target: Annotated[Optional[str], typer.Option("--target", help="Model folder, hub id or default-family member.")] = None,
     targets: Annotated[Optional[str], typer.Option("--targets", help="S2D: comma-separated targets sharing one tokenizer; one sorted draft serves each with its first layers (instead of --target).")] = None,
     s2d_depths: Annotated[Optional[str], typer.Option("--s2d-depths", help="S2D: comma-separated depth (draft layers) per --targets entry (default: by target size, the largest gets every layer).")] = None,
-    long_context: Annotated[bool, typer.Option("--long-context", help="LongSpec: a draft whose cache keeps --sinks sink tokens and the last --window tokens, trained at anchor-offset positions.")] = False,
-    window: Annotated[Optional[int], typer.Option("--window", help="--long-context: the recent tokens the draft attends to (default 256).")] = None,
-    sinks: Annotated[Optional[int], typer.Option("--sinks", help="--long-context: the first tokens the draft always attends to (default 4).")] = None,
-    init: Annotated[Optional[Path], typer.Option("--init", help="Start from this causal LM checkpoint (same vocabulary).")] = None,
-    arch: Annotated[Optional[str], typer.Option("--arch", help="New small Llama: layers=N,hidden=N,heads=N[,kv_heads=N,ffn=N].")] = None,
     recipe: o.Recipe = None,
-    kd_weight: Annotated[Optional[float], typer.Option("--kd-weight", help="Weight of forward KL to the target (1-W goes to CE; 0 = CE only).")] = None,
-    temperature: Annotated[Optional[float], typer.Option("--temperature", help="Distillation temperature.")] = None,
-    lora: Annotated[bool, typer.Option("--lora", help="Train a LoRA adapter on the --init draft.")] = False,
-    lora_save: Annotated[LoraSave, typer.Option("--lora-save", help="merged (plain weights) or adapter (peft adapter folder).")] = LoraSave.merged,
-    cache_teacher: Annotated[Optional[bool], typer.Option("--cache-teacher/--no-cache-teacher", help="Compute the target's top-k logits once, on disk, inside the budget (default: the recipe's).")] = None,
-    ce_labels: Annotated[Optional[CeLabels], typer.Option("--ce-labels", help="CE term's labels under KD: data (next tokens) or target (the target's greedy tokens). Default: the recipe's.")] = None,
     draft_vocab: o.DraftVocab = None,
     max_steps: o.MaxSteps = None,
     budget_minutes: o.Budget = None,
@@ -121,6 +100,7 @@ def train_draft_cmd(
     attn_implementation: o.AttnImpl = None,
     trust_remote_code: o.TrustRemoteCode = False,
     threads: o.Threads = 0,
+    **settings,
 ) -> None:
     """Distil a draft model from the target (forward KL + CE)."""
     from specdec.models.errors import UsageError
@@ -138,19 +118,17 @@ def train_draft_cmd(
             depths = [int(d) for d in s2d_depths.split(",") if d.strip()]
         except ValueError:
             raise UsageError(f"--s2d-depths: integers are needed, not {s2d_depths!r}") from None
-    if not long_context and (window is not None or sinks is not None):
+    given = {k: v for k, v in settings.items() if v is not None}
+    if not given.get("long_context") and ("window" in given or "sinks" in given):
         raise UsageError("--window and --sinks go with --long-context")
 
     cfg = _config(recipe, "draft.yaml", "draft", max_steps=max_steps, budget_minutes=budget_minutes, batch=batch_size,
                   seq_len=seq_len, lr=lr, seed=seed, checkpoint_every=checkpoint_every,
                   mixed_precision=mixed_precision.value if mixed_precision else None)
     place = o.placement(device, dtype, device_map, attn_implementation, trust_remote_code, threads)
-    flags = {"kd_weight": kd_weight, "temperature": temperature, "cache_teacher": cache_teacher,
-             "ce_labels": ce_labels.value if ce_labels else None}
-    knobs = draft_knobs(cfg.extra) | {k: v for k, v in flags.items() if v is not None}
-    metrics = train_draft(chosen, data, out, cfg, init=init, arch=arch, lora=lora, lora_save=lora_save.value, resume=resume,
-                          placement=place, draft_vocab=draft_vocab, s2d_depths=depths, long_context=long_context,
-                          window=256 if window is None else window, sinks=4 if sinks is None else sinks, **knobs)
+    knobs = draft_knobs(cfg.extra) | given  # the flags given, over the recipe's settings
+    metrics = train_draft(chosen, data, out, cfg, resume=resume, placement=place, draft_vocab=draft_vocab, s2d_depths=depths,
+                          **{k: str(v) if isinstance(v, Path) else v for k, v in knobs.items()})
     _report(metrics, out, ("heldout_ce", "top1_agreement", "expected_tau", "steps", "stopped"))
 
 
@@ -399,7 +377,9 @@ def plan_cmd(
 
 
 def register(app: typer.Typer) -> None:
-    app.command("train-draft")(train_draft_cmd)
+    from specdec.train.trainers.draft import DraftSettings
+
+    app.command("train-draft")(o.declared_flags(DraftSettings, unset=True)(train_draft_cmd))
     app.command("train-acceptance")(train_acceptance_cmd)
     app.command("train-heads")(train_heads_cmd)
     app.command("train-lud")(train_lud_cmd)

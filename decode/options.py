@@ -72,6 +72,21 @@ def _shown(value) -> str:
     return str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)
 
 
+def field_refusal(value) -> str | None:
+    """The refusal of the first field of the dataclass ``value`` outside its declared range or choices
+    (``opt``), in declaration order; None when every one is in (None, unset, always is)."""
+    for f in dataclasses.fields(value):
+        given, rng, choices = getattr(value, f.name), f.metadata.get("range"), f.metadata.get("choices")
+        if given is None:
+            continue
+        refusal = rng.refusal(given, flag(f.name)) if rng is not None else None
+        if refusal is None and choices and given not in choices:
+            refusal = f"{flag(f.name)} must be one of {', '.join(choices)}, got {given!r}"
+        if refusal is not None:
+            return refusal
+    return None
+
+
 POSITIVE = Range(1, integer=True)
 AT_LEAST_ZERO = Range(0, integer=True)
 

@@ -9,6 +9,8 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
+from conftest import invoke
+
 from specdec.cli.options import declared_flags
 from specdec.decode.jobs.validate import validate_options
 from specdec.decode.options import PIECES, DecodeOptions, DraftingOptions, Range, flag, opt
@@ -118,3 +120,28 @@ def test_a_new_declared_option_becomes_a_flag_without_a_cli_change():
     assert res.exit_code == 2 and "oval" in res.output
     for absent in (["--hidden", "1"], ["--plain", "1"]):
         assert runner.invoke(app, ["run", *absent]).exit_code == 2
+
+
+def test_train_draft_flags_are_its_settings_and_their_ranges_refuse_before_loading(tmp_path):
+    """train-draft's own flags are made from ``DraftSettings``; a value out of its declared range is one
+    ``error:`` line, exit 2, before any model loads (the target named does not exist)."""
+    from specdec.cli.main import app
+    from specdec.train.trainers.draft import DraftSettings
+
+    runner = CliRunner()
+    out = runner.invoke(app, ["train-draft", "--help"], env={"COLUMNS": "240"}).output
+    for f in dataclasses.fields(DraftSettings):
+        if f.metadata.get("help"):
+            assert flag(f.name) in out, f.name
+    assert "--no-lora" in out  # switches may be turned off over a recipe that turns them on
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"text": "x"}\n')
+    for args, message in ((["--kd-weight", "1.5"], "--kd-weight must be in [0, 1], got 1.5"),
+                          (["--temperature", "0"], "--temperature must be a finite number > 0, got 0"),
+                          (["--window", "0", "--long-context"], "--window must be a positive integer, got 0"),
+                          (["--ce-labels", "teacher"], "teacher")):
+        res = invoke(["train-draft", "--target", tmp_path / "absent", "--data", data, "--out", tmp_path / "out", *args])
+        assert res.exit_code == 2, res.output
+        assert [line for line in res.output.splitlines() if line.startswith("error:")] and "Traceback" not in res.output
+        assert message in " ".join(res.output.split()), res.output
+        assert not (tmp_path / "out").exists()

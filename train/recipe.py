@@ -523,11 +523,9 @@ def build_drafters(family_dir: Path, train_files: list[Path], budget_minutes: fl
 
 
 def draft_knobs(extra: dict) -> dict:
-    """train_draft's loss keyword arguments from a recipe section's ``extra``."""
-    return {"kd_weight": float(extra.get("kd_weight", KD_WEIGHT)),
-            "temperature": float(extra.get("temperature", 1.0)),
-            "cache_teacher": bool(extra.get("cache_teacher", False)),
-            "ce_labels": str(extra.get("ce_labels", "data"))}
+    """train_draft's settings a recipe section's ``extra`` gives (``DraftSettings``' loss fields, by their
+    names; the others keep the settings' declared defaults)."""
+    return {name: extra[name] for name in ("kd_weight", "temperature", "cache_teacher", "ce_labels") if name in extra}
 
 
 def acceptance_knobs(extra: dict) -> dict:

@@ -5,7 +5,7 @@ the one the output layer reads) and the top-k of the target's logits.
 With a reduced draft vocabulary (``models.vocab``) the logits are those of the draft's tokens only:
 for Gemma 3 that is 16k of 262k rows of the output layer, and the forward costs about the body alone.
 Their top-k indices are then draft ids (0 .. N-2; the unk row is never a target), which is all a
-drafter over that vocabulary can be trained to say. Keyed like ``train.trainers.draft.teacher_cache_key`` (the
+drafter over that vocabulary can be trained to say. Keyed like ``teacher_cache_key`` (the
 blocks' tokens, the target's weights, k) plus the layers and the vocabulary; recomputed when any differ.
 """
 

@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 
 from specdec.decode.drafters.registry import DrafterChoice, check_drafter_options
-from specdec.decode.options import AUTO, PIECES, SCHEDULES, DecodeOptions, flag
+from specdec.decode.options import AUTO, PIECES, SCHEDULES, DecodeOptions, field_refusal, flag
 from specdec.models.artifacts import artifact_kind, read_config
 from specdec.models.errors import UsageError
 from specdec.models.loading import Placement, check_weights, resolve_source
@@ -61,18 +61,11 @@ def validate_options(opts: DecodeOptions) -> None:
 
 def check_declared(opts: DecodeOptions) -> None:
     """Every option's value against what its declaration states (``decode.options.opt``: a range or a
-    choice), in declaration order, piece by piece; None (unset) passes."""
+    choice), piece by piece in declaration order; None (unset) passes."""
     for piece in PIECES:
-        value = getattr(opts, piece)
-        for f in dataclasses.fields(value):
-            given, rng, choices = getattr(value, f.name), f.metadata.get("range"), f.metadata.get("choices")
-            if given is None:
-                continue
-            refusal = rng.refusal(given, flag(f.name)) if rng is not None else None
-            if refusal is None and choices and given not in choices:
-                refusal = f"{flag(f.name)} must be one of {', '.join(choices)}, got {given!r}"
-            if refusal is not None:
-                raise UsageError(refusal)
+        refusal = field_refusal(getattr(opts, piece))
+        if refusal is not None:
+            raise UsageError(refusal)
 
 
 def check_lookup_options(drafter: DrafterChoice, drafting) -> None:

@@ -15,9 +15,10 @@ import json
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-from specdec.train.teacher import TEACHER_CACHE_FORMAT, eval_batch, teacher_cache_key  # noqa: F401
+from specdec.decode.options import POSITIVE, Range, opt
 from specdec.models.artifacts import SpecdecError, UsageError, check_fingerprint, read_config, tokenizer_fingerprint, write_json
 from specdec.train.loop import StepSeeded, TrainConfig, run_training, save_config
 
@@ -200,6 +201,8 @@ def cache_teacher_logits(target, dataset, path: Path, top_k: int, batch: int = 8
     import torch
     from safetensors.torch import save_file
 
+    from specdec.train.teacher import teacher_cache_key
+
     key = teacher_cache_key(target, dataset, top_k)
     cached, meta, why = _read_teacher_cache(path, key)
     if cached is not None:
@@ -271,6 +274,8 @@ def evaluate_draft(draft, target, heldout, batch: int = 8, temperature: float = 
     """Held-out CE, top-1 agreement with the target, expected tau for K = 1..8 (greedy and T=1)."""
     import torch
     import torch.nn.functional as F
+
+    from specdec.train.teacher import eval_batch
 
     ces, agree, greedy, sampled = [], [], [], []
     batch = eval_batch(batch, heldout, target)
@@ -432,33 +437,68 @@ class AnchorCollate(StepSeeded):
 # The trainer
 
 
-def train_draft(
-    target_dir: str | Path,
-    data_files: list[str | Path],
-    out_dir: str | Path,
-    cfg: TrainConfig,
-    init: str | Path | None = None,
-    arch: str | None = None,
-    kd_weight: float = KD_WEIGHT,
-    temperature: float = 1.0,
-    lora: bool = False,
-    lora_save: str = "merged",
-    lora_rank: int = 8,
-    cache_teacher: bool = False,
-    teacher_topk: int = 64,
-    ce_labels: str = "data",
-    resume: bool = False,
-    placement=None,
-    draft_vocab: int | None = None,
-    teacher_cache: str | Path | None = None,
-    charge_teacher: bool = True,
-    s2d_depths: list[int] | None = None,
-    long_context: bool = False,
-    window: int = 256,
-    sinks: int = 4,
-) -> dict:
+@dataclass(frozen=True)
+class DraftSettings:
+    """What train-draft trains, beside the loop's ``TrainConfig``: each setting declared once (its range or
+    choices and its help, ``decode.options.opt``). ``train-draft``'s flags are made from the declarations
+    that carry help, a recipe section's keys are these names (``train.recipe.draft_knobs``), and
+    ``check`` refuses what they rule out before any model loads."""
+
+    init: str | None = opt(help="Start from this causal LM checkpoint (same vocabulary).")
+    arch: str | None = opt(help="New small Llama: layers=N,hidden=N,heads=N[,kv_heads=N,ffn=N].")
+    kd_weight: float = opt(KD_WEIGHT, range=Range(0, 1),
+                           help="Weight of forward KL to the target (1-W goes to CE; 0 = CE only). Default: the recipe's.")
+    temperature: float = opt(1.0, range=Range(0, open_lo=True), help="Distillation temperature. Default: the recipe's.")
+    lora: bool = opt(False, help="Train a LoRA adapter on the --init draft.")
+    lora_save: str = opt("merged", choices=("merged", "adapter"), help="merged (plain weights) or adapter (peft adapter folder).")
+    lora_rank: int = opt(8, range=POSITIVE)
+    cache_teacher: bool = opt(False, help="Compute the target's top-k logits once, on disk, inside the budget (default: the recipe's).")
+    teacher_topk: int = opt(64, range=POSITIVE)
+    ce_labels: str = opt("data", choices=("data", "target"), help="CE term's labels under KD: data (next tokens) or target "
+                         "(the target's greedy tokens). Default: the recipe's.")
+    # a reduced draft vocabulary (train.teacher.resolve_draft_vocab; None: by the target's size, 0: the whole)
+    draft_vocab: int | None = None
+    teacher_cache: str | None = None  # where the reduced-vocabulary teacher cache is kept (default: in the artifact)
+    charge_teacher: bool = True  # the teacher cache's compute time comes out of --budget-minutes
+    s2d_depths: tuple | None = None  # S2D: the draft depth of each target (default: by the targets' sizes)
+    long_context: bool = opt(False, help="LongSpec: a draft whose cache keeps --sinks sink tokens and the last --window "
+                             "tokens, trained at anchor-offset positions.")
+    window: int = opt(256, range=POSITIVE, help="--long-context: the recent tokens the draft attends to (default 256).")
+    sinks: int = opt(4, range=Range(0, integer=True), help="--long-context: the first tokens the draft always attends to (default 4).")
+
+    def check(self, targets: int) -> None:
+        """Refuse settings out of their declared ranges, and combinations that cannot be meant."""
+        from specdec.decode.options import field_refusal
+
+        refusal = field_refusal(self)
+        if refusal:
+            raise UsageError(refusal)
+        if self.init and self.arch:
+            raise UsageError("give --init or --arch, not both")
+        if self.lora and not self.init:
+            raise UsageError("--lora trains an adapter on an initialized draft: give --init DIR")
+        if self.draft_vocab and (self.init or self.lora):
+            raise UsageError("--draft-vocab builds a new draft over the reduced vocabulary: it does not combine with --init or --lora")
+        if not targets:
+            raise UsageError("give a target")
+        if self.sorted(targets) and self.draft_vocab:
+            raise UsageError("--targets (S2D) does not combine with --draft-vocab")
+
+    def sorted(self, targets: int) -> bool:
+        """An S2D draft: several targets, or depths given."""
+        return targets > 1 or self.s2d_depths is not None
+
+
+def train_draft(target_dir, data_files: list[str | Path], out_dir: str | Path, cfg: TrainConfig,
+                settings: DraftSettings | None = None, *, resume: bool = False, placement=None, **changes) -> dict:
     """Train a draft and write its artifact; returns metrics (empty on non-main processes).
-    ``placement`` (models.loading.Placement): how the frozen target loads.
+    ``settings`` (``DraftSettings``, with ``changes`` by name on top): what it trains; ``placement``
+    (models.loading.Placement): how the frozen target loads.
+
+    The steps: the settings checked (``DraftSettings.check``), the teachers loaded (``_load_teachers``),
+    the student built (``_student``), the teacher's outputs cached where asked (``_teacher_outputs``), the
+    loss assembled (``_draft_loss``), the shared loop run, and the artifact evaluated and written
+    (``_finish``).
 
     S2D (sorted speculative decoding): ``target_dir`` a list of several targets sharing one tokenizer (their
     fingerprints and vocabulary sizes must match). The draft (the first target's architecture, sized by
@@ -477,40 +517,42 @@ def train_draft(
     anchor-offset positions (``anchor_positions``, drawn per micro-batch by ``AnchorCollate``) while the
     teacher sees the block at its own positions; config.json's ``specdec_long`` records ``window`` and
     ``sinks``, and decoding keeps the draft's cache at that size (``decode.drafters.long_draft``)."""
-    import torch
-    from transformers import AutoConfig
-
-    from specdec.train.data import load_blocks, load_teacher, trainable_draft
+    from specdec.train.data import load_blocks
     from specdec.train.loop import make_accelerator
 
+    unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(DraftSettings)})
+    if unknown:
+        raise TypeError(f"train_draft got unknown settings {unknown}")
+    s = dataclasses.replace(settings or DraftSettings(), **changes)
+    if s.s2d_depths is not None:
+        s = dataclasses.replace(s, s2d_depths=tuple(s.s2d_depths))
     out_dir = Path(out_dir)
-    if init and arch:
-        raise UsageError("give --init or --arch, not both")
-    if lora and not init:
-        raise UsageError("--lora trains an adapter on an initialized draft: give --init DIR")
-    if lora_save not in ("merged", "adapter"):
-        raise UsageError("lora_save must be merged or adapter")
-    if not 0.0 <= kd_weight <= 1.0 or temperature <= 0:
-        raise UsageError("kd_weight must lie in [0, 1] and temperature be > 0")
-    if ce_labels not in ("data", "target"):
-        raise UsageError("ce_labels must be data or target")
-    if draft_vocab and (init or lora):
-        raise UsageError("--draft-vocab builds a new draft over the reduced vocabulary: it does not combine with --init or --lora")
     target_dirs = list(target_dir) if isinstance(target_dir, (list, tuple)) else [target_dir]
-    if not target_dirs:
-        raise UsageError("give a target")
-    sorted_draft = len(target_dirs) > 1 or s2d_depths is not None
-    if sorted_draft and draft_vocab:
-        raise UsageError("--targets (S2D) does not combine with --draft-vocab")
-    if long_context and (window < 1 or sinks < 0):
-        raise UsageError("--window must be at least 1 and --sinks at least 0")
+    s.check(len(target_dirs))
     accelerator = make_accelerator(cfg)
-    target, tokenizer = load_teacher(target_dirs[0], placement, accelerator)
-    from specdec.train.teacher import resolve_draft_vocab
+    teachers, tokenizer, fp = _load_teachers(target_dirs, placement, accelerator)
+    train, held = load_blocks(data_files, tokenizer, cfg.seq_len, cfg.heldout, cfg.seed)
+    draft, vocab = _student(s, teachers[0], tokenizer, fp, train, placement, cfg.seed, len(target_dirs))
+    teacher, cfg = _teacher_outputs(s, teachers, train, vocab, out_dir, cfg, accelerator)
+    loss = _draft_loss(s, draft, teachers, vocab, teacher, cfg, accelerator, target_dirs)
+    try:
+        result = run_training(cfg, draft, loss, train, out_dir, resume=resume, accelerator=accelerator, collate_fn=loss.collate)
+    finally:
+        if loss.taps is not None:
+            loss.taps.close()
+    if not result.is_main:
+        return {}
+    return _finish(s, result, teachers, tokenizer, fp, vocab, held, teacher, loss, cfg, accelerator, target_dirs, data_files, out_dir)
 
-    draft_vocab = resolve_draft_vocab(draft_vocab, target.config.vocab_size, possible=not (init or lora or sorted_draft))
+
+def _load_teachers(target_dirs: list, placement, accelerator) -> tuple[list, object, dict]:
+    """The frozen targets (S2D: every one, in the order given, sharing one tokenizer), the tokenizer and
+    its fingerprint."""
+    from specdec.train.data import load_teacher
+
+    target, tokenizer = load_teacher(target_dirs[0], placement, accelerator)
     fp = tokenizer_fingerprint(tokenizer)
-    teachers = [target]  # S2D: every target, in the order given
+    teachers = [target]
     for other_dir in target_dirs[1:]:
         other, other_tok = load_teacher(other_dir, placement, accelerator)
         theirs = tokenizer_fingerprint(other_tok)
@@ -522,172 +564,202 @@ def train_draft(
             raise SpecdecError(f"--targets: {other_dir} has vocabulary size {other.config.vocab_size}, "
                                f"{target_dirs[0]} has {target.config.vocab_size}")
         teachers.append(other)
-    if init:
-        init_cfg = read_config(init)
+    return teachers, tokenizer, fp
+
+
+def _student(s: DraftSettings, target, tokenizer, fp: dict, train, placement, seed: int, targets: int):
+    """The model that trains: the --init checkpoint (a LoRA adapter on it with --lora), a new draft over
+    a reduced vocabulary, or a new draft over the target's; and the reduced vocabulary (None: the whole)."""
+    import torch
+    from transformers import AutoConfig
+
+    from specdec.train.data import trainable_draft
+    from specdec.train.teacher import resolve_draft_vocab
+
+    draft_vocab = resolve_draft_vocab(s.draft_vocab, target.config.vocab_size, possible=not (s.init or s.lora or s.sorted(targets)))
+    draft, vocab = None, None
+    if s.init:
+        init_cfg = read_config(s.init)
         if "specdec_target" in init_cfg:
-            check_fingerprint(init_cfg["specdec_target"], fp, f"--init {init}")
-        if AutoConfig.from_pretrained(init).vocab_size != target.config.vocab_size:
-            raise SpecdecError(f"--init {init} has another vocabulary size than the target")
-        draft = trainable_draft(init, placement)
-    train, held = load_blocks(data_files, tokenizer, cfg.seq_len, cfg.heldout, cfg.seed)
-    vocab = None
+            check_fingerprint(init_cfg["specdec_target"], fp, f"--init {s.init}")
+        if AutoConfig.from_pretrained(s.init).vocab_size != target.config.vocab_size:
+            raise SpecdecError(f"--init {s.init} has another vocabulary size than the target")
+        draft = trainable_draft(s.init, placement)
     if draft_vocab:
         from specdec.train.teacher import training_vocab
 
         vocab = training_vocab(train, tokenizer, draft_vocab, target.config.vocab_size)
-        torch.manual_seed(cfg.seed)
-        draft = new_vocab_draft(target, arch or "", vocab)
-        cache_teacher = True  # the teacher's logits over the draft's tokens only: a cheap forward, computed once
-    elif not init:
-        torch.manual_seed(cfg.seed)
-        draft = new_draft(target.config, arch or "")
-    if lora:
+        torch.manual_seed(seed)
+        draft = new_vocab_draft(target, s.arch or "", vocab)
+    elif not s.init:
+        torch.manual_seed(seed)
+        draft = new_draft(target.config, s.arch or "")
+    if s.lora:
         from peft import LoraConfig, get_peft_model
 
         from specdec.models.arch import attention_projections
 
         # every attention projection, by this architecture's names; none found: peft's default for the model type
-        targets = attention_projections(draft) or None
-        draft = get_peft_model(
-            draft,
-            LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, lora_dropout=0.0, target_modules=targets),
-        )
+        targets_ = attention_projections(draft) or None
+        draft = get_peft_model(draft, LoraConfig(r=s.lora_rank, lora_alpha=2 * s.lora_rank, lora_dropout=0.0, target_modules=targets_))
+    return draft, vocab
 
-    cached, cache_s = None, 0.0
-    cached_all: list[dict] = []  # each target's cached teacher (S2D: several)
-    if vocab is not None and kd_weight > 0:
+
+@dataclass
+class _Teacher:
+    """The teacher's outputs as the loss reads them: cached top-k (``cached``: the first target's; S2D: one
+    per target in ``cached_all``), or None (computed on the fly), and how the cache was made."""
+
+    cached: dict | None = None
+    cached_all: list = dataclasses.field(default_factory=list)
+    seconds: float = 0.0
+    topk: int = 0
+
+
+def _teacher_outputs(s: DraftSettings, teachers: list, train, vocab, out_dir: Path, cfg: TrainConfig, accelerator):
+    """The teacher's top-k outputs cached on disk where the settings ask (a reduced vocabulary always: its
+    forward over the draft's tokens is cheap and computed once), and the config with its compute time
+    charged to the budget: a run compares at equal minutes, charged as recorded when the cache was made,
+    so a resumed run or one reusing the cache gets the same budget as the run that computed it, and
+    every process the same number."""
+    target = teachers[0]
+    out = _Teacher(topk=s.teacher_topk)
+    if s.kd_weight <= 0:
+        return out, cfg
+    if vocab is not None:
         from specdec.train import teacher
 
-        path = Path(teacher_cache) if teacher_cache else out_dir / "teacher_cache.safetensors"
+        path = Path(s.teacher_cache) if s.teacher_cache else out_dir / "teacher_cache.safetensors"
         start = time.perf_counter()
         if accelerator.is_main_process:
-            teacher.build(target, train, path, [], vocab, min(teacher_topk, vocab.size - 1),
+            teacher.build(target, train, path, [], vocab, min(s.teacher_topk, vocab.size - 1),
                           console=lambda m: print(m, file=sys.stderr, flush=True))
         accelerator.wait_for_everyone()
-        got = teacher.build(target, train, path, [], vocab, min(teacher_topk, vocab.size - 1))
-        cached = {"values": got["values"].to(accelerator.device), "indices": got["indices"].long().to(accelerator.device)}
-        cache_s = time.perf_counter() - start
-        if charge_teacher and cfg.budget_minutes > 0:
+        got = teacher.build(target, train, path, [], vocab, min(s.teacher_topk, vocab.size - 1))
+        out.cached = {"values": got["values"].to(accelerator.device), "indices": got["indices"].long().to(accelerator.device)}
+        out.seconds = time.perf_counter() - start
+        if s.charge_teacher and cfg.budget_minutes > 0:
             cfg = dataclasses.replace(cfg, budget_minutes=max(cfg.budget_minutes - teacher.compute_seconds(path) / 60, 0.01))
-    elif cache_teacher and kd_weight > 0:
-        from safetensors import safe_open
+        return out, cfg
+    if not s.cache_teacher:
+        return out, cfg
+    from safetensors import safe_open
 
-        start, compute_s = time.perf_counter(), 0.0
-        for i, teacher_model in enumerate(teachers):  # S2D: one cache per target
-            path = out_dir / ("teacher_cache.safetensors" if i == 0 else f"teacher_cache-{i}.safetensors")
-            if accelerator.is_main_process:
-                cache_teacher_logits(teacher_model, train, path, min(teacher_topk, target.config.vocab_size))
-            accelerator.wait_for_everyone()
-            with safe_open(str(path), framework="pt") as f:
-                compute_s += float(f.metadata()["compute_s"])
-                got = {k: f.get_tensor(k).to(accelerator.device) for k in ("values", "indices")}
-            got["indices"] = got["indices"].long()  # gather's index type, converted once
-            cached_all.append(got)
-        cached = cached_all[0]
-        cache_s = time.perf_counter() - start
-        # the teacher's forwards are training time: a run compares at equal minutes. They are charged
-        # as recorded when the cache was made, so a resumed run or one reusing the cache gets the same
-        # budget as the run that computed it, and every process the same number
-        if cfg.budget_minutes > 0:
-            cfg = dataclasses.replace(cfg, budget_minutes=max(cfg.budget_minutes - compute_s / 60, 0.01))
+    start, compute_s = time.perf_counter(), 0.0
+    for i, teacher_model in enumerate(teachers):  # S2D: one cache per target
+        path = out_dir / ("teacher_cache.safetensors" if i == 0 else f"teacher_cache-{i}.safetensors")
+        if accelerator.is_main_process:
+            cache_teacher_logits(teacher_model, train, path, min(s.teacher_topk, target.config.vocab_size))
+        accelerator.wait_for_everyone()
+        with safe_open(str(path), framework="pt") as f:
+            compute_s += float(f.metadata()["compute_s"])
+            got = {k: f.get_tensor(k).to(accelerator.device) for k in ("values", "indices")}
+        got["indices"] = got["indices"].long()  # gather's index type, converted once
+        out.cached_all.append(got)
+    out.cached = out.cached_all[0]
+    out.seconds = time.perf_counter() - start
+    if cfg.budget_minutes > 0:
+        cfg = dataclasses.replace(cfg, budget_minutes=max(cfg.budget_minutes - compute_s / 60, 0.01))
+    return out, cfg
 
-    t2d = None if vocab is None else vocab.t2d.to(accelerator.device)
-    labels_map = None
-    if vocab is not None:
-        labels_map = torch.where(t2d == vocab.size - 1, -100, t2d)  # no label outside the draft vocabulary
 
-    # LongSpec: the student runs at the collate's anchor-offset positions, under the sinks + window mask
-    # where a block is longer than what that hides nothing of; the teacher sees the block as it is
-    long_meta = {"window": int(window), "sinks": int(sinks)} if long_context else None
-    collate = None
-    visible = None
-    if long_context:
-        from specdec.models.arch import text_config
+class _draft_loss:
+    """The training loss of a draft: KD to the teacher plus CE (``kd_loss``); over the reduced vocabulary's
+    ids, at LongSpec's anchor-offset positions under its sinks + window mask (``collate``), or, for S2D,
+    each target's depth of one forward distilled from that target (``taps``), averaged over the targets."""
 
-        max_positions = int(getattr(text_config(draft.config), "max_position_embeddings", 0) or cfg.seq_len)
-        collate = AnchorCollate(cfg.seed, sinks, max_positions)
-        long_meta["max_positions"] = max_positions
-        if cfg.seq_len > sinks + window + 1:
-            visible = sink_window_visible(cfg.seq_len, sinks, window).to(accelerator.device)
+    def __init__(self, s: DraftSettings, draft, teachers: list, vocab, teacher: _Teacher, cfg: TrainConfig, accelerator,
+                 target_dirs: list):
+        import torch
 
-    def student_kwargs(batch) -> dict:
-        if not long_context:
+        self.s, self.draft, self.teachers, self.teacher, self.accelerator = s, draft, teachers, teacher, accelerator
+        self.t2d = None if vocab is None else vocab.t2d.to(accelerator.device)
+        # no label outside the draft vocabulary
+        self.labels_map = None if vocab is None else torch.where(self.t2d == vocab.size - 1, -100, self.t2d)
+        self.long_meta, self.collate, self.visible = None, None, None
+        if s.long_context:
+            from specdec.models.arch import text_config
+
+            max_positions = int(getattr(text_config(draft.config), "max_position_embeddings", 0) or cfg.seq_len)
+            self.collate = AnchorCollate(cfg.seed, s.sinks, max_positions)
+            self.long_meta = {"window": int(s.window), "sinks": int(s.sinks), "max_positions": max_positions}
+            if cfg.seq_len > s.sinks + s.window + 1:
+                self.visible = sink_window_visible(cfg.seq_len, s.sinks, s.window).to(accelerator.device)
+        # S2D: the depth each target's sub-model has, and the hooks that give every depth from one forward
+        self.layers, self.depths, self.taps, self.names = None, [], None, []
+        if s.sorted(len(target_dirs)):
+            from specdec.models.arch import decoder_layers
+
+            self.layers = len(decoder_layers(draft)[2])
+            self.depths = assign_depths([sum(p.numel() for p in t.parameters()) for t in teachers], self.layers,
+                                        list(s.s2d_depths) if s.s2d_depths is not None else None)
+            self.taps = DepthTaps(draft, self.depths)
+            self.names = _target_names(target_dirs)
+
+    def student_kwargs(self, batch) -> dict:
+        if not self.s.long_context:
             return {}
         kw = {"position_ids": batch["position_ids"]}
-        if visible is not None:
+        if self.visible is not None:
             from specdec.models.arch import layer_types
             from specdec.models.masks import additive_mask
 
             ids = batch["input_ids"]
-            mask = additive_mask(visible[: ids.shape[1], : ids.shape[1]][None, None].expand(ids.shape[0], 1, -1, -1),
-                                 next(draft.parameters()).dtype)
-            types = sorted(set(layer_types(draft.config)))
+            mask = additive_mask(self.visible[: ids.shape[1], : ids.shape[1]][None, None].expand(ids.shape[0], 1, -1, -1),
+                                 next(self.draft.parameters()).dtype)
+            types = sorted(set(layer_types(self.draft.config)))
             kw["attention_mask"] = mask if len(types) == 1 else {t: mask for t in types}
         return kw
 
-    def teacher_of(i: int, ids, batch):
-        if kd_weight <= 0:
+    def teacher_of(self, i: int, ids, batch):
+        import torch
+
+        if self.s.kd_weight <= 0:
             return None
-        if cached_all:
-            c = cached_all[i]
+        if self.teacher.cached_all:
+            c = self.teacher.cached_all[i]
             return (c["values"][batch["idx"]], c["indices"][batch["idx"]])
         with torch.no_grad():
-            return teachers[i](input_ids=ids).logits
+            return self.teachers[i](input_ids=ids).logits
 
-    # S2D: the depth each target's sub-model has, and the hooks that give every depth from one forward
-    layers = None
-    depths: list[int] = []
-    taps = None
-    names: list[str] = []
-    if sorted_draft:
-        from specdec.models.arch import decoder_layers
-
-        layers = len(decoder_layers(draft)[2])
-        depths = assign_depths([sum(p.numel() for p in t.parameters()) for t in teachers], layers, s2d_depths)
-        taps = DepthTaps(draft, depths)
-        names = _target_names(target_dirs)
-
-    def loss_fn(model, batch):
-        ids = batch["input_ids"]
-        kw = student_kwargs(batch)
-        if t2d is not None:
-            logits = model(input_ids=t2d[ids], **kw).logits
+    def __call__(self, model, batch):
+        s, ids, cached = self.s, batch["input_ids"], self.teacher.cached
+        kw = self.student_kwargs(batch)
+        if self.t2d is not None:
+            logits = model(input_ids=self.t2d[ids], **kw).logits
             teacher_top = (cached["values"][batch["idx"]], cached["indices"][batch["idx"]]) if cached is not None else None
-            return kd_loss(logits, ids, teacher_top, kd_weight if teacher_top is not None else 0.0, temperature, ce_labels,
-                           labels=labels_map[ids])
+            return kd_loss(logits, ids, teacher_top, s.kd_weight if teacher_top is not None else 0.0, s.temperature, s.ce_labels,
+                           labels=self.labels_map[ids])
         logits = model(input_ids=ids, **kw).logits
-        if taps is None:
-            return kd_loss(logits, ids, teacher_of(0, ids, batch), kd_weight, temperature, ce_labels)
-        # S2D: each target distils its own depth of this one forward; the mean over the targets trains
+        if self.taps is None:
+            return kd_loss(logits, ids, self.teacher_of(0, ids, batch), s.kd_weight, s.temperature, s.ce_labels)
         total, parts = 0.0, {}
-        for i, depth in enumerate(depths):
-            with accelerator.autocast():  # the head in the precision the forward ran in
-                sub = taps.logits(depth, logits)
-            loss, _ = kd_loss(sub, ids, teacher_of(i, ids, batch), kd_weight, temperature, ce_labels)
+        for i, depth in enumerate(self.depths):
+            with self.accelerator.autocast():  # the head in the precision the forward ran in
+                sub = self.taps.logits(depth, logits)
+            loss, _ = kd_loss(sub, ids, self.teacher_of(i, ids, batch), s.kd_weight, s.temperature, s.ce_labels)
             total = total + loss
             parts[f"loss_t{i}"] = float(loss.detach())
-        taps.out.clear()
-        return total / len(depths), parts
+        self.taps.out.clear()
+        return total / len(self.depths), parts
 
-    try:
-        result = run_training(cfg, draft, loss_fn, train, out_dir, resume=resume, accelerator=accelerator, collate_fn=collate)
-    finally:
-        if taps is not None:
-            taps.close()
-    if not result.is_main:
-        return {}
-    model = result.model
+
+def _finish(s: DraftSettings, result, teachers, tokenizer, fp, vocab, held, teacher: _Teacher, loss: _draft_loss,
+            cfg: TrainConfig, accelerator, target_dirs, data_files, out_dir: Path) -> dict:
+    """The trained draft evaluated on the held-out blocks (S2D: each target at its depth) and written as
+    its artifact, with its metrics and training config."""
+    target, model = teachers[0], result.model
     evaluated = model
     if vocab is not None:
         from specdec.models.vocab import MappedVocabLM
 
         evaluated = MappedVocabLM(model, vocab)
-    metrics = evaluate_draft(evaluated, target, held, batch=cfg.batch, temperature=temperature)
+    metrics = evaluate_draft(evaluated, target, held, batch=cfg.batch, temperature=s.temperature)
     metrics.update(
-        kind="draft", kd_weight=kd_weight, temperature=temperature, steps=result.steps, stopped=result.stopped,
+        kind="draft", kd_weight=s.kd_weight, temperature=s.temperature, steps=result.steps, stopped=result.stopped,
         train_wall_s=round(result.wall_s, 3), loss_curve=result.losses, final_loss=result.losses[-1] if result.losses else None,
-        processes=accelerator.num_processes, teacher="cached-top%d" % teacher_topk if cached is not None else "on-the-fly",
-        teacher_cache_s=round(cache_s, 3), ce_labels=ce_labels if kd_weight > 0 else "data",
+        processes=accelerator.num_processes, teacher="cached-top%d" % teacher.topk if teacher.cached is not None else "on-the-fly",
+        teacher_cache_s=round(teacher.seconds, 3), ce_labels=s.ce_labels if s.kd_weight > 0 else "data",
         train_tokens=result.steps * cfg.batch * cfg.grad_accum * cfg.seq_len * accelerator.num_processes,
         parameters=sum(p.numel() for p in model.parameters()),
     )
@@ -696,15 +768,16 @@ def train_draft(
 
         metrics.update(draft_vocab=vocab.size, vocab_coverage_heldout=heldout_coverage(vocab, held))
     s2d_meta = None
-    if taps is not None:
+    if loss.taps is not None:
         from specdec.decode.drafters.draft_model import target_identity
         from specdec.models.views import layer_skip_view
 
-        s2d_meta = {"depths": dict(zip(names, depths)), "layers": layers, "targets": [], "rule": S2D_RULE}
+        layers = loss.layers
+        s2d_meta = {"depths": dict(zip(loss.names, loss.depths)), "layers": layers, "targets": [], "rule": S2D_RULE}
         per_target = {}
-        for i, (name, depth, teacher_model) in enumerate(zip(names, depths, teachers)):
+        for i, (name, depth, teacher_model) in enumerate(zip(loss.names, loss.depths, teachers)):
             sub = model if depth >= layers else layer_skip_view(model, list(range(depth, layers)))
-            got = evaluate_draft(sub, teacher_model, held, batch=cfg.batch, temperature=temperature)
+            got = evaluate_draft(sub, teacher_model, held, batch=cfg.batch, temperature=s.temperature)
             curve = [log[f"loss_t{i}"] for log in result.logs if f"loss_t{i}" in log]
             per_target[name] = {"depth": depth, "source": str(target_dirs[i]), "loss_curve": curve, **got}
             if i == 0:
@@ -712,16 +785,17 @@ def train_draft(
             s2d_meta["targets"].append({"name": name, "source": str(target_dirs[i]), "depth": depth,
                                         "identity": target_identity(teacher_model.config)})
         metrics["s2d"] = per_target
+    long_meta = loss.long_meta
     if long_meta is not None:
         metrics["long_context"] = long_meta
-    _save_draft(model, tokenizer, out_dir, fp, lora, lora_save, init, vocab, s2d=s2d_meta, long=long_meta)
-    extra = {"targets": [str(t) for t in target_dirs], "s2d_depths": depths} if sorted_draft else {}
+    _save_draft(model, tokenizer, out_dir, fp, s.lora, s.lora_save, s.init, vocab, s2d=s2d_meta, long=long_meta)
+    extra = {"targets": [str(t) for t in target_dirs], "s2d_depths": loss.depths} if loss.taps is not None else {}
     if long_meta is not None:
         extra["long_context"] = long_meta
     save_config(cfg, out_dir, {"trainer": "draft", "target": str(target_dirs[0]), "data": [str(f) for f in data_files],
-                               "init": str(init) if init else None, "arch": arch, "kd_weight": kd_weight,
-                               "temperature": temperature, "lora": lora, "lora_save": lora_save,
-                               "cache_teacher": cache_teacher, "ce_labels": ce_labels, **extra})
+                               "init": str(s.init) if s.init else None, "arch": s.arch, "kd_weight": s.kd_weight,
+                               "temperature": s.temperature, "lora": s.lora, "lora_save": s.lora_save,
+                               "cache_teacher": s.cache_teacher or vocab is not None, "ce_labels": s.ce_labels, **extra})
     write_json(out_dir / "metrics.json", metrics)
     return metrics
 
