@@ -138,11 +138,6 @@ def train_acceptance_cmd(
     data: o.Data,
     out: o.OutDir,
     recipe: o.Recipe = None,
-    reject_weight: Annotated[Optional[float], typer.Option("--reject-weight", help="BCE weight of the reject class (sampling head).")] = None,
-    greedy_reject_weight: Annotated[Optional[float], typer.Option("--greedy-reject-weight", help="BCE weight of the reject class (greedy head).")] = None,
-    greedy_sequences: Annotated[Optional[int], typer.Option("--greedy-sequences", help="Most greedy continuations of the target to label for the greedy head.")] = None,
-    temperature: Annotated[Optional[float], typer.Option("--temperature", help="Sampling temperature the sampling head and its default policy are for (decode at it).")] = None,
-    policy_prompts: Annotated[Optional[Path], typer.Option("--policy-prompts", help="Prompts JSONL like the ones you will decode: the greedy stop policy is chosen on real rounds over them (default: held-out training text).")] = None,
     max_steps: o.MaxSteps = None,
     budget_minutes: o.Budget = None,
     resume: o.Resume = False,
@@ -158,6 +153,7 @@ def train_acceptance_cmd(
     attn_implementation: o.AttnImpl = None,
     trust_remote_code: o.TrustRemoteCode = False,
     threads: o.Threads = 0,
+    **settings,
 ) -> None:
     """Train SpecDec++ acceptance heads (sampling and greedy) on the draft's hidden states."""
     from specdec.train.trainers.acceptance import train_acceptance
@@ -167,16 +163,8 @@ def train_acceptance_cmd(
                   seq_len=seq_len, lr=lr, seed=seed, checkpoint_every=checkpoint_every,
                   mixed_precision=mixed_precision.value if mixed_precision else None)
     place = o.placement(device, dtype, device_map, attn_implementation, trust_remote_code, threads)
-    knobs = acceptance_knobs(cfg.extra)
-    if reject_weight is not None:
-        knobs["reject_weight"] = reject_weight
-    if greedy_reject_weight is not None:
-        knobs["greedy_reject_weight"] = greedy_reject_weight
-    if greedy_sequences is not None:
-        knobs["greedy_sequences"] = greedy_sequences
-    if temperature is not None:
-        knobs["temperature"] = temperature
-    metrics = train_acceptance(target, draft, data, out, cfg, resume=resume, policy_prompts=policy_prompts, placement=place, **knobs)
+    knobs = acceptance_knobs(cfg.extra) | {k: str(v) if isinstance(v, Path) else v for k, v in settings.items() if v is not None}
+    metrics = train_acceptance(target, draft, data, out, cfg, resume=resume, placement=place, **knobs)
     if metrics:
         typer.echo("sampling head: " + _fmt({k: metrics["sampling"][k] for k in ("brier", "brier_constant_baseline", "ece")}), err=True)
         typer.echo("greedy head:   " + _fmt({k: metrics["greedy"][k] for k in ("brier", "brier_constant_baseline", "ece")}), err=True)
@@ -377,10 +365,10 @@ def plan_cmd(
 
 
 def register(app: typer.Typer) -> None:
-    from specdec.train.trainers.draft import DraftSettings
+    from specdec.train.settings import AcceptanceSettings, DraftSettings
 
     app.command("train-draft")(o.declared_flags(DraftSettings, unset=True)(train_draft_cmd))
-    app.command("train-acceptance")(train_acceptance_cmd)
+    app.command("train-acceptance")(o.declared_flags(AcceptanceSettings, unset=True)(train_acceptance_cmd))
     app.command("train-heads")(train_heads_cmd)
     app.command("train-lud")(train_lud_cmd)
     app.command("export")(export_cmd)

@@ -126,7 +126,7 @@ def test_train_draft_flags_are_its_settings_and_their_ranges_refuse_before_loadi
     """train-draft's own flags are made from ``DraftSettings``; a value out of its declared range is one
     ``error:`` line, exit 2, before any model loads (the target named does not exist)."""
     from specdec.cli.main import app
-    from specdec.train.trainers.draft import DraftSettings
+    from specdec.train.settings import DraftSettings
 
     runner = CliRunner()
     out = runner.invoke(app, ["train-draft", "--help"], env={"COLUMNS": "240"}).output
@@ -145,3 +145,23 @@ def test_train_draft_flags_are_its_settings_and_their_ranges_refuse_before_loadi
         assert [line for line in res.output.splitlines() if line.startswith("error:")] and "Traceback" not in res.output
         assert message in " ".join(res.output.split()), res.output
         assert not (tmp_path / "out").exists()
+
+
+def test_train_acceptance_flags_and_recipe_keys_are_its_settings(tmp_path):
+    """train-acceptance's flags are made from ``AcceptanceSettings`` too, and a recipe section's keys are
+    read by the same names (unknown keys left to the section's other readers)."""
+    from specdec.cli.main import app
+    from specdec.train.recipe import acceptance_knobs, draft_knobs
+    from specdec.train.settings import AcceptanceSettings
+
+    out = CliRunner().invoke(app, ["train-acceptance", "--help"], env={"COLUMNS": "240"}).output
+    for f in dataclasses.fields(AcceptanceSettings):
+        if f.metadata.get("help"):
+            assert flag(f.name) in out, f.name
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"text": "x"}\n')
+    res = invoke(["train-acceptance", "--target", tmp_path / "absent", "--draft", tmp_path / "absent", "--data", data,
+                  "--out", tmp_path / "out", "--reject-weight", "0"])
+    assert res.exit_code == 2 and "--reject-weight must be a finite number > 0, got 0" in " ".join(res.output.split()), res.output
+    assert acceptance_knobs({"reject_weight": 3.0, "num_heads": 4}) == {"reject_weight": 3.0}
+    assert draft_knobs({"kd_weight": 0.5, "lora": True, "unit_size": 3}) == {"kd_weight": 0.5, "lora": True}

@@ -8,6 +8,8 @@ budget.
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import os
 import random
@@ -28,7 +30,8 @@ from specdec.train.data import load_texts, self_distill
 from specdec.train.trainers.dllm import train_dllm
 from specdec.train.trainers.filter import train_filter
 from specdec.train.listtasks import list_tasks
-from specdec.train.trainers.draft import KD_WEIGHT, train_draft
+from specdec.train.settings import KD_WEIGHT, AcceptanceSettings, DraftSettings
+from specdec.train.trainers.draft import train_draft
 from specdec.train.trainers.heads import train_heads
 from specdec.train.loop import load_config
 from specdec.train.prompts import cut_code_prompts, dev_prompts, held_out_prompts
@@ -507,35 +510,35 @@ def build_drafters(family_dir: Path, train_files: list[Path], budget_minutes: fl
     # KD and CE-only get the same training minutes so their tau compares at equal training time
     c_ce = load_config(RECIPES / "draft.yaml", {"steps": big, "seed": seed, "budget_minutes": c.budget_minutes,
                                                 "clock_schedule": True, "heldout": 0.02, "progress": c.progress}, section="draft")
-    results["draft"] = train_draft(target, train_files, family_dir / "draft", c, arch=arch, placement=placement,
-                                   **draft_knobs(c.extra))
+    results["draft"] = train_draft(target, train_files, family_dir / "draft", c, placement=placement,
+                                   **(draft_knobs(c.extra) | {"arch": arch}))
     results["draft-ce"] = train_draft(target, train_files, family_dir / "draft-ce", c_ce, arch=arch, kd_weight=0.0,
                                       placement=placement)
     a = cfg("draft.yaml", "acceptance", "acceptance")
     dev = family_dir / "dev_prompts.jsonl"  # held-out prompts kept apart from the benchmark's (recipe.write_prompts)
     results["acceptance"] = train_acceptance(target, family_dir / "draft", train_files, family_dir / "acceptance", a,
-                                             policy_prompts=dev if dev.exists() else None, placement=placement,
-                                             **acceptance_knobs(a.extra))
+                                             placement=placement, **(acceptance_knobs(a.extra) |
+                                                                     {"policy_prompts": str(dev) if dev.exists() else None}))
     for kind in ("medusa", "clover", "eagle"):
         results[kind] = train_heads(kind, target, train_files, family_dir / kind, cfg("heads.yaml", kind, kind),
                                     placement=placement)
     return results
 
 
+def recipe_settings(cls, extra: dict) -> dict:
+    """The settings of a trainer (``train.settings``: ``DraftSettings``, ``AcceptanceSettings``) a recipe
+    section's ``extra`` gives, by their names; the others keep their declared defaults."""
+    return {f.name: extra[f.name] for f in dataclasses.fields(cls) if f.name in extra}
+
+
 def draft_knobs(extra: dict) -> dict:
-    """train_draft's settings a recipe section's ``extra`` gives (``DraftSettings``' loss fields, by their
-    names; the others keep the settings' declared defaults)."""
-    return {name: extra[name] for name in ("kd_weight", "temperature", "cache_teacher", "ce_labels") if name in extra}
+    """train_draft's settings from a recipe section's ``extra``."""
+    return recipe_settings(DraftSettings, extra)
 
 
 def acceptance_knobs(extra: dict) -> dict:
-    """train_acceptance keyword arguments from a recipe section's ``extra``."""
-    return {"reject_weight": float(extra.get("reject_weight", 6.0)),
-            "target_token_frac": float(extra.get("target_token_frac", 0.15)),
-            "temperature": float(extra.get("temperature", 1.0)),
-            "greedy_reject_weight": float(extra.get("greedy_reject_weight", 1.0)),
-            "greedy_sequences": int(extra.get("greedy_sequences", 1024))}
-
+    """train_acceptance's settings from a recipe section's ``extra``."""
+    return recipe_settings(AcceptanceSettings, extra)
 
 
 @dataclass

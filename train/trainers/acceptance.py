@@ -30,28 +30,12 @@ from specdec.models.artifacts import SpecdecError, UsageError, check_fingerprint
 from specdec.train.trainers.acceptance_labels import draw_acceptance, label_blocks, label_continuations, target_continuations
 from specdec.train.trainers.acceptance_policy import POLICY_PROMPTS, choose_policy, measure_round_costs, onpolicy_greedy
 from specdec.train.loop import TrainConfig, make_accelerator, run_training, save_config
+from specdec.train.settings import AcceptanceSettings
 
 
-def train_acceptance(
-    target_dir: str | Path,
-    draft_dir: str | Path,
-    data_files: list[str | Path],
-    out_dir: str | Path,
-    cfg: TrainConfig,
-    num_layers: int = 3,
-    reject_weight: float = 6.0,
-    target_token_frac: float = 0.15,
-    temperature: float = 1.0,
-    greedy_reject_weight: float = 1.0,
-    greedy_prefix: int = 64,
-    greedy_new_tokens: int = 128,
-    greedy_sequences: int = 1024,
-    cost_new_tokens: int = 48,
-    cost_reps: int | None = None,
-    policy_prompts: str | Path | None = None,
-    resume: bool = False,
-    placement=None,
-) -> dict:
+def train_acceptance(target_dir: str | Path, draft_dir: str | Path, data_files: list[str | Path], out_dir: str | Path,
+                     cfg: TrainConfig, settings: AcceptanceSettings | None = None, *, resume: bool = False, placement=None,
+                     **changes) -> dict:
     """Train the sampling head and the greedy head of one acceptance artifact; choose each mode's default
     stop policy by simulation (``choose_policy``) under the engine's measured round costs: the greedy
     one on the target's held-out greedy continuations, the sampling one on its continuations sampled at
@@ -77,8 +61,15 @@ def train_acceptance(
     from specdec.models.loading import Placement, input_device, load_draft
     from specdec.train.data import load_blocks, load_teacher
 
-    if temperature <= 0 or not 0 <= target_token_frac <= 1 or reject_weight <= 0 or greedy_reject_weight <= 0:
-        raise UsageError("temperature and reject weights must be > 0 and target_token_frac in [0, 1]")
+    unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(AcceptanceSettings)})
+    if unknown:
+        raise TypeError(f"train_acceptance got unknown settings {unknown}")
+    s = dataclasses.replace(settings or AcceptanceSettings(), **changes)
+    s.check()
+    num_layers, reject_weight, target_token_frac, temperature = s.num_layers, s.reject_weight, s.target_token_frac, s.temperature
+    greedy_reject_weight, greedy_prefix, greedy_new_tokens, greedy_sequences = (s.greedy_reject_weight, s.greedy_prefix,
+                                                                                s.greedy_new_tokens, s.greedy_sequences)
+    cost_new_tokens, cost_reps, policy_prompts = s.cost_new_tokens, s.cost_reps, s.policy_prompts
     out_dir = Path(out_dir)
     target, tokenizer = load_teacher(target_dir, placement, make_accelerator(cfg))
     fp = tokenizer_fingerprint(tokenizer)

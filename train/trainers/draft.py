@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from specdec.decode.options import POSITIVE, Range, opt
+from specdec.train.settings import DraftSettings
 from specdec.models.artifacts import SpecdecError, UsageError, check_fingerprint, read_config, tokenizer_fingerprint, write_json
 from specdec.train.loop import StepSeeded, TrainConfig, run_training, save_config
 
@@ -126,9 +126,6 @@ def new_draft(target_config, arch: str):
 
 # ---------------------------------------------------------------------------------------------
 # Losses
-
-
-KD_WEIGHT = 0.9  # the share of the distillation term in a draft's loss (the rest: cross-entropy)
 
 
 def kd_loss(student_logits, input_ids, teacher, kd_weight: float, temperature: float, ce_labels: str = "data", labels=None):
@@ -435,58 +432,6 @@ class AnchorCollate(StepSeeded):
 
 # ---------------------------------------------------------------------------------------------
 # The trainer
-
-
-@dataclass(frozen=True)
-class DraftSettings:
-    """What train-draft trains, beside the loop's ``TrainConfig``: each setting declared once (its range or
-    choices and its help, ``decode.options.opt``). ``train-draft``'s flags are made from the declarations
-    that carry help, a recipe section's keys are these names (``train.recipe.draft_knobs``), and
-    ``check`` refuses what they rule out before any model loads."""
-
-    init: str | None = opt(help="Start from this causal LM checkpoint (same vocabulary).")
-    arch: str | None = opt(help="New small Llama: layers=N,hidden=N,heads=N[,kv_heads=N,ffn=N].")
-    kd_weight: float = opt(KD_WEIGHT, range=Range(0, 1),
-                           help="Weight of forward KL to the target (1-W goes to CE; 0 = CE only). Default: the recipe's.")
-    temperature: float = opt(1.0, range=Range(0, open_lo=True), help="Distillation temperature. Default: the recipe's.")
-    lora: bool = opt(False, help="Train a LoRA adapter on the --init draft.")
-    lora_save: str = opt("merged", choices=("merged", "adapter"), help="merged (plain weights) or adapter (peft adapter folder).")
-    lora_rank: int = opt(8, range=POSITIVE)
-    cache_teacher: bool = opt(False, help="Compute the target's top-k logits once, on disk, inside the budget (default: the recipe's).")
-    teacher_topk: int = opt(64, range=POSITIVE)
-    ce_labels: str = opt("data", choices=("data", "target"), help="CE term's labels under KD: data (next tokens) or target "
-                         "(the target's greedy tokens). Default: the recipe's.")
-    # a reduced draft vocabulary (train.teacher.resolve_draft_vocab; None: by the target's size, 0: the whole)
-    draft_vocab: int | None = None
-    teacher_cache: str | None = None  # where the reduced-vocabulary teacher cache is kept (default: in the artifact)
-    charge_teacher: bool = True  # the teacher cache's compute time comes out of --budget-minutes
-    s2d_depths: tuple | None = None  # S2D: the draft depth of each target (default: by the targets' sizes)
-    long_context: bool = opt(False, help="LongSpec: a draft whose cache keeps --sinks sink tokens and the last --window "
-                             "tokens, trained at anchor-offset positions.")
-    window: int = opt(256, range=POSITIVE, help="--long-context: the recent tokens the draft attends to (default 256).")
-    sinks: int = opt(4, range=Range(0, integer=True), help="--long-context: the first tokens the draft always attends to (default 4).")
-
-    def check(self, targets: int) -> None:
-        """Refuse settings out of their declared ranges, and combinations that cannot be meant."""
-        from specdec.decode.options import field_refusal
-
-        refusal = field_refusal(self)
-        if refusal:
-            raise UsageError(refusal)
-        if self.init and self.arch:
-            raise UsageError("give --init or --arch, not both")
-        if self.lora and not self.init:
-            raise UsageError("--lora trains an adapter on an initialized draft: give --init DIR")
-        if self.draft_vocab and (self.init or self.lora):
-            raise UsageError("--draft-vocab builds a new draft over the reduced vocabulary: it does not combine with --init or --lora")
-        if not targets:
-            raise UsageError("give a target")
-        if self.sorted(targets) and self.draft_vocab:
-            raise UsageError("--targets (S2D) does not combine with --draft-vocab")
-
-    def sorted(self, targets: int) -> bool:
-        """An S2D draft: several targets, or depths given."""
-        return targets > 1 or self.s2d_depths is not None
 
 
 def train_draft(target_dir, data_files: list[str | Path], out_dir: str | Path, cfg: TrainConfig,
