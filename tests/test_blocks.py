@@ -51,6 +51,20 @@ def test_the_kernels_products_are_float32_matmuls_of_those_weights(qtype):
         assert got.shape == (rows, 70) and bool(((got - want).abs() <= bound + 1e-30).all())
 
 
+@pytest.mark.parametrize("qtype", TYPES)
+def test_a_positions_product_does_not_depend_on_the_forwards_width(qtype):
+    """Bit for bit: each chunk of 8 positions of a wide forward (a verify forward of a tree) gets what a
+    forward of that chunk alone gets, so a position's logits do not depend on how many rode with it."""
+    raw = torch.from_numpy(random_blocks(qtype, 33, 512, seed=7))
+    g = torch.Generator().manual_seed(1)
+    t = kernel.BLOCKS[qtype][0]
+    for rows in (9, 13, 16, 21):
+        x = torch.randn(rows, 512, generator=g)
+        got = kernel.qmatmul(x, raw, t, 512)
+        for m in range(0, rows, 8):
+            assert torch.equal(got[m : m + 8], kernel.qmatmul(x[m : m + 8].contiguous(), raw, t, 512))
+
+
 def test_blocks_are_found_by_content_not_by_name(tmp_path):
     import gguf
 
