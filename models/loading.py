@@ -223,9 +223,10 @@ def load_target(name: str | os.PathLike, placement: Placement | None = None, dev
     placement = placement or Placement()
     source = resolve_source(name)
     model = load_causal_lm(source, placement, device=device)
-    from specdec.models import blocks, gguf, head
+    from specdec.models import blocks, gguf, head, norms
 
     head.install(model)  # a large float32 output layer on a CPU runs as models.head dispatches it inside the engine
+    norms.install(model)  # Gemma's norms in fewer operations where they compute the same floats
     if placement.weights == "auto" and Path(source).is_dir() and gguf.ensure_blocks(Path(source)):
         blocks.install(model, source)  # a GGUF target's layers multiply by the file's blocks inside the engine
     apply_threads(placement.threads, model, rows)
