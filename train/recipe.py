@@ -8,7 +8,6 @@ budget.
 
 from __future__ import annotations
 
-import dataclasses
 
 import json
 import os
@@ -528,7 +527,7 @@ def build_drafters(family_dir: Path, train_files: list[Path], budget_minutes: fl
 def recipe_settings(cls, extra: dict) -> dict:
     """The settings of a trainer (``train.settings``: ``DraftSettings``, ``AcceptanceSettings``) a recipe
     section's ``extra`` gives, by their names; the others keep their declared defaults."""
-    return {f.name: extra[f.name] for f in dataclasses.fields(cls) if f.name in extra}
+    return {f.name: extra[f.name] for f in fields(cls) if f.name in extra}
 
 
 def draft_knobs(extra: dict) -> dict:
