@@ -240,6 +240,11 @@ at::Tensor qdequant(const at::Tensor& blocks, int64_t qtype, int64_t K) {
 
 }  // namespace
 
+// for the decode step's own calls (step.cpp), without the dispatcher between
+at::Tensor specdec_qmatmul(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, int64_t K) {
+  return qmatmul(x, blocks, qtype, K);
+}
+
 TORCH_LIBRARY(specdec_q, m) {
   m.def("qmatmul(Tensor x, Tensor blocks, int qtype, int K) -> Tensor", qmatmul);
   m.def("qdequant(Tensor blocks, int qtype, int K) -> Tensor", qdequant);

@@ -19,7 +19,7 @@ import torch
 # ggml's type ids of the block formats the kernel reads, and (weights, bytes) per block
 BLOCKS = {"Q8_0": (8, 32, 34), "Q5_0": (6, 32, 22), "Q4_K": (12, 256, 144), "Q6_K": (14, 256, 210)}
 QTYPES = {v[0]: k for k, v in BLOCKS.items()}
-SOURCE = Path(__file__).with_name("qmatmul.cpp")
+SOURCES = (Path(__file__).with_name("qmatmul.cpp"), Path(__file__).with_name("step.cpp"))  # step.cpp: a decode step's layers in one call
 
 
 def row_bytes(qtype: int, k: int) -> int:
@@ -59,10 +59,11 @@ def _load(build_root: Path) -> None:
 
     # OpenMP: at::parallel_for's threads are torch's own (libgomp.so.1, already loaded by torch)
     cflags, ldflags = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"], ["-fopenmp"]
-    digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + str(cflags).encode()).hexdigest()[:12]
+    code = b"".join(source.read_bytes() for source in SOURCES)
+    digest = hashlib.sha256(code + torch.__version__.encode() + str(cflags).encode()).hexdigest()[:12]
     build = build_root / f"qmatmul-{digest}"
     build.mkdir(parents=True, exist_ok=True)
-    cpp_extension.load(name=f"specdec_qmatmul_{digest}", sources=[str(SOURCE)], build_directory=str(build),
+    cpp_extension.load(name=f"specdec_qmatmul_{digest}", sources=[str(s) for s in SOURCES], build_directory=str(build),
                        extra_cflags=cflags, extra_ldflags=ldflags, is_python_module=False, verbose=False)
 
 

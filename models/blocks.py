@@ -215,6 +215,7 @@ def _route(linear: torch.nn.Linear, blocks: torch.Tensor, qtype: int, state: Blo
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
     linear.forward = forward
+    linear._specdec_blocks = (blocks, qtype)  # what a decode step run outside Python reads (decode.engine.direct)
 
 
 def matmul(x2d: torch.Tensor, found: tuple[torch.Tensor, int]) -> torch.Tensor:

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from transformers.cache_utils import Cache, StaticLayer
 
 from specdec.decode.engine import compiled
+from specdec.decode.engine.direct import direct_step
 from specdec.decode.engine.lean import lean_output, lean_step
 from specdec.models import arch
 from specdec.models.masks import additive_mask
@@ -278,6 +279,9 @@ class KVState(SlotBook):
             compile = "off"
         self._compiled = compiled.for_model(model, compile) if compile != "off" else None
         self._lean = lean if self._compiled is None else None
+        # the decoder layers in one C++ call, the same floats (decode.engine.direct): for eager CPU forwards
+        eager_cpu = self._compiled is None and self._lean is None and torch.device(device).type == "cpu"
+        self._direct = direct_step(model, SlotBuffers) if eager_cpu else None
         # full cache layers only: every layer keeps every slot, sliding ones included; the buffers are
         # allocated at the first forward, when the shapes are known
         self.cache: SlotBuffers | None = None
@@ -372,7 +376,9 @@ class KVState(SlotBook):
         return out
 
     def _call(self, forward, input_ids, mask, positions, hidden: bool, model_kwargs: dict):
-        """The model's forward (HF's, or its compiled one) on a segment after the cache."""
+        """The model's forward (HF's, its compiled one, or its layers in one call) on a segment after the cache."""
+        if forward is self.model and self._direct is not None and self._direct.usable(input_ids, mask, hidden, model_kwargs, self.cache):
+            return self._direct(input_ids, mask, positions, self.cache)
         return forward(
             input_ids=input_ids,
             attention_mask=mask,

@@ -1,0 +1,123 @@
+"""A target's decoder layers in one C++ call (``decode.engine.direct``, ``kernels/step.cpp``): used only where
+its logits are transformers' floats bit for bit, so decoding through it is the same text, token for token."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import ByteTokenizer
+from gguf_files import random_blocks
+from test_architectures import EOS, NEW, PROMPTS, build
+
+from specdec.decode.drafters.base import NoDrafter
+from specdec.decode.drafters.model_free import NgramDrafter
+from specdec.decode.engine import cache as cache_mod
+from specdec.decode.engine import direct
+from specdec.decode.engine.loop import SpecEngine
+from specdec.decode.engine.types import GenRequest
+from specdec.kernels import qmatmul as kernel
+from specdec.models import blocks, norms
+
+pytestmark = pytest.mark.skipif(not blocks.kernel_ready(), reason="the C++ operators need AVX2 and a compiler")
+
+
+def _gemma(seed: int = 0, quantised: bool = False):
+    """A tiny float32 Gemma 3 (sliding window 8, so long rows take the per-layer-type masks) with its norms
+    routed as a target's are; ``quantised``: its linear layers multiply by Q8_0 blocks (models.blocks' route)."""
+    model = build("gemma3", seed=seed).float()
+    with torch.no_grad():  # norms away from their zero init, as a trained model's are
+        for m in model.modules():
+            if type(m).__name__ == "Gemma3RMSNorm":
+                m.weight.normal_(0, 0.5)
+    norms.install(model)
+    if quantised:
+        state = blocks.BlockLayers()
+        for i, layer in enumerate(model.model.layers):
+            for name in direct.LINEARS:
+                lin = getattr(layer.self_attn, name, None) or getattr(layer.mlp, name)
+                raw = torch.from_numpy(random_blocks("Q8_0", lin.out_features, lin.in_features, seed=100 + i, scale=0.2))
+                with torch.no_grad():
+                    lin.weight.copy_(kernel.qdequant(raw, kernel.BLOCKS["Q8_0"][0], lin.in_features))
+                blocks._route(lin, raw, kernel.BLOCKS["Q8_0"][0], state)
+        state.enabled = True
+        model._specdec_blocks = state
+    return model
+
+
+def _decode(model, drafter, prompts, use_direct: bool, monkeypatch):
+    monkeypatch.setattr(cache_mod, "direct_step", direct.direct_step if use_direct else (lambda m, b: None))
+    engine = SpecEngine(model, ByteTokenizer(), drafter, eos_ids=[EOS])
+    return [r.token_ids for r in engine.generate([GenRequest(p, NEW) for p in prompts])]
+
+
+@pytest.fixture()
+def calls(monkeypatch):
+    """How many forwards ran through the direct step."""
+    seen = []
+    real = direct.DirectStep.__call__
+    monkeypatch.setattr(direct.DirectStep, "__call__", lambda self, *a: seen.append(a[0].shape) or real(self, *a))
+    return seen
+
+
+@pytest.mark.parametrize("quantised", [False, True])
+@pytest.mark.parametrize("drafter", [NoDrafter, NgramDrafter])
+@pytest.mark.parametrize("bsz", [1, 3])
+def test_decoding_through_the_direct_step_is_the_same_text(monkeypatch, calls, quantised, drafter, bsz):
+    model = _gemma(quantised=quantised)
+    assert direct.direct_step(model, cache_mod.SlotBuffers) is not None
+    calls.clear()  # the probe's own
+    prompts = PROMPTS[:bsz]
+    want = _decode(model, drafter(), prompts, False, monkeypatch)
+    assert not calls
+    hf = []
+    real = type(model).forward
+    monkeypatch.setattr(type(model), "forward", lambda self, *a, **k: hf.append(k["input_ids"].shape) or real(self, *a, **k))
+    got = _decode(model, drafter(), prompts, True, monkeypatch)
+    assert got == want
+    assert calls and all(shape.numel() <= direct.MAX_ROWS for shape in calls)
+    if bsz == 1:  # one row: every forward after the prompt's went through the direct step
+        assert len(hf) == 1
+    if drafter is NgramDrafter:
+        assert any(shape[1] > 1 for shape in calls)  # verification forwards of several positions too
+
+
+def test_one_row_decodes_generates_text():
+    model = _gemma(seed=1)
+    assert direct.direct_step(model, cache_mod.SlotBuffers) is not None
+    engine = SpecEngine(model, ByteTokenizer(), NoDrafter(), eos_ids=[EOS])
+    for p in PROMPTS:
+        want = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long), max_new_tokens=NEW,
+                              do_sample=False, eos_token_id=EOS, pad_token_id=0)[0, len(p):].tolist()
+        assert engine.generate([GenRequest(p, NEW)])[0].token_ids == want
+
+
+def test_a_step_that_rounds_differently_is_not_used(monkeypatch):
+    """The probe decides: the same layers with the attention's scale one part in a million off give other
+    floats, and transformers' forward stays."""
+    real = direct._layers
+    monkeypatch.setattr(direct, "_layers", lambda *a: real(*a[:12], a[12] * (1 + 2**-20), *a[13:]))
+    assert direct.direct_step(_gemma(seed=2), cache_mod.SlotBuffers) is None
+    monkeypatch.setattr(direct, "_layers", real)
+    assert direct.direct_step(_gemma(seed=2), cache_mod.SlotBuffers) is not None
+
+
+def test_models_it_does_not_describe_keep_transformers_forward():
+    plain = build("gemma3").float()  # norms not routed: their arithmetic is transformers' own
+    assert direct.direct_step(plain, cache_mod.SlotBuffers) is None
+    assert direct.direct_step(build("llama").float(), cache_mod.SlotBuffers) is None
+
+
+
+def test_a_hook_on_a_layer_sends_the_forward_to_transformers(calls):
+    """A riding drafter hooks the target's modules for one forward: that forward must run them."""
+    model = _gemma(seed=3)
+    step = direct.direct_step(model, cache_mod.SlotBuffers)
+    seen = []
+    handle = model.model.layers[1].mlp.register_forward_hook(lambda *a: seen.append(1))
+    engine = SpecEngine(model, ByteTokenizer(), NoDrafter(), eos_ids=[EOS])
+    calls.clear()
+    engine.generate([GenRequest(PROMPTS[0], 4)])
+    assert not calls and len(seen) >= 4
+    handle.remove()
+    engine.generate([GenRequest(PROMPTS[0], 4)])
+    assert calls and step is direct.direct_step(model, cache_mod.SlotBuffers)
