@@ -33,11 +33,6 @@ class ExportTo(str, Enum):
     gguf = "gguf"
 
 
-class HeadLayout(str, Enum):
-    specdec = "specdec"
-    published = "published"
-
-
 class LawForm(str, Enum):
     sigmoid = "sigmoid"
     log_linear = "log-linear"
@@ -181,22 +176,7 @@ def train_heads_cmd(
     target: o.TargetRequired,
     data: o.Data,
     out: o.OutDir,
-    num_heads: Annotated[Optional[int], typer.Option("--num-heads", help="Medusa/Clover/Chimera heads (default 4).")] = None,
-    eagle3: Annotated[bool, typer.Option("--eagle3", help="EAGLE: multi-layer features and unrolled training-time steps.")] = False,
-    unroll: Annotated[Optional[int], typer.Option("--unroll", help="EAGLE: unrolled training-time steps (1 = EAGLE-1).")] = None,
-    fspad: Annotated[bool, typer.Option("--fspad", help="EAGLE: FSPAD (feature sampling: the token's embedding gates the fused "
-                     "feature; partial alignment: the feature loss covers only the first --fspad-align of its dimensions). "
-                     "Recipe: fspad / fspad_align in the eagle section's extra.")] = False,
-    fspad_align: Annotated[Optional[float], typer.Option("--fspad-align", help="FSPAD: the fraction of the predicted feature's "
-                           "dimensions regressed onto the target's, in (0, 1] (default 0.5; implies --fspad).")] = None,
-    ensemble: Annotated[Optional[int], typer.Option("--ensemble", help="PPD: prompt embeddings per future position, riding "
-                        "as chains blind to each other, their logits averaged (default 1; recipe: ensemble in the ppd "
-                        "section's extra).")] = None,
     draft_vocab: o.DraftVocab = None,
-    teacher_cache: Annotated[Optional[Path], typer.Option("--teacher-cache", help="File for the target's features and top-k logits over the training blocks, computed once (used whenever --draft-vocab is given).")] = None,
-    layout: Annotated[Optional[HeadLayout], typer.Option("--layout", help="EAGLE: published (EAGLE-1, or EAGLE-3 with --eagle3, "
-                      "as vLLM / SGLang / speculators run them: exportable --to speculators|eagle; the default) or specdec "
-                      "(its own architecture; the default with --fspad, which the published layouts cannot hold).")] = None,
     recipe: o.Recipe = None,
     max_steps: o.MaxSteps = None,
     budget_minutes: o.Budget = None,
@@ -213,34 +193,26 @@ def train_heads_cmd(
     attn_implementation: o.AttnImpl = None,
     trust_remote_code: o.TrustRemoteCode = False,
     threads: o.Threads = 0,
+    **settings,
 ) -> None:
     """Train Medusa / Clover / EAGLE / Chimera heads on the frozen target."""
+    from specdec.train.recipe import head_knobs
     from specdec.train.trainers.heads import train_heads
 
     kind = kind.value
+    given = {k: v for k, v in settings.items() if v is not None}
+    if "fspad_align" in given:
+        given.setdefault("fspad", True)  # an alignment asks for FSPAD
+    if draft_vocab is not None:
+        given["draft_vocab"] = draft_vocab
     cfg = _config(recipe, "heads.yaml", kind, max_steps=max_steps, budget_minutes=budget_minutes, batch=batch_size,
                   seq_len=seq_len, lr=lr, seed=seed, checkpoint_every=checkpoint_every,
                   mixed_precision=mixed_precision.value if mixed_precision else None)
     place = o.placement(device, dtype, device_map, attn_implementation, trust_remote_code, threads)
-    hp = {"num_heads": num_heads, "unroll": unroll, "ensemble": ensemble}
-    if fspad or fspad_align is not None:
-        if kind != "eagle":
-            from specdec.models.errors import UsageError
-
-            raise UsageError(f"--fspad applies to --kind eagle, not --kind {kind}")
-        hp.update(fspad=True, fspad_align=fspad_align)
-    if eagle3:
-        hp.update(eagle3=True, feature_layers="eagle3")
-    if layout is None and kind == "eagle" and not hp.get("fspad"):
-        layout = HeadLayout.published  # what a user trains exports to the serving engines without a flag
-    if layout is HeadLayout.published:
-        if kind != "eagle":
-            from specdec.models.errors import UsageError
-
-            raise UsageError("--layout published applies to --kind eagle")
-        hp["layout"] = "published"
-    metrics = train_heads(kind, target, data, out, cfg, resume=resume, placement=place, draft_vocab=draft_vocab,
-                          teacher_cache=teacher_cache, **hp)
+    knobs = head_knobs(cfg.extra) | given  # the flags given, over the recipe's settings
+    if kind == "eagle" and knobs.get("layout") is None and not knobs.get("fspad"):
+        knobs["layout"] = "published"  # what a user trains exports to the serving engines without a flag
+    metrics = train_heads(kind, target, data, out, cfg, resume=resume, placement=place, **knobs)
     _report(metrics, out, ("top1_accuracy", "expected_tau", "steps", "stopped"))
 
 
@@ -365,11 +337,11 @@ def plan_cmd(
 
 
 def register(app: typer.Typer) -> None:
-    from specdec.train.settings import AcceptanceSettings, DraftSettings
+    from specdec.train.settings import AcceptanceSettings, DraftSettings, HeadSettings
 
     app.command("train-draft")(o.declared_flags(DraftSettings, unset=True)(train_draft_cmd))
     app.command("train-acceptance")(o.declared_flags(AcceptanceSettings, unset=True)(train_acceptance_cmd))
-    app.command("train-heads")(train_heads_cmd)
+    app.command("train-heads")(o.declared_flags(HeadSettings, unset=True)(train_heads_cmd))
     app.command("train-lud")(train_lud_cmd)
     app.command("export")(export_cmd)
     app.command("plan")(plan_cmd)

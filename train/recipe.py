@@ -29,7 +29,7 @@ from specdec.train.data import load_texts, self_distill
 from specdec.train.trainers.dllm import train_dllm
 from specdec.train.trainers.filter import train_filter
 from specdec.train.listtasks import list_tasks
-from specdec.train.settings import KD_WEIGHT, AcceptanceSettings, DraftSettings
+from specdec.train.settings import KD_WEIGHT, AcceptanceSettings, DraftSettings, HeadSettings
 from specdec.train.trainers.draft import train_draft
 from specdec.train.trainers.heads import train_heads
 from specdec.train.loop import load_config
@@ -519,13 +519,13 @@ def build_drafters(family_dir: Path, train_files: list[Path], budget_minutes: fl
                                              placement=placement, **(acceptance_knobs(a.extra) |
                                                                      {"policy_prompts": str(dev) if dev.exists() else None}))
     for kind in ("medusa", "clover", "eagle"):
-        results[kind] = train_heads(kind, target, train_files, family_dir / kind, cfg("heads.yaml", kind, kind),
-                                    placement=placement)
+        h = cfg("heads.yaml", kind, kind)
+        results[kind] = train_heads(kind, target, train_files, family_dir / kind, h, placement=placement, **head_knobs(h.extra))
     return results
 
 
 def recipe_settings(cls, extra: dict) -> dict:
-    """The settings of a trainer (``train.settings``: ``DraftSettings``, ``AcceptanceSettings``) a recipe
+    """The settings of a trainer (``train.settings``: ``DraftSettings``, ``AcceptanceSettings``, ``HeadSettings``) a recipe
     section's ``extra`` gives, by their names; the others keep their declared defaults."""
     return {f.name: extra[f.name] for f in fields(cls) if f.name in extra}
 
@@ -538,6 +538,11 @@ def draft_knobs(extra: dict) -> dict:
 def acceptance_knobs(extra: dict) -> dict:
     """train_acceptance's settings from a recipe section's ``extra``."""
     return recipe_settings(AcceptanceSettings, extra)
+
+
+def head_knobs(extra: dict) -> dict:
+    """train_heads' settings from a recipe section's ``extra``."""
+    return recipe_settings(HeadSettings, extra)
 
 
 @dataclass

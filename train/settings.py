@@ -10,9 +10,9 @@ the command line can read the declarations without loading torch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 
-from specdec.decode.options import POSITIVE, Range, field_refusal, opt
+from specdec.decode.options import AT_LEAST_ZERO, POSITIVE, Range, field_refusal, flag, opt
 from specdec.models.errors import UsageError
 
 KD_WEIGHT = 0.9  # the share of the distillation term in a draft's loss (the rest: cross-entropy)
@@ -92,3 +92,97 @@ class AcceptanceSettings:
 
     def check(self) -> None:
         _check_ranges(self)
+
+
+HEAD_KINDS = ("medusa", "clover", "eagle", "chimera")  # heads on the target's hidden states (models.heads.KINDS)
+RIDING_KINDS = ("ppd", "hidden-transfer")  # drafting positions riding the target's own forward (models.heads.RIDE_KINDS)
+_NUMBERED = ("medusa", "clover", "chimera", *RIDING_KINDS)  # a number of heads (EAGLE's one head drafts a chain)
+_ATTENDING = ("clover", "chimera")  # heads with their own attention over the last tokens
+
+
+def _of(kinds: tuple, default=None, **declared):
+    """A setting of the head kinds ``kinds`` (its range, choices and help as ``opt`` declares them): a value
+    other than its default, given for another kind, is refused (``HeadSettings.check``)."""
+    declared = opt(default, **declared)
+    return field(default=default, metadata={**declared.metadata, "kinds": kinds})
+
+
+@dataclass(frozen=True)
+class HeadSettings:
+    """What train-heads trains, beside the loop's ``TrainConfig`` and the head kind: each setting declared once
+    with the kinds it applies to. None: the kind's own default; any other declared default is the one
+    ``models.head_artifacts.build_heads`` takes. ``train-heads``' flags are made from the declarations that
+    carry help, a recipe section's keys are these names, and ``check`` refuses what they rule out before any
+    model loads."""
+
+    num_heads: int | None = _of(_NUMBERED, range=POSITIVE, help="Medusa/Clover/Chimera heads (default 4).")
+    num_layers: int | None = _of(("medusa", "chimera"), range=POSITIVE)  # layers of each head (default 1)
+    # one output layer shared by the heads (default: with a reduced draft vocabulary, whose rows only the target has)
+    shared_head: bool | None = _of(("medusa",))
+    attn_heads: int | None = _of(_ATTENDING, range=POSITIVE)  # default: the target's attention heads
+    window: int | None = _of(_ATTENDING, range=POSITIVE)  # the last tokens a head attends to (default 64)
+    eagle3: bool = _of(("eagle",), False, help="EAGLE: multi-layer features and unrolled training-time steps.")
+    unroll: int | None = _of(("eagle",), range=POSITIVE, help="EAGLE: unrolled training-time steps (1 = EAGLE-1).")
+    fspad: bool = _of(("eagle",), False, help="EAGLE: FSPAD (feature sampling: the token's embedding gates the fused "
+                      "feature; partial alignment: the feature loss covers only the first --fspad-align of its dimensions). "
+                      "Recipe: fspad / fspad_align in the eagle section's extra.")
+    fspad_align: float = _of(("eagle",), 0.5, range=Range(0, 1, open_lo=True),
+                             help="FSPAD: the fraction of the predicted feature's dimensions regressed onto the target's, in "
+                             "(0, 1] (default 0.5; implies --fspad).")
+    ensemble: int = _of(("ppd",), 1, range=POSITIVE, help="PPD: prompt embeddings per future position, riding as chains "
+                        "blind to each other, their logits averaged (default 1; recipe: ensemble in the ppd section's extra).")
+    # the heads' reduced vocabulary (train.teacher.resolve_draft_vocab); its flag is the one train-draft shares (cli.options)
+    draft_vocab: int | None = _of(HEAD_KINDS, range=AT_LEAST_ZERO)
+    teacher_cache: str | None = _of(HEAD_KINDS, help="File for the target's features and top-k logits over the training "
+                                    "blocks, computed once (used whenever --draft-vocab is given).")
+    teacher_topk: int = _of(HEAD_KINDS, 32, range=POSITIVE)  # the target's logits the teacher cache keeps per position
+    charge_teacher: bool = _of(HEAD_KINDS, True)  # the teacher cache's compute time comes out of --budget-minutes
+    layout: str = _of(("eagle",), "specdec", choices=("specdec", "published"),
+                      help="EAGLE: published (EAGLE-1, or EAGLE-3 with --eagle3, as vLLM / SGLang / speculators run them: "
+                      "exportable --to speculators|eagle; the default) or specdec (its own architecture; the default with "
+                      "--fspad, which the published layouts cannot hold).")
+    # EAGLE: the target layers whose hidden states are fused ("eagle3": EAGLE-3's three; default: the last, or EAGLE-3's)
+    feature_layers: str | list | None = _of(("eagle",))
+    noise: float | None = _of(("eagle",), range=Range(0))  # feature noise in training (default 0.2; published EAGLE-3: 0)
+    ce_weight: float | None = _of(("eagle",), range=Range(0))  # the token loss beside the feature loss (default 0.1)
+    reg_weight: float | None = _of(("eagle",), range=Range(0))  # the feature regression loss (default 1)
+    eval_depth: int = _of(("eagle",), 5, range=POSITIVE)  # the chain the held-out evaluation drafts
+    # --layout published: the published architectures' variants (models.interop.build_published_eagle)
+    fc_bias: bool = _of(("eagle",), True)
+    own_embed: bool = _of(("eagle",), False)
+    norm_before_residual: bool = _of(("eagle",), False)
+    norm_before_fc: bool = _of(("eagle",), False)
+    fc_norm: bool = _of(("eagle",), False)
+    norm_output: bool = _of(("eagle",), False)
+    logits_norm: bool = _of(("eagle",), True)
+    init_from_lm_head: bool = _of(HEAD_KINDS, True)  # heads' output layers start as the target's (riding kinds: always)
+    cuts: int | None = _of(RIDING_KINDS, range=POSITIVE)  # cut points per training block (default 16)
+    placeholder: int | None = _of(RIDING_KINDS, range=AT_LEAST_ZERO)  # the riding positions' token id (default: chosen)
+    layer: int | None = _of(("hidden-transfer",), range=AT_LEAST_ZERO)  # where the maps inject (default: round(2L/3))
+
+    def check(self, kind: str) -> None:
+        """Refuse an unknown kind, settings out of their declared ranges, a setting given for a kind it does not
+        apply to, and combinations that cannot be meant."""
+        if kind not in HEAD_KINDS + RIDING_KINDS:
+            raise UsageError(f"--kind must be one of {', '.join(HEAD_KINDS + RIDING_KINDS)}, not {kind!r}")
+        _check_ranges(self)
+        for f in fields(self):
+            if kind not in f.metadata["kinds"] and getattr(self, f.name) != f.default:
+                raise UsageError(f"{flag(f.name)} applies to --kind {' / '.join(f.metadata['kinds'])}, not --kind {kind}")
+        if self.fspad and self.layout == "published":
+            raise UsageError("--fspad cannot train --layout published: the published EAGLE-1 / EAGLE-3 checkpoints (vLLM, "
+                             "SGLang, speculators) have no place for FSPAD's feature sampler (an embedding-gated MLP after fc); "
+                             "use --layout specdec")
+
+    def hparams(self, kind: str) -> dict:
+        """The head's hyper-parameters as ``build_heads`` reads them and the training config records them: the
+        settings of ``kind`` that differ from their defaults (so ``layout`` only when published), the teacher's
+        left out, and FSPAD's alignment exactly when FSPAD is on."""
+        teacher = ("draft_vocab", "teacher_cache", "teacher_topk", "charge_teacher")
+        hp = {f.name: getattr(self, f.name) for f in fields(self)
+              if kind in f.metadata["kinds"] and f.name not in teacher and getattr(self, f.name) != f.default}
+        if self.fspad:
+            hp["fspad_align"] = self.fspad_align
+        else:
+            hp.pop("fspad_align", None)  # an aligned fraction means nothing without FSPAD
+        return hp

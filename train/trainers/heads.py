@@ -12,9 +12,10 @@ import torch
 
 from specdec.models.artifacts import load_weights, read_config, tokenizer_fingerprint, write_json
 from specdec.models.errors import SpecdecError, UsageError
-from specdec.models.heads import KINDS, RIDE_KINDS
+from specdec.models.heads import RIDE_KINDS
 from specdec.models.head_artifacts import build_heads, save_heads
 from specdec.train.loop import TrainConfig, run_training, save_config
+from specdec.train.settings import HeadSettings
 from specdec.train.teacher import heldout_coverage, resolve_draft_vocab, training_vocab
 
 def evaluate_heads(heads, target, heldout, k: int, batch: int = 8, top_k: int = 5) -> dict:
@@ -66,71 +67,55 @@ def evaluate_heads(heads, target, heldout, k: int, batch: int = 8, top_k: int = 
     }
 
 
-def train_heads(
-    kind: str,
-    target_dir: str | Path,
-    data_files: list[str | Path],
-    out_dir: str | Path,
-    cfg: TrainConfig,
-    resume: bool = False,
-    placement=None,
-    draft_vocab: int | None = None,
-    teacher_cache: str | Path | None = None,
-    teacher_topk: int = 32,
-    charge_teacher: bool = True,
-    **hp,
-) -> dict:
-    """Train one head kind on the frozen target; writes the artifact, returns metrics. ``placement``
-    (models.loading.Placement): how the target loads. ``draft_vocab`` N: the heads propose only the
-    N - 1 most frequent tokens of the training blocks (``models.vocab``; the target's output layer is
-    read at their rows only). ``teacher_cache``: the target's features and top-k logits over the
-    training blocks are computed once into this file (``train.teacher``; its forward time is charged
-    to the budget) instead of a target forward every step; with ``draft_vocab`` it is always used."""
+def train_heads(kind: str, target_dir: str | Path, data_files: list[str | Path], out_dir: str | Path, cfg: TrainConfig,
+                settings: HeadSettings | None = None, *, resume: bool = False, placement=None, **changes) -> dict:
+    """Train one head kind on the frozen target; writes the artifact, returns metrics. ``settings``
+    (``HeadSettings``, with ``changes`` by name on top, a None among them not given): what it trains,
+    checked for ``kind`` before anything loads; ``placement`` (models.loading.Placement): how the target
+    loads. ``draft_vocab`` N: the heads propose only the N - 1 most frequent tokens of the training blocks
+    (``models.vocab``; the target's output layer is read at their rows only). ``teacher_cache``: the
+    target's features and top-k logits over the training blocks are computed once into this file
+    (``train.teacher``; its forward time is charged to the budget) instead of a target forward every step;
+    with ``draft_vocab`` it is always used."""
     from specdec.train import teacher
     from specdec.train.data import load_blocks, load_teacher
     from specdec.train.loop import make_accelerator
 
-    if kind not in KINDS + RIDE_KINDS:
-        raise UsageError(f"--kind must be one of {', '.join(KINDS + RIDE_KINDS)}, not {kind!r}")
-    hp = {**cfg.extra, **{k: v for k, v in hp.items() if v is not None}}
-    if hp.get("ensemble") is not None and (kind != "ppd" or int(hp["ensemble"]) < 1) and int(hp["ensemble"]) != 1:
-        raise UsageError(f"--ensemble (prompt embeddings per future position) applies to --kind ppd and must be >= 1, "
-                         f"not {hp['ensemble']} for --kind {kind}")
+    s = dataclasses.replace(settings or HeadSettings(), **{k: v for k, v in changes.items() if v is not None})
+    s.check(kind)
+    hp = s.hparams(kind)
     if kind in RIDE_KINDS:  # PPD, Hidden Transfer: trained through the target's own forward
-        if draft_vocab or teacher_cache:
-            raise UsageError(f"--draft-vocab and --teacher-cache apply to {'/'.join(KINDS)} heads, not to --kind {kind}")
         return _train_riding(kind, target_dir, data_files, out_dir, cfg, resume, placement, hp)
-    fspad = _fspad_settings(kind, hp)
     out_dir = Path(out_dir)
     accelerator = make_accelerator(cfg)
     target, tokenizer = load_teacher(target_dir, placement, accelerator)
     fp = tokenizer_fingerprint(tokenizer)
     train, held = load_blocks(data_files, tokenizer, cfg.seq_len, cfg.heldout, cfg.seed)
     torch.manual_seed(cfg.seed)
-    draft_vocab = resolve_draft_vocab(draft_vocab, target.config.vocab_size)
+    draft_vocab = resolve_draft_vocab(s.draft_vocab, target.config.vocab_size)
     if draft_vocab and kind == "medusa":
         hp.setdefault("shared_head", True)  # a head's own output layer would have the target's vocabulary
     vocab = training_vocab(train, tokenizer, draft_vocab, target.config.vocab_size) if draft_vocab else None
     published = kind == "eagle" and bool(hp.get("layout"))
     if vocab is not None and published:  # the published EAGLE-3 trains its own output layer over the draft's tokens
         hp["draft_ids"] = vocab.d2t[:-1]
-    heads = build_heads(kind, target, hp).attach(target, init_from_lm_head=bool(hp.get("init_from_lm_head", True)))
+    heads = build_heads(kind, target, hp).attach(target, init_from_lm_head=s.init_from_lm_head)
     hp.pop("draft_ids", None)
-    if fspad:
-        heads.enable_fspad(hp["fspad_align"])
+    if s.fspad:
+        heads.enable_fspad(s.fspad_align)
     if vocab is not None and not published:
         heads.set_vocab(vocab)
     cache = None
-    if draft_vocab or teacher_cache:
-        path = Path(teacher_cache) if teacher_cache else out_dir / "teacher_cache.safetensors"
+    if draft_vocab or s.teacher_cache:
+        path = Path(s.teacher_cache) if s.teacher_cache else out_dir / "teacher_cache.safetensors"
         layers = [*(heads.feature_layers or []), -1] if kind == "eagle" else [-1]
         started = time.time()
         if accelerator.is_main_process:
-            teacher.build(target, train, path, layers, vocab, teacher_topk, console=lambda m: print(m, file=sys.stderr, flush=True))
+            teacher.build(target, train, path, layers, vocab, s.teacher_topk, console=lambda m: print(m, file=sys.stderr, flush=True))
         accelerator.wait_for_everyone()
-        cache = teacher.build(target, train, path, layers, vocab, teacher_topk)
+        cache = teacher.build(target, train, path, layers, vocab, s.teacher_topk)
         # charged only when this run wrote the cache: one another run computed (a recipe's drafters share one) cost it nothing
-        if charge_teacher and path.stat().st_mtime >= started and cfg.budget_minutes > 0:  # the teacher's forwards are training time: runs compare at equal minutes
+        if s.charge_teacher and path.stat().st_mtime >= started and cfg.budget_minutes > 0:  # the teacher's forwards are training time: runs compare at equal minutes
             cfg = dataclasses.replace(cfg, budget_minutes=max(cfg.budget_minutes - teacher.compute_seconds(path) / 60, 0.01))
 
     def loss_fn(model, batch):
@@ -152,7 +137,7 @@ def train_heads(
     heads = result.model.float().attach(target)
     if vocab is not None and not published:
         heads.set_vocab(vocab)
-    k = heads.num_heads if kind != "eagle" else int(hp.get("eval_depth", 5))
+    k = heads.num_heads if kind != "eagle" else s.eval_depth
     metrics = evaluate_heads(heads, target, held, min(k, cfg.seq_len - 3), batch=cfg.batch)
     metrics.update(kind=kind, steps=result.steps, stopped=result.stopped, train_wall_s=round(result.wall_s, 3),
                    loss_curve=result.losses, final_loss=result.losses[-1] if result.losses else None,
@@ -163,7 +148,7 @@ def train_heads(
         metrics["teacher_s"] = round(teacher.compute_seconds(path), 1)
     save_heads(heads, out_dir, fp, target.config)
     save_config(cfg, out_dir, {"trainer": "heads", "kind": kind, "target": str(target_dir), "data": [str(f) for f in data_files],
-                               "draft_vocab": draft_vocab, "teacher_topk": teacher_topk if cache is not None else None, **hp})
+                               "draft_vocab": draft_vocab, "teacher_topk": s.teacher_topk if cache is not None else None, **hp})
     write_json(out_dir / "metrics.json", metrics)
     return metrics
 
@@ -186,9 +171,9 @@ def _train_riding(kind: str, target_dir, data_files, out_dir, cfg: TrainConfig, 
     fp = tokenizer_fingerprint(tokenizer)
     m = hp["num_heads"] = int(hp.get("num_heads") or 3)
     skip = len(block_prefix(tokenizer))
-    if m < 1 or cfg.seq_len < skip + m + 2:
-        raise UsageError(f"--kind {kind} needs --num-heads >= 1 and --seq-len >= num_heads + 2 + the {skip}-token prefix "
-                         f"every block starts with (got {m} and {cfg.seq_len})")
+    if cfg.seq_len < skip + m + 2:
+        raise UsageError(f"--kind {kind} needs --seq-len >= num_heads + 2 + the {skip}-token prefix every block starts "
+                         f"with (got {cfg.seq_len} for {m} heads)")
     vocab = target.get_input_embeddings().weight.shape[0]
     if hp.get("placeholder") is None:
         try:
@@ -240,26 +225,6 @@ def evaluate_riding(heads, target, heldout, collate, masks, blocks: int = 32, ba
             count += labels.numel() // m
     count = max(count, 1)
     return {"top1_accuracy": (hits / count).tolist(), "heldout_ce": (ce / count).tolist(), "heldout_blocks": n}
-
-
-def _fspad_settings(kind: str, hp: dict) -> bool:
-    """Validate FSPAD's settings (``fspad``, ``fspad_align`` in the recipe's extra or from the CLI);
-    ``hp["fspad_align"]`` gets its default 0.5. Returns whether FSPAD is on."""
-    if not hp.get("fspad"):
-        hp.pop("fspad_align", None)  # an aligned fraction means nothing without fspad
-        hp.pop("fspad", None)
-        return False
-    if kind != "eagle":
-        raise UsageError(f"--fspad applies to --kind eagle (it changes EAGLE's feature drafter), not --kind {kind}")
-    if hp.get("layout"):
-        raise UsageError("--fspad cannot train --layout published: the published EAGLE-1 / EAGLE-3 checkpoints (vLLM, SGLang, "
-                         "speculators) have no place for FSPAD's feature sampler (an embedding-gated MLP after fc); use --layout specdec")
-    align = hp.get("fspad_align")
-    align = 0.5 if align is None else float(align)
-    if not 0.0 < align <= 1.0:
-        raise UsageError(f"--fspad-align must be in (0, 1] (the regressed fraction of the feature's dimensions), not {align}")
-    hp["fspad"], hp["fspad_align"] = True, align
-    return True
 
 
 # ---------------------------------------------------------------------------------------------
