@@ -17,6 +17,7 @@ models.norms did not route, hooks, soft-capped attention), keeps transformers' f
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import torch
@@ -36,6 +37,21 @@ def direct_step(model, buffers) -> "DirectStep | None":
         step = DirectStep(model) if _supported(model) else None
         _CACHE[model] = step if step is not None and step.matches_hf(buffers) else None
     return _CACHE[model]
+
+
+@contextlib.contextmanager
+def python_layers(model):
+    """Within: ``model``'s forwards run transformers' modules from Python (a benchmark's baseline, and the
+    forward whose blocks-kernel calls a benchmark replays one by one)."""
+    step = _CACHE.get(model)
+    if step is None:
+        yield
+        return
+    before, step.enabled = step.enabled, False
+    try:
+        yield
+    finally:
+        step.enabled = before
 
 
 def _op_ready() -> bool:
@@ -89,6 +105,7 @@ class DirectStep:
         # forward back to transformers
         self.skipped = [m for layer in self.base.layers for m in layer.modules()]
         self._hook_count, self._hooked = -1, False
+        self.enabled = True  # python_layers switches it off
         self._linears: dict[bool, tuple[list, list, list]] = {}
         self.norms = [(getattr(layer, name, None) or getattr(layer.self_attn, name))._specdec_norm
                       for layer in self.base.layers for name in NORMS]
@@ -114,7 +131,7 @@ class DirectStep:
 
     def usable(self, input_ids: torch.Tensor, mask, hidden: bool, model_kwargs: dict, cache) -> bool:
         """This forward is one the direct step computes as transformers would."""
-        if hidden or model_kwargs or input_ids.numel() > MAX_ROWS or torch.is_grad_enabled() or input_ids.device.type != "cpu":
+        if not self.enabled or hidden or model_kwargs or input_ids.numel() > MAX_ROWS or torch.is_grad_enabled() or input_ids.device.type != "cpu":
             return False
         if mask is not None and not isinstance(mask, dict):
             return False
