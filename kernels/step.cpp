@@ -1,5 +1,5 @@
-// A Gemma-3 decoder stack's decode step in one call: the same ATen operations, in the same order and on the
-// same shapes, as transformers' modules run from Python, so the same floats (decode.engine.direct checks
+// A decoder stack's decode step in one call (Gemma 3; Llama, Mistral, Qwen2, Qwen3): the same ATen operations,
+// in the same order and on the same shapes, as transformers' modules run from Python, so the same floats (decode.engine.direct checks
 // this against transformers' forward before using it, and keeps transformers' forward wherever it differs).
 //
 // Why: at one to a few positions a small model's step on a CPU pays per operation. Gemma 3 270M runs about
@@ -17,34 +17,56 @@ at::Tensor specdec_qmatmul(const at::Tensor& x, const at::Tensor& blocks, int64_
 namespace {
 
 constexpr int64_t LINEARS = 7;  // q, k, v, o, gate, up, down
-constexpr int64_t NORMS = 6;    // input, q, k, post-attention, pre-feedforward, post-feedforward
+constexpr int64_t NORMS = 6;    // input, query, key, after attention, before the MLP, after the MLP (absent: None)
 
-struct Layer {
-  const at::Tensor* linear;  // LINEARS weights: a GGUF file's blocks (qtype > 0) or float32 [N, K]
-  const int64_t* qtype;
-  const int64_t* in_features;
-  const at::Tensor* norm;    // NORMS x (1 + weight, epsilon, count), each float32
+// how a family's layers differ (decode.engine.direct.FAMILIES)
+struct Style {
+  bool gemma_norm;  // models.norms' Gemma RMSNorm (1 + w, epsilon and count as tensors); else Llama's RMSNorm
+  int64_t qk_norm;  // 0: none, 1: on (b, heads, t, d) after the transpose (Gemma 3), 2: on (b, t, heads, d) before (Qwen3)
+  bool gelu;        // the MLP's activation: GELU (tanh approximation), else SiLU
 };
 
-// nn.Linear's forward, or models.blocks' route of it to the quantised-block kernel
+struct Layer {
+  const at::Tensor* linear;  // LINEARS weights: a GGUF file's blocks (qtype > 0) or a dense [N, K]
+  const c10::List<std::optional<at::Tensor>>* biases;
+  int64_t first;             // this layer's first index into biases and the per-linear lists
+  const int64_t* qtype;
+  const int64_t* in_features;
+  const c10::List<std::optional<at::Tensor>>* norms;  // NORMS x 3 per layer
+  const double* eps;                                   // NORMS per layer (Llama's RMSNorm)
+  int64_t norm_first;
+};
+
+// nn.Linear's forward, or models.blocks' route of it to the quantised-block kernel (the bias added after)
 at::Tensor linear(const Layer& l, int j, const at::Tensor& x) {
-  if (l.qtype[j] == 0) return at::linear(x, l.linear[j]);
+  const std::optional<at::Tensor> bias = l.biases->get(l.first + j);
+  if (l.qtype[j] == 0) return at::linear(x, l.linear[j], bias);
   const int64_t k = l.in_features[j];
   const int64_t rows = x.numel() / k;
   at::Tensor y = specdec_qmatmul(x.reshape({rows, k}), l.linear[j], l.qtype[j], k);
+  if (bias.has_value()) y = y + *bias;
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
   shape.push_back(y.size(1));
   return y.reshape(shape);
 }
 
-// models.norms' Gemma RMSNorm: sum(x * x) / count, + epsilon, rsqrt, times x, times (1 + weight)
-at::Tensor norm(const Layer& l, int j, const at::Tensor& x) {
-  const at::Tensor& scale = l.norm[3 * j];
-  const at::Tensor& eps = l.norm[3 * j + 1];
-  const at::Tensor& count = l.norm[3 * j + 2];
-  at::Tensor square = at::sum(x * x, {-1}, true).div_(count);
-  return x * at::rsqrt(square.add_(eps)) * scale;
+// models.norms' Gemma RMSNorm: sum(x * x) / count, + epsilon, rsqrt, times x, times (1 + weight);
+// Llama's RMSNorm: in float32, pow(2).mean(), + epsilon, rsqrt, times x, back to x's dtype, times weight
+at::Tensor norm(const Layer& l, const Style& style, int j, const at::Tensor& x) {
+  const int64_t i = l.norm_first + 3 * j;
+  const at::Tensor w = *l.norms->get(i);
+  if (style.gemma_norm) {
+    const at::Tensor eps = *l.norms->get(i + 1), count = *l.norms->get(i + 2);
+    at::Tensor square = at::sum(x * x, {-1}, true).div_(count);
+    return x * at::rsqrt(square.add_(eps)) * w;
+  }
+  at::Tensor h = x.to(at::kFloat);
+  at::Tensor variance = h.pow(2).mean({-1}, true);
+  h = h * at::rsqrt(variance + l.eps[j]);
+  return w * h.to(x.scalar_type());
 }
+
+bool has_norm(const Layer& l, int j) { return l.norms->get(l.norm_first + 3 * j).has_value(); }
 
 // transformers' rotate_half and apply_rotary_pos_emb (cos, sin already unsqueezed at dim 1)
 at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
@@ -84,46 +106,60 @@ at::Tensor attend(at::Tensor q, at::Tensor k, at::Tensor v, const std::optional<
   return out.transpose(1, 2).contiguous();
 }
 
+// the projection of one of q, k, v to (b, heads, t, d), with its norm where the family has one
+at::Tensor project(const Layer& l, const Style& style, int j, const at::Tensor& h, int64_t b, int64_t t, int64_t head_dim) {
+  at::Tensor y = linear(l, j, h).view({b, t, -1, head_dim});
+  const bool normed = j < 2 && style.qk_norm != 0 && has_norm(l, 1 + j);
+  if (normed && style.qk_norm == 2) return norm(l, style, 1 + j, y).transpose(1, 2);
+  y = y.transpose(1, 2);
+  return normed ? norm(l, style, 1 + j, y) : y;
+}
+
 // x [B, T, H] after the embedding; per layer its weights, norms, key/value buffers [B, Hkv, S, D] and the
-// attention mask of its kind (full / sliding: rope and masks are indexed by ``kinds``). The segment's keys
-// and values are written at slots [start, start + T) and attention reads slots [offset, start + T).
-at::Tensor gemma_layers(const at::Tensor& x_in, at::TensorList linears, at::IntArrayRef qtypes, at::IntArrayRef in_features,
-                        at::TensorList norms, at::TensorList keys, at::TensorList values, at::TensorList rope,
-                        const c10::List<std::optional<at::Tensor>>& masks, at::IntArrayRef kinds, int64_t head_dim,
-                        int64_t groups, double scaling, bool causal, int64_t start, int64_t offset) {
+// rotary tables and attention mask of its kind (``kinds`` indexes them: rope holds cos, sin per kind). The
+// segment's keys and values are written at slots [start, start + T) and attention reads [offset, start + T).
+at::Tensor decoder_layers(const at::Tensor& x_in, at::TensorList linears, const c10::List<std::optional<at::Tensor>>& biases,
+                          at::IntArrayRef qtypes, at::IntArrayRef in_features,
+                          const c10::List<std::optional<at::Tensor>>& norms, at::ArrayRef<double> eps, at::TensorList keys,
+                          at::TensorList values, at::TensorList rope, const c10::List<std::optional<at::Tensor>>& masks,
+                          at::IntArrayRef kinds, at::IntArrayRef style_flags, int64_t head_dim, int64_t groups,
+                          double scaling, bool causal, int64_t start, int64_t offset) {
   const int64_t layers = static_cast<int64_t>(kinds.size());
-  TORCH_CHECK(static_cast<int64_t>(linears.size()) == LINEARS * layers && static_cast<int64_t>(norms.size()) == 3 * NORMS * layers &&
-                  static_cast<int64_t>(keys.size()) == layers && static_cast<int64_t>(values.size()) == layers,
-              "gemma_layers: per-layer arguments do not match the layer count");
+  TORCH_CHECK(static_cast<int64_t>(linears.size()) == LINEARS * layers && static_cast<int64_t>(biases.size()) == LINEARS * layers &&
+                  static_cast<int64_t>(norms.size()) == 3 * NORMS * layers && static_cast<int64_t>(eps.size()) == NORMS * layers &&
+                  static_cast<int64_t>(keys.size()) == layers && static_cast<int64_t>(values.size()) == layers &&
+                  style_flags.size() == 3,
+              "decoder_layers: per-layer arguments do not match the layer count");
+  const Style style{style_flags[0] != 0, style_flags[1], style_flags[2] != 0};
   at::Tensor x = x_in;
   const int64_t b = x.size(0), t = x.size(1);
   const int64_t end = start + t;
   std::vector<at::Tensor> cos, sin;
-  for (size_t i = 0; i < rope.size(); i += 2) {
+  for (size_t i = 0; i + 1 < rope.size(); i += 2) {
     cos.push_back(rope[i].unsqueeze(1));
     sin.push_back(rope[i + 1].unsqueeze(1));
   }
   for (int64_t i = 0; i < layers; ++i) {
-    const Layer l{linears.data() + LINEARS * i, qtypes.data() + LINEARS * i, in_features.data() + LINEARS * i,
-                  norms.data() + 3 * NORMS * i};
+    const Layer l{linears.data() + LINEARS * i, &biases, LINEARS * i, qtypes.data() + LINEARS * i,
+                  in_features.data() + LINEARS * i, &norms, eps.data() + NORMS * i, 3 * NORMS * i};
     const int64_t kind = kinds[i];
     at::Tensor residual = x;
-    at::Tensor h = norm(l, 0, x);
-    at::Tensor q = linear(l, 0, h).view({b, t, -1, head_dim}).transpose(1, 2);
-    at::Tensor k = linear(l, 1, h).view({b, t, -1, head_dim}).transpose(1, 2);
-    at::Tensor v = linear(l, 2, h).view({b, t, -1, head_dim}).transpose(1, 2);
-    q = rotate(norm(l, 1, q), cos[kind], sin[kind]);
-    k = rotate(norm(l, 2, k), cos[kind], sin[kind]);
+    at::Tensor h = norm(l, style, 0, x);
+    at::Tensor q = rotate(project(l, style, 0, h, b, t, head_dim), cos[kind], sin[kind]);
+    at::Tensor k = rotate(project(l, style, 1, h, b, t, head_dim), cos[kind], sin[kind]);
+    at::Tensor v = project(l, style, 2, h, b, t, head_dim);
     keys[i].slice(2, start, end).copy_(k);
     values[i].slice(2, start, end).copy_(v);
     at::Tensor o = attend(q, keys[i].slice(2, offset, end), values[i].slice(2, offset, end), masks.get(kind), groups,
                           scaling, causal);
     o = linear(l, 3, o.reshape({b, t, -1}).contiguous());
-    x = residual + norm(l, 3, o);
+    x = residual + (has_norm(l, 3) ? norm(l, style, 3, o) : o);
     residual = x;
-    h = norm(l, 4, x);
-    h = linear(l, 6, at::gelu(linear(l, 4, h), "tanh") * linear(l, 5, h));
-    x = residual + norm(l, 5, h);
+    h = norm(l, style, 4, x);
+    at::Tensor gate = linear(l, 4, h);
+    gate = style.gelu ? at::gelu(gate, "tanh") : at::silu(gate);
+    h = linear(l, 6, gate * linear(l, 5, h));
+    x = residual + (has_norm(l, 5) ? norm(l, style, 5, h) : h);
   }
   return x;
 }
@@ -131,8 +167,8 @@ at::Tensor gemma_layers(const at::Tensor& x_in, at::TensorList linears, at::IntA
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(specdec_q, m) {
-  m.def("gemma_layers(Tensor x, Tensor[] linears, int[] qtypes, int[] in_features, Tensor[] norms, Tensor[] keys, "
-        "Tensor[] values, Tensor[] rope, Tensor?[] masks, int[] kinds, int head_dim, int groups, float scaling, "
-        "bool causal, int start, int offset) -> Tensor",
-        gemma_layers);
+  m.def("decoder_layers(Tensor x, Tensor[] linears, Tensor?[] biases, int[] qtypes, int[] in_features, Tensor?[] norms, "
+        "float[] eps, Tensor[] keys, Tensor[] values, Tensor[] rope, Tensor?[] masks, int[] kinds, int[] style, int head_dim, "
+        "int groups, float scaling, bool causal, int start, int offset) -> Tensor",
+        decoder_layers);
 }

@@ -95,16 +95,32 @@ def test_a_step_that_rounds_differently_is_not_used(monkeypatch):
     """The probe decides: the same layers with the attention's scale one part in a million off give other
     floats, and transformers' forward stays."""
     real = direct._layers
-    monkeypatch.setattr(direct, "_layers", lambda *a: real(*a[:12], a[12] * (1 + 2**-20), *a[13:]))
+    monkeypatch.setattr(direct, "_layers", lambda *a: real(*a[:15], a[15] * (1 + 2**-20), *a[16:]))
     assert direct.direct_step(_gemma(seed=2), cache_mod.SlotBuffers) is None
     monkeypatch.setattr(direct, "_layers", real)
     assert direct.direct_step(_gemma(seed=2), cache_mod.SlotBuffers) is not None
 
 
+@pytest.mark.parametrize("name", ["llama", "llama-gqa", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("bsz", [1, 3])
+def test_the_llama_family_decodes_the_same_text_through_it(monkeypatch, calls, name, bsz):
+    """Llama's RMSNorm and SiLU MLP, grouped keys, biases (Qwen2), sliding windows (Mistral, Qwen2), query and key
+    norms before the heads' transpose (Qwen3): the same text with and without the step."""
+    model = build(name).float()
+    assert direct.direct_step(model, cache_mod.SlotBuffers) is not None
+    calls.clear()
+    prompts = PROMPTS[:bsz]
+    want = _decode(model, NgramDrafter(), prompts, False, monkeypatch)
+    assert _decode(model, NgramDrafter(), prompts, True, monkeypatch) == want and calls
+
+
 def test_models_it_does_not_describe_keep_transformers_forward():
     plain = build("gemma3").float()  # norms not routed: their arithmetic is transformers' own
     assert direct.direct_step(plain, cache_mod.SlotBuffers) is None
-    assert direct.direct_step(build("llama").float(), cache_mod.SlotBuffers) is None
+    for name in ("gpt2", "phi3", "gemma2"):
+        assert direct.direct_step(build(name).float(), cache_mod.SlotBuffers) is None
+    eager = build("llama", attn="eager").float()  # transformers' eager attention: not the SDPA call the step makes
+    assert direct.direct_step(eager, cache_mod.SlotBuffers) is None
 
 
 
@@ -118,6 +134,10 @@ def test_a_hook_on_a_layer_sends_the_forward_to_transformers(calls):
     calls.clear()
     engine.generate([GenRequest(PROMPTS[0], 4)])
     assert not calls and len(seen) >= 4
+    handle.remove()
+    handle = model.register_forward_pre_hook(lambda *a: seen.append(2))  # on the model itself (a test's slow target)
+    engine.generate([GenRequest(PROMPTS[0], 4)])
+    assert not calls and seen.count(2) >= 4
     handle.remove()
     engine.generate([GenRequest(PROMPTS[0], 4)])
     assert calls and step is direct.direct_step(model, cache_mod.SlotBuffers)

@@ -200,17 +200,19 @@ def test_ngram_lookup_prefers_recent_matches_and_extends_periodically():
 def test_one_row_runs_without_a_mask_and_matches_generate(target, draft_model, monkeypatch):
     """bs=1 with a chain drafter: every target forward gets no attention mask (the attention
     implementation's own causal path, flash attention's on a GPU), and output is still generate's."""
-    masks = []
-    forward = type(target).forward
+    from specdec.decode.engine.cache import KVState
 
-    def spy(self, *args, **kwargs):
-        if self is target:  # not the draft (same class)
-            masks.append(kwargs.get("attention_mask"))
-        return forward(self, *args, **kwargs)
+    masks = []
+    call = KVState._call
+
+    def spy(self, forward, input_ids, mask, *args):
+        if self.model is target:  # not the draft (same class); transformers' forward or the direct step
+            masks.append(mask)
+        return call(self, forward, input_ids, mask, *args)
 
     prompt = make_prompts(1, seed=9)[0]
     ref = target.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, eos_token_id=2, pad_token_id=0)
-    monkeypatch.setattr(type(target), "forward", spy)
+    monkeypatch.setattr(KVState, "_call", spy)
     for drafter in (NoDrafter(), ModelDrafter(draft_model)):
         masks.clear()
         res = SpecEngine(target, ByteTokenizer(), drafter).generate([GenRequest(prompt, 20)])[0]

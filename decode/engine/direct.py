@@ -2,30 +2,59 @@
 
 At one to a few positions, a small target's step on a CPU pays per operation: Gemma 3 270M runs about a
 thousand small operations a token, and from Python each also pays the interpreter, the module machinery
-and argument parsing, about as much again as the operations themselves. ``gemma_layers`` runs the
+and argument parsing, about as much again as the operations themselves. ``decoder_layers`` runs the
 decoder layers' operations from C++: the same ATen operations transformers' modules call, in the same
-order on the same shapes (models.norms' RMSNorm, models.blocks' quantised-block products or
-``nn.Linear``, transformers' rotary embedding, cache write and SDPA call), so the logits are the same
-floats. The embedding, rotary tables, masks, final norm and output layer stay transformers' own modules
-and functions, called as transformers' forward calls them.
+order on the same shapes (the RMSNorms, models.blocks' quantised-block products or ``nn.Linear``, the
+rotary embedding, the cache write and transformers' SDPA call), so the logits are the same floats. The
+embedding, rotary tables, masks, final norm and output layer stay transformers' own modules and
+functions, called as transformers' forward calls them. The families it describes (``FAMILIES``): Gemma 3
+(its norms as models.norms routes them) and Llama, Mistral, Qwen2 and Qwen3.
 
 That the floats are the same is checked, not assumed: ``direct_step`` runs both forwards on a probe (a
 prefill, then steps of one and of three positions over preallocated buffers) and compares the logits
 with ``torch.equal``; any difference, or a model it does not describe (another architecture, a norm
-models.norms did not route, hooks, soft-capped attention), keeps transformers' forward.
+models.norms did not route, accelerate's hooks, soft-capped attention), keeps transformers' forward,
+and so does a forward while a hook sits on a module the step skips (a riding drafter's).
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import weakref
+from dataclasses import dataclass
 
 import torch
 
+from specdec.models import arch
+
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-NORMS = ("input_layernorm", "q_norm", "k_norm", "post_attention_layernorm", "pre_feedforward_layernorm",
-         "post_feedforward_layernorm")
 MAX_ROWS = 16  # positions per forward the blocks kernel serves (models.blocks.MAX_ROWS); wider forwards go to transformers
+
+
+@dataclass(frozen=True)
+class Family:
+    """How a family's decoder layers differ. ``norms``: the six norm slots (input, query, key, after
+    attention, before the MLP, after the MLP), each the module's attribute name or None."""
+
+    norms: tuple
+    gemma_norm: bool  # models.norms' Gemma RMSNorm, else Llama's RMSNorm
+    qk_norm: int  # 0: none, 1: after the heads' transpose (Gemma 3), 2: before it (Qwen3)
+    act: str  # the config's activation: gelu_pytorch_tanh or silu
+
+    def style(self) -> list[int]:
+        return [int(self.gemma_norm), self.qk_norm, int(self.act == "gelu_pytorch_tanh")]
+
+
+_LLAMA = Family(("input_layernorm", None, None, None, "post_attention_layernorm", None), False, 0, "silu")
+FAMILIES = {
+    "Gemma3ForCausalLM": Family(("input_layernorm", "q_norm", "k_norm", "post_attention_layernorm",
+                                 "pre_feedforward_layernorm", "post_feedforward_layernorm"), True, 1, "gelu_pytorch_tanh"),
+    "LlamaForCausalLM": _LLAMA,
+    "MistralForCausalLM": _LLAMA,
+    "Qwen2ForCausalLM": _LLAMA,
+    "Qwen3ForCausalLM": Family(("input_layernorm", "q_norm", "k_norm", None, "post_attention_layernorm", None), False, 2, "silu"),
+}
 _CACHE: "weakref.WeakKeyDictionary[torch.nn.Module, DirectStep | None]" = weakref.WeakKeyDictionary()
 
 
@@ -34,7 +63,8 @@ def direct_step(model, buffers) -> "DirectStep | None":
     ``buffers(layers, capacity, device, zeroed)``: the preallocated cache the engine's forwards run over
     (decode.engine.cache's SlotBuffers), which the probe runs over too."""
     if model not in _CACHE:
-        step = DirectStep(model) if _supported(model) else None
+        family = FAMILIES.get(type(model).__name__)
+        step = DirectStep(model, family) if family is not None and _supported(model, family) else None
         _CACHE[model] = step if step is not None and step.matches_hf(buffers) else None
     return _CACHE[model]
 
@@ -57,34 +87,46 @@ def python_layers(model):
 def _op_ready() -> bool:
     from specdec.models import blocks
 
-    return blocks.kernel_ready() and hasattr(torch.ops.specdec_q, "gemma_layers")
-
-
-def _supported(model) -> bool:
-    cfg, base = getattr(model, "config", None), getattr(model, "model", None)
-    if cfg is None or base is None or type(model).__name__ != "Gemma3ForCausalLM":
-        return False
-    if (getattr(cfg, "_attn_implementation", None) != "sdpa" or getattr(cfg, "attn_logit_softcapping", None) is not None
-            or getattr(cfg, "use_bidirectional_attention", False) or getattr(cfg, "hidden_activation", None) != "gelu_pytorch_tanh"
-            or getattr(cfg, "attention_bias", True)):
-        return False
-    if any(hasattr(m, "_hf_hook") for m in model.modules()):  # accelerate's offloading moves weights in its hooks
-        return False
-    for layer in base.layers:
-        attn = layer.self_attn
-        if not all(hasattr(getattr(attn, n, None) or getattr(layer.mlp, n, None), "weight") for n in LINEARS):
-            return False
-        norms = [getattr(layer, n, None) or getattr(attn, n, None) for n in NORMS]
-        if any(getattr(n, "_specdec_norm", None) is None for n in norms):
-            return False  # models.norms keeps transformers' forward for it: its arithmetic is not described here
-        if type(layer.mlp.act_fn).__name__ != "GELUTanh" or getattr(layer.mlp.act_fn, "act", None) is None:
-            return False
-    return getattr(base.norm, "_specdec_norm", None) is not None and _op_ready()
+    return blocks.kernel_ready() and hasattr(torch.ops.specdec_q, "decoder_layers")
 
 
 def _layers(*args):
     """kernels/step.cpp's operator (one name to reach it by, in tests too)."""
-    return torch.ops.specdec_q.gemma_layers(*args)
+    return torch.ops.specdec_q.decoder_layers(*args)
+
+
+def _supported(model, family: Family) -> bool:
+    cfg, base = model.config, getattr(model, "model", None)
+    act = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", None)
+    if (base is None or getattr(cfg, "_attn_implementation", None) != "sdpa" or act != family.act
+            or getattr(cfg, "attn_logit_softcapping", None) is not None or getattr(cfg, "use_bidirectional_attention", False)
+            or getattr(cfg, "mlp_bias", False)):
+        return False
+    if any(hasattr(m, "_hf_hook") for m in model.modules()):  # accelerate's offloading moves weights in its hooks
+        return False
+    for layer in base.layers:
+        if not all(isinstance(_linear(layer, n), torch.nn.Linear) for n in LINEARS):
+            return False
+        for slot, name in enumerate(family.norms):
+            module = _norm(layer, name)
+            if (module is None) != (name is None) or (module is not None and not _norm_ok(module, family)):
+                return False  # an unexpected layout, or arithmetic this step does not describe
+    return _norm_ok(base.norm, family) and _op_ready()
+
+
+def _linear(layer, name: str):
+    return getattr(layer.self_attn, name, None) or getattr(layer.mlp, name, None)
+
+
+def _norm(layer, name: str | None):
+    return None if name is None else getattr(layer, name, None) or getattr(layer.self_attn, name, None)
+
+
+def _norm_ok(module, family: Family) -> bool:
+    if family.gemma_norm:  # routed by models.norms: its arithmetic is the one the step runs
+        return getattr(module, "_specdec_norm", None) is not None
+    return (type(module).__name__.endswith("RMSNorm") and "forward" not in vars(module)
+            and isinstance(getattr(module, "variance_epsilon", None), float))
 
 
 def _foreign(hooks) -> bool:
@@ -92,50 +134,57 @@ def _foreign(hooks) -> bool:
 
 
 class DirectStep:
-    def __init__(self, model):
-        self.model, self.base = model, model.model
-        cfg = self.base.config
-        self.types = sorted(set(cfg.layer_types))
-        self.kinds = [self.types.index(t) for t in cfg.layer_types]
+    def __init__(self, model, family: Family):
+        self.model, self.base, self.family = model, model.model, family
+        types = arch.layer_types(self.base.config)
+        self.types = sorted(set(types))
+        self.kinds = [self.types.index(t) for t in types]
         attn = self.base.layers[0].self_attn
         self.head_dim, self.groups, self.scaling = attn.head_dim, attn.num_key_value_groups, float(attn.scaling)
-        self.causal = bool(attn.is_causal)
+        self.causal = bool(getattr(attn, "is_causal", True))
         self.blocks = getattr(model, "_specdec_blocks", None)
+        # Gemma 3's rotary tables differ by layer type; the others' serve every layer
+        self.rope_by_type = "layer_type" in inspect.signature(self.base.rotary_emb.forward).parameters
         # the modules whose calls the step skips: a hook registered on one later (a riding drafter's) sends the
         # forward back to transformers
-        self.skipped = [m for layer in self.base.layers for m in layer.modules()]
+        self.skipped = [model, self.base, *(m for layer in self.base.layers for m in layer.modules())]
         self._hook_count, self._hooked = -1, False
         self.enabled = True  # python_layers switches it off
         self._linears: dict[bool, tuple[list, list, list]] = {}
-        self.norms = [(getattr(layer, name, None) or getattr(layer.self_attn, name))._specdec_norm
-                      for layer in self.base.layers for name in NORMS]
+        self.biases = [_linear(layer, n).bias for layer in self.base.layers for n in LINEARS]
+        self.norm_modules = [_norm(layer, n) for layer in self.base.layers for n in family.norms]
+        self.eps = [float(getattr(m, "variance_epsilon", 0.0) or 0.0) if m is not None else 0.0 for m in self.norm_modules]
 
     def _weights(self):
         """Per layer the seven weights (blocks where models.blocks routes the layer and its switch is on), their
-        ggml types (0: float32) and input widths; per layer the six norms' (1 + w, epsilon, count)."""
+        ggml types (0: dense) and input widths; per layer the six norm slots as the step reads them."""
         on = self.blocks is not None and self.blocks.active
         if on not in self._linears:
             linears, qtypes, widths = [], [], []
             for layer in self.base.layers:
                 for name in LINEARS:
-                    lin = getattr(layer.self_attn, name, None) or getattr(layer.mlp, name)
+                    lin = _linear(layer, name)
                     found = getattr(lin, "_specdec_blocks", None) if on else None
                     linears.append(found[0] if found else lin.weight)
                     qtypes.append(found[1] if found else 0)
                     widths.append(lin.in_features)
             self._linears[on] = linears, qtypes, widths
         norms = []
-        for scale, eps, count in self.norms:
-            norms += [scale(), eps, count]  # 1 + w renewed where the weight was written in place
+        for m in self.norm_modules:
+            if m is None:
+                norms += [None, None, None]
+            elif self.family.gemma_norm:
+                scale, eps, count = m._specdec_norm
+                norms += [scale(), eps, count]  # 1 + w renewed where the weight was written in place
+            else:
+                norms += [m.weight, None, None]
         return (*self._linears[on], norms)
 
     def usable(self, input_ids: torch.Tensor, mask, hidden: bool, model_kwargs: dict, cache) -> bool:
         """This forward is one the direct step computes as transformers would."""
-        if not self.enabled or hidden or model_kwargs or input_ids.numel() > MAX_ROWS or torch.is_grad_enabled() or input_ids.device.type != "cpu":
+        if not self.enabled or hidden or model_kwargs or input_ids.numel() > MAX_ROWS or torch.is_grad_enabled():
             return False
-        if mask is not None and not isinstance(mask, dict):
-            return False
-        if self.blocks is not None and self.blocks.suspended:
+        if input_ids.device.type != "cpu" or (self.blocks is not None and self.blocks.suspended):
             return False
         count = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in self.skipped)
         if count != self._hook_count:  # hooks came or went: are any of them someone else's than transformers' own?
@@ -147,42 +196,51 @@ class DirectStep:
         return bool(layers) and all(getattr(layer, "is_initialized", False) and getattr(layer, "end", None) is not None
                                     for layer in layers)
 
+    def _masks(self, mask, x, positions, cache) -> list:
+        """Each layer type's mask as transformers' forward hands it to its layers: the one given (per type, or one
+        for all), or, where none is given, each type's own causal mask built by transformers' functions."""
+        if isinstance(mask, dict):
+            return [mask[t] for t in self.types]
+        if mask is not None:
+            return [mask for _ in self.types]
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+        kwargs = {"config": self.base.config, "inputs_embeds": x, "attention_mask": None, "past_key_values": cache,
+                  "position_ids": positions}
+        make = {arch.FULL: create_causal_mask, arch.SLIDING: create_sliding_window_causal_mask}
+        return [make[t](**kwargs) for t in self.types]
+
     def __call__(self, input_ids: torch.Tensor, mask, positions: torch.Tensor, cache):
         """Logits [B, T, V] of a segment after the cache (written at the cache's write offset), as
-        transformers' forward with ``attention_mask=mask`` (None, or one mask per layer type) returns them."""
-        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+        transformers' forward with ``attention_mask=mask`` (None, one mask, or one per layer type) returns them."""
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
         x = self.base.embed_tokens(input_ids)
-        if mask is None:
-            kwargs = {"config": self.base.config, "inputs_embeds": x, "attention_mask": None, "past_key_values": cache,
-                      "position_ids": positions}
-            mask = {"full_attention": create_causal_mask(**kwargs),
-                    "sliding_attention": create_sliding_window_causal_mask(**kwargs)}
-        rope = []
-        for t in self.types:
-            rope += list(self.base.rotary_emb(x, positions, t))
+        masks = self._masks(mask, x, positions, cache)
+        rotary = self.base.rotary_emb
+        tables = [rotary(x, positions, t) for t in self.types] if self.rope_by_type else [rotary(x, positions)] * len(self.types)
+        rope = [table for pair in tables for table in pair]
         layers = cache.layers
         start, offset, t = layers[0].end, layers[0].offset, input_ids.shape[1]
         linears, qtypes, widths, norms = self._weights()
-        x = _layers(
-            x, linears, qtypes, widths, norms, [layer.keys for layer in layers], [layer.values for layer in layers],
-            rope, [mask[t] for t in self.types], self.kinds, self.head_dim, self.groups, self.scaling, self.causal,
-            start, offset)
+        x = _layers(x, linears, self.biases, qtypes, widths, norms, self.eps, [layer.keys for layer in layers],
+                    [layer.values for layer in layers], rope, masks, self.kinds, self.family.style(), self.head_dim,
+                    self.groups, self.scaling, self.causal, start, offset)
         for layer in layers:
             layer.end = start + t
         logits = self.model.lm_head(self.base.norm(x))
-        cap = self.model.config.final_logit_softcapping
+        cap = getattr(self.model.config, "final_logit_softcapping", None)
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return CausalLMOutputWithPast(logits=logits)
 
     def matches_hf(self, buffers) -> bool:
         """Both forwards on a probe over preallocated buffers (a 5-token prefill by transformers, then segments
-        of one and three positions) give equal logits, with the blocks' switch on and off."""
+        of one and three positions, then two under a mask with a hole, as the engine passes masks) give equal
+        logits, with the blocks' switch on and off."""
         cfg, dev = self.model.config, next(self.model.parameters()).device
         gen = torch.Generator().manual_seed(0)
-        ids = torch.randint(0, cfg.vocab_size, (1, 9), generator=gen).to(dev)
+        ids = torch.randint(0, cfg.vocab_size, (1, 11), generator=gen).to(dev)
         switches = [False, True] if self.blocks is not None else [None]
         for on in switches:
             before = self.blocks.enabled if self.blocks is not None else None
@@ -195,15 +253,27 @@ class DirectStep:
                         c.at(0, False)
                         self.model(input_ids=ids[:, :5], position_ids=torch.arange(5, device=dev)[None],
                                    past_key_values=c, use_cache=True)
-                    for a, b in ((5, 6), (6, 9)):
+                    for a, b in ((5, 6), (6, 9), (9, 11)):
                         pos = torch.arange(a, b, device=dev)[None]
                         for c in caches:
                             c.at(a, False)
-                        ref = self.model(input_ids=ids[:, a:b], position_ids=pos, past_key_values=caches[0], use_cache=True)
-                        got = self(ids[:, a:b], None, pos, caches[1])
+                        mask = self._probe_mask(a, b, dev) if a == 9 else None
+                        ref = self.model(input_ids=ids[:, a:b], attention_mask=mask, position_ids=pos,
+                                         past_key_values=caches[0], use_cache=True)
+                        got = self(ids[:, a:b], mask, pos, caches[1])
                         if not torch.equal(ref.logits, got.logits):
                             return False
             finally:
                 if self.blocks is not None:
                     self.blocks.enabled = before
         return True
+
+    def _probe_mask(self, a: int, b: int, dev) -> "torch.Tensor | dict":
+        """An additive mask over slots [0, b) for the positions a..b-1 with slot 2 a hole, in the form the
+        engine's cache passes it (one per layer type where the model mixes them)."""
+        from specdec.models.masks import additive_mask
+
+        visible = torch.ones(b - a, b, dtype=torch.bool, device=dev).tril_(a)
+        visible[:, 2] = False
+        mask = additive_mask(visible[None, None], self.base.embed_tokens.weight.dtype)
+        return {t: mask for t in self.types} if len(self.types) > 1 else mask
