@@ -107,7 +107,7 @@ def _supported(model, family: Family) -> bool:
     for layer in base.layers:
         if not all(isinstance(_linear(layer, n), torch.nn.Linear) for n in LINEARS):
             return False
-        for slot, name in enumerate(family.norms):
+        for name in family.norms:
             module = _norm(layer, name)
             if (module is None) != (name is None) or (module is not None and not _norm_ok(module, family)):
                 return False  # an unexpected layout, or arithmetic this step does not describe
@@ -130,7 +130,14 @@ def _norm_ok(module, family: Family) -> bool:
 
 
 def _foreign(hooks) -> bool:
+    """Hooks other than transformers' own output capturing (which records what ``output_hidden_states``
+    returns, and runs on every forward whether asked or not)."""
     return any(not getattr(h, "__module__", "").startswith("transformers.utils.output_capturing") for h in hooks.values())
+
+
+def foreign_hooks(module) -> bool:
+    """``module`` carries hooks a forward that skips its call would skip: accelerate's, or anyone's but transformers'."""
+    return hasattr(module, "_hf_hook") or _foreign(module._forward_hooks) or _foreign(module._forward_pre_hooks)
 
 
 class DirectStep:
@@ -189,7 +196,7 @@ class DirectStep:
         count = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in self.skipped)
         if count != self._hook_count:  # hooks came or went: are any of them someone else's than transformers' own?
             self._hook_count = count
-            self._hooked = any(_foreign(m._forward_hooks) or _foreign(m._forward_pre_hooks) for m in self.skipped)
+            self._hooked = any(foreign_hooks(m) for m in self.skipped)
         if self._hooked:
             return False
         layers = getattr(cache, "layers", None)

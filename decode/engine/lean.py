@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
+from specdec.decode.engine.direct import foreign_hooks
 from specdec.models.masks import additive_mask
 
 # past this size a model's forward is arithmetic, not per-op work, and the fused copies of its weights would cost memory
@@ -33,21 +34,12 @@ def lean_step(model) -> "LeanStep | None":
 
     A model with hooks keeps HF's forward: hooks (accelerate's offloading, a profiler's counters) run
     only through module calls, which the plain-function forward skips."""
-    if any(_foreign_hooks(m) for m in model.modules()):
+    if any(foreign_hooks(m) for m in model.modules()):
         return None
     if model not in _CACHE or (_CACHE[model] is not None and _CACHE[model].stale()):
         step = LeanStep(model) if _supported(model) else None
         _CACHE[model] = step if step is not None and step.matches_hf() else None
     return _CACHE[model]
-
-
-def _foreign_hooks(module) -> bool:
-    """Hooks other than transformers' own output capturing (which records what ``output_hidden_states``
-    returns; the plain-function forward returns the last hidden state itself)."""
-    hooks = list(module._forward_hooks.values()) + list(module._forward_pre_hooks.values())
-    return hasattr(module, "_hf_hook") or any(
-        not getattr(h, "__module__", "").startswith("transformers.utils.output_capturing") for h in hooks
-    )
 
 
 def _supported(model) -> bool:
