@@ -377,8 +377,9 @@ class KVState(SlotBook):
 
     def _call(self, forward, input_ids, mask, positions, hidden: bool, model_kwargs: dict):
         """The model's forward (HF's, its compiled one, or its layers in one call) on a segment after the cache."""
-        if forward is self.model and self._direct is not None and self._direct.usable(input_ids, mask, hidden, model_kwargs, self.cache):
-            return self._direct(input_ids, mask, positions, self.cache)
+        direct = self._direct if self._direct is not None and self._direct.model is forward else None  # not a view swapped in
+        if direct is not None and direct.usable(input_ids, mask, hidden, model_kwargs, self.cache):
+            return direct(input_ids, mask, positions, self.cache)
         return forward(
             input_ids=input_ids,
             attention_mask=mask,

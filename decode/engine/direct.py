@@ -200,7 +200,9 @@ class DirectStep:
         if self._hooked:
             return False
         layers = getattr(cache, "layers", None)
-        return bool(layers) and all(getattr(layer, "is_initialized", False) and getattr(layer, "end", None) is not None
+        if not layers or len(layers) != len(self.kinds) or len(self.base.layers) != len(self.kinds):
+            return False  # layers dropped or swapped since the step was built (an early-exit view's)
+        return all(getattr(layer, "is_initialized", False) and getattr(layer, "end", None) is not None
                                     for layer in layers)
 
     def _masks(self, mask, x, positions, cache) -> list:
