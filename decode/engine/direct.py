@@ -27,9 +27,9 @@ from dataclasses import dataclass
 import torch
 
 from specdec.models import arch
+from specdec.models.blocks import MAX_ROWS  # wider forwards read float32 weights in transformers' route: they go to it
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-MAX_ROWS = 16  # positions per forward the blocks kernel serves (models.blocks.MAX_ROWS); wider forwards go to transformers
 
 
 @dataclass(frozen=True)
