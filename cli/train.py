@@ -15,14 +15,10 @@ import typer
 
 from specdec.cli import options as o
 from specdec.recipes import RECIPES_DIR as RECIPES
+from specdec.train.settings import HEAD_KINDS, RIDING_KINDS
 
-class HeadKind(str, Enum):
-    medusa = "medusa"
-    clover = "clover"
-    eagle = "eagle"
-    chimera = "chimera"
-    ppd = "ppd"
-    hidden_transfer = "hidden-transfer"
+# the kinds train.settings declares (a light module: --help stays free of torch)
+HeadKind = Enum("HeadKind", {k.replace("-", "_"): k for k in HEAD_KINDS + RIDING_KINDS}, type=str)
 
 
 class ExportTo(str, Enum):
@@ -170,8 +166,8 @@ def train_acceptance_cmd(
 
 
 def train_heads_cmd(
-    kind: Annotated[HeadKind, typer.Option("--kind", help="medusa, clover, eagle, chimera, ppd (parallel prompt decoding: "
-                "trained prompt embeddings) or hidden-transfer (linear maps of an intermediate layer's hidden states); ppd and "
+    kind: Annotated[HeadKind, typer.Option("--kind", help="medusa, clover, eagle, chimera, block (all K drafts of a round "
+                "in one draft forward on the target's features, as DFlash), ppd (parallel prompt decoding: trained prompt embeddings) or hidden-transfer (linear maps of an intermediate layer's hidden states); ppd and "
                 "hidden-transfer draft chains at positions riding the verify forward, --num-heads of them (default 3).")],
     target: o.TargetRequired,
     data: o.Data,
@@ -195,7 +191,7 @@ def train_heads_cmd(
     threads: o.Threads = 0,
     **settings,
 ) -> None:
-    """Train Medusa / Clover / EAGLE / Chimera heads on the frozen target."""
+    """Train Medusa / Clover / EAGLE / Chimera heads or a block drafter on the frozen target."""
     from specdec.train.recipe import head_knobs
     from specdec.train.trainers.heads import train_heads
 

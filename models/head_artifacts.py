@@ -15,6 +15,12 @@ from specdec.models.heads import KINDS, RIDE_KINDS, ChimeraHeads, CloverHeads, E
 # Build, train, save, load
 
 
+def eagle3_layers(num_layers: int) -> list[int]:
+    """EAGLE-3's low, middle and high feature layers (indices into a forward's hidden states)."""
+    n = num_layers
+    return sorted({min(2, n), max(n // 2, 1), max(n - 3, 1)})
+
+
 def build_heads(kind: str, target, hp: dict):
     cfg = target.config
     if kind == "medusa":
@@ -33,11 +39,17 @@ def build_heads(kind: str, target, hp: dict):
     elif kind == "eagle":
         layers = hp.get("feature_layers")
         if layers == "eagle3" or (hp.get("eagle3") and not layers):
-            n = cfg.num_hidden_layers
-            layers = sorted({min(2, n), max(n // 2, 1), max(n - 3, 1)})
+            layers = eagle3_layers(cfg.num_hidden_layers)
         m = EagleHead(cfg, layers, float(hp.get("noise", 0.2)), float(hp.get("ce_weight", 0.1)), float(hp.get("reg_weight", 1.0)),
                       int(hp.get("unroll", 7 if hp.get("eagle3") else 1)), fspad=bool(hp.get("fspad")),
                       fspad_align=float(hp.get("fspad_align") or 0.5))
+    elif kind == "block":  # all K drafts of a round in one forward (models.block)
+        from specdec.models.block import BlockHead
+
+        layers = hp.get("feature_layers")  # default EAGLE-3's three; "last": the last layer alone
+        layers = eagle3_layers(cfg.num_hidden_layers) if layers in (None, "eagle3") else (None if layers == "last" else layers)
+        m = BlockHead(cfg, int(hp.get("num_heads") or 4), int(hp.get("num_layers") or 1), layers,
+                      int(hp.get("anchors") or 64), str(hp.get("loss") or "kl")).init_from_target(target)
     elif kind == "ppd":  # riding the target's forward (decode.drafters.parallel_prompts)
         m = PromptTokens(cfg.hidden_size, int(hp.get("num_heads") or 3), int(hp.get("placeholder") or 0), int(hp.get("ensemble") or 1))
     elif kind == "hidden-transfer":

@@ -29,7 +29,7 @@ class ResBlock(nn.Module):
         return x + F.silu(self.linear(x))
 
 
-KINDS = ("medusa", "clover", "eagle", "chimera")
+KINDS = ("medusa", "clover", "eagle", "chimera", "block")  # block: models.block.BlockHead
 
 
 def _frozen(target):

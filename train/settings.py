@@ -94,9 +94,9 @@ class AcceptanceSettings:
         _check_ranges(self)
 
 
-HEAD_KINDS = ("medusa", "clover", "eagle", "chimera")  # heads on the target's hidden states (models.heads.KINDS)
+HEAD_KINDS = ("medusa", "clover", "eagle", "chimera", "block")  # heads on the target's hidden states (models.heads.KINDS)
 RIDING_KINDS = ("ppd", "hidden-transfer")  # drafting positions riding the target's own forward (models.heads.RIDE_KINDS)
-_NUMBERED = ("medusa", "clover", "chimera", *RIDING_KINDS)  # a number of heads (EAGLE's one head drafts a chain)
+_NUMBERED = ("medusa", "clover", "chimera", "block", *RIDING_KINDS)  # a number of heads (EAGLE's one head drafts a chain)
 _ATTENDING = ("clover", "chimera")  # heads with their own attention over the last tokens
 
 
@@ -115,8 +115,12 @@ class HeadSettings:
     carry help, a recipe section's keys are these names, and ``check`` refuses what they rule out before any
     model loads."""
 
-    num_heads: int | None = _of(_NUMBERED, range=POSITIVE, help="Medusa/Clover/Chimera heads (default 4).")
-    num_layers: int | None = _of(("medusa", "chimera"), range=POSITIVE)  # layers of each head (default 1)
+    num_heads: int | None = _of(_NUMBERED, range=POSITIVE, help="Medusa/Clover/Chimera heads, a block drafter's block size "
+                                "(tokens drafted per call) (default 4).")
+    num_layers: int | None = _of(("medusa", "chimera", "block"), range=POSITIVE)  # layers of each head / the block draft (default 1)
+    anchors: int | None = _of(("block",), range=POSITIVE, help="Block drafter: cut points trained per block of text (default 64).")
+    loss: str = _of(("block",), "kl", choices=("kl", "lk"),
+                    help="Block drafter: kl (soft cross-entropy to the target) or lk (plus the expected accepted length, as the LK losses).")
     # one output layer shared by the heads (default: with a reduced draft vocabulary, whose rows only the target has)
     shared_head: bool | None = _of(("medusa",))
     attn_heads: int | None = _of(_ATTENDING, range=POSITIVE)  # default: the target's attention heads
@@ -142,7 +146,7 @@ class HeadSettings:
                       "exportable --to speculators|eagle; the default) or specdec (its own architecture; the default with "
                       "--fspad, which the published layouts cannot hold).")
     # EAGLE: the target layers whose hidden states are fused ("eagle3": EAGLE-3's three; default: the last, or EAGLE-3's)
-    feature_layers: str | list | None = _of(("eagle",))
+    feature_layers: str | list | None = _of(("eagle", "block"))  # block: default EAGLE-3's three, "last" the last alone
     noise: float | None = _of(("eagle",), range=Range(0))  # feature noise in training (default 0.2; published EAGLE-3: 0)
     ce_weight: float | None = _of(("eagle",), range=Range(0))  # the token loss beside the feature loss (default 0.1)
     reg_weight: float | None = _of(("eagle",), range=Range(0))  # the feature regression loss (default 1)

@@ -30,7 +30,8 @@ from specdec.models.errors import SpecdecError
 from specdec.models.head_artifacts import load_heads
 from specdec.models.masks import additive_mask
 
-DEFAULTS = {"medusa": (24, 4), "clover": (24, 4), "eagle": (32, 5), "chimera": (24, 4)}  # (tree tokens, depth)
+# (tree tokens, depth); a block drafter's default is a short tree: on a CPU each verified node costs time
+DEFAULTS = {"medusa": (24, 4), "clover": (24, 4), "eagle": (32, 5), "chimera": (24, 4), "block": (8, 4)}
 # a dynamic tree spends its tokens where acceptance is likely, so it can afford to go deeper
 DYNAMIC_DEPTH = {"eagle": 8}
 
@@ -607,7 +608,82 @@ class EagleDrafter(HeadTreeDrafter):
         return torch.log_softmax(self.heads.lm_logits(fh).float(), -1)
 
 
-DRAFTERS = {"medusa": MedusaDrafter, "clover": CloverDrafter, "eagle": EagleDrafter, "chimera": ChimeraDrafter}
+class BlockDrafter(HeadTreeDrafter):
+    """A block drafter (models.block.BlockHead): one draft call per round gives the K positions' distributions;
+    depth d's candidates are position d's top-k whatever the parent (a chain with --top-k 1, else a
+    Medusa-style tree). The context's keys and values per draft layer live in slot caches of committed
+    positions (the target's features, as EAGLE's cache holds its entries)."""
+
+    def __init__(self, heads, target, **kw):
+        super().__init__(heads, target, **kw)
+        self.hidden_layers = tuple(heads.feature_layers) if heads.feature_layers else None
+
+    def _context(self, seg: Segment) -> torch.Tensor:
+        return self.heads.context_of(seg.hidden_layers if self.hidden_layers is not None else (seg.hidden,))
+
+    def _commit(self, caches: list, ctx: torch.Tensor, valid: torch.Tensor) -> None:
+        """Append the context entries ``ctx`` [B, T, H] (holes where ``valid`` is False) to every layer's cache
+        (the caller keeps each row's last entry: the next block's queries read it)."""
+        b, t, _ = ctx.shape
+        c0 = caches[0]
+        pos = c0.pos[:, None] + (valid.long().cumsum(-1) - 1).clamp_(min=0)
+        slots = torch.arange(c0.length, c0.length + t, device=ctx.device)[None].expand(b, t)
+        for layer, c in zip(self.heads.layers, caches):
+            k, v = self.heads.context_kv(layer, ctx, pos)
+            c.reserve(t)
+            c.write(slots, c.length + t)(k, v)
+            c.commit(valid)
+
+    def _prefill(self, batch, seg: Segment) -> list:
+        p = next(self.heads.parameters())
+        caches = [_SlotCache(len(batch.seqs), layer.kv_heads, layer.head_dim, p.dtype, p.device) for layer in self.heads.layers]
+        ctx = self._context(seg)
+        self._commit(caches, ctx, seg.input_valid)
+        return caches, ctx[:, -1]  # prompts are left-padded: the last slot is every row's last token
+
+    def begin(self, batch, seg: Segment) -> None:
+        self.caches, self.last = self._prefill(batch, seg)
+
+    def admit(self, batch, seg: Segment) -> None:
+        caches, last = self._prefill(batch, seg)
+        for c, new in zip(self.caches, caches):
+            c.admit(new)
+        self.last = torch.cat([self.last, last], 0)
+
+    def _observe(self, batch, seg: Segment) -> None:
+        ctx = self._context(seg)
+        kept = ctx.gather(1, seg.keep_index[..., None].expand(-1, -1, ctx.shape[-1]))
+        self._commit(self.caches, kept, seg.keep_valid)
+        rows = torch.arange(kept.shape[0], device=kept.device)
+        self.last = kept[rows, torch.tensor(seg.accepted, device=kept.device)]  # root + accepted path: its last kept slot
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        for c in self.caches:
+            c.select_rows(rows)
+        self.last = self.last[rows]
+
+    def _reset_tree(self, batch) -> None:
+        """The round's one draft call: the block after each row's root, attending to its committed context."""
+        h, caches = self.heads, self.caches
+        c0 = caches[0]
+        bsz, k = len(batch.seqs), h.num_heads
+        dev = c0.valid.device
+        x = h.block_inputs(batch.root[:, None], self.last[:, None])[:, 0]  # [B, K, H]
+        pos = c0.pos[:, None] + torch.arange(k, device=dev)
+        visible = torch.cat([c0.valid[:, None, :].expand(bsz, k, c0.length), torch.ones(bsz, k, k, dtype=torch.bool, device=dev)], -1)
+        slots = torch.arange(c0.length, c0.length + k, device=dev)[None].expand(bsz, k)
+        stores = []
+        for c in caches:
+            c.reserve(k)
+            stores.append(c.write(slots, c.length + k))
+        out = h.run(x, additive_mask(visible, c0.k.dtype)[:, None], pos, stores)
+        self._logp = torch.log_softmax(h.lm_logits(out).float(), -1)  # [B, K, V]
+
+    def _child_logprobs(self, tree, nodes, level, batch):
+        return self._logp[:, level][:, None].expand(-1, nodes.shape[1], -1)
+
+
+DRAFTERS = {"medusa": MedusaDrafter, "clover": CloverDrafter, "eagle": EagleDrafter, "chimera": ChimeraDrafter, "block": BlockDrafter}
 
 
 def build_head_drafter(artifact_dir: Path, target, tokenizer, options) -> Drafter:

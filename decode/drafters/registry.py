@@ -325,6 +325,7 @@ DRAFTER_KINDS: dict[str, Factory] = {
     "clover": Factory(_heads, TREE_HEAD_OPTIONS, "clover heads"),
     "eagle": Factory(_heads, TREE_HEAD_OPTIONS, "eagle heads"),
     "chimera": Factory(_heads, TREE_HEAD_OPTIONS, "chimera heads"),
+    "block": Factory(_heads, TREE_HEAD_OPTIONS, "block drafters"),
     # their drafts ride the target's verify forward: a chain, or a sparse tree with a riding chain per node
     "ppd": Factory(_riding, HEAD_OPTIONS, "ppd prompt tokens"),
     "hidden-transfer": Factory(_riding, HEAD_OPTIONS, "hidden-transfer maps"),

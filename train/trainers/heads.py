@@ -108,7 +108,7 @@ def train_heads(kind: str, target_dir: str | Path, data_files: list[str | Path],
     cache = None
     if draft_vocab or s.teacher_cache:
         path = Path(s.teacher_cache) if s.teacher_cache else out_dir / "teacher_cache.safetensors"
-        layers = [*(heads.feature_layers or []), -1] if kind == "eagle" else [-1]
+        layers = [*(getattr(heads, "feature_layers", None) or []), -1]
         started = time.time()
         if accelerator.is_main_process:
             teacher.build(target, train, path, layers, vocab, s.teacher_topk, console=lambda m: print(m, file=sys.stderr, flush=True))
