@@ -193,6 +193,7 @@ def install(model, source: str | os.PathLike) -> BlockLayers | None:
         state.layers += 1
         state.bytes += found[0].numel()
         state.dense_bytes += module.weight.numel() * module.weight.element_size()
+        module._specdec_rows = (found, state)  # for a drafter that reads some of its rows (models.heads._TargetHead)
         if head is not None and head.linear is module:
             head.blocks, head.block_state = found, state  # the output layer's own dispatcher reads them (models.head)
             continue

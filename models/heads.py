@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specdec.models import blocks
+
 
 class ResBlock(nn.Module):
     """x + SiLU(W x + b), W zero-initialised so a fresh block is the identity (Medusa)."""
@@ -54,6 +56,18 @@ class _TargetHead:
         _, lm_head = self._target
         if self.d2t is None:
             return lm_head(f.to(lm_head.weight.dtype))
+        quantised = getattr(lm_head, "_specdec_rows", None)
+        rows = f.numel() // f.shape[-1]
+        if quantised is not None and not torch.is_grad_enabled() and rows <= blocks.MAX_ROWS and f.dtype == torch.float32 \
+                and not quantised[1].suspended:
+            # a GGUF target's output layer is its file's blocks: the restricted rows of those blocks are the same weights
+            # in a quarter of the float32 bytes, and a draft call reads them every round (models.blocks)
+            (qblocks, qtype), _ = quantised
+            key = (qblocks.data_ptr(), self.d2t.data_ptr())
+            if getattr(self, "_qrows_key", None) != key:
+                self._qrows = qblocks[self.d2t[:-1].cpu()].contiguous()
+                self._qrows_key = key
+            return blocks.matmul(f.reshape(rows, -1), (self._qrows, qtype)).view(*f.shape[:-1], -1)
         w = lm_head.weight
         key = (w.data_ptr(), w._version, w.device, self.d2t.device)
         if getattr(self, "_rows_key", None) != key:  # the restricted rows, gathered once per weight version

@@ -243,3 +243,35 @@ def test_the_roofline_counts_the_blocks_bytes_a_forward_reads(quantised_target):
     dense = weight_bytes_read(model, blocks=False)
     assert state.bytes < state.dense_bytes / 3  # 4.5-8.5 bits a weight against 32
     assert weight_bytes_read(model) == dense - state.dense_bytes + state.bytes
+
+
+def test_a_drafter_reads_its_rows_of_the_output_layer_from_the_blocks(quantised_target):
+    """A head over a reduced vocabulary (models.heads._TargetHead) reads the GGUF target's output-layer blocks at its
+    rows: the same weights, so the same logits as the float32 rows; training (gradients) and +weights=float32 read
+    the float32 rows."""
+    from specdec.models.head_artifacts import build_heads
+    from specdec.models.loading import Placement, load_target
+    from specdec.models.vocab import DraftVocab
+
+    _, folder = quantised_target
+    model, _, _ = load_target(folder, Placement(device="cpu"))
+    vocab = model.config.vocab_size
+    heads = build_heads("block", model, {"num_heads": 2, "feature_layers": "last"}).attach(model)
+    d2t = torch.randperm(vocab, generator=torch.Generator().manual_seed(0))[:40]
+    heads.set_vocab(DraftVocab(d2t, vocab))
+    f = torch.randn(1, 3, model.config.hidden_size)
+    want = f @ model.get_output_embeddings().weight[d2t[:-1]].T
+    calls = []
+    real = kernel.qmatmul
+    try:
+        kernel.qmatmul = lambda *a: calls.append(1) or real(*a)
+        with torch.no_grad():
+            got = heads.lm_logits(f)
+        assert calls and got.shape == want.shape and torch.allclose(got, want, atol=1e-4)
+        calls.clear()
+        assert torch.allclose(heads.lm_logits(f), want, atol=1e-5) and not calls  # with gradients: the float32 rows
+        with torch.no_grad(), blocks.suspended(model):
+            heads.lm_logits(f)
+        assert not calls
+    finally:
+        kernel.qmatmul = real
