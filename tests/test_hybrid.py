@@ -64,7 +64,7 @@ def test_greedy_output_is_plain_decodings_and_both_sources_draft(target, kind, t
 
 def test_long_matches_draft_the_lookups_chain_alone(target, monkeypatch):
     """Every round whose rows all match long drafts the lookup's chain and leaves the head idle; with no
-    round long enough, the head drafts every round."""
+    round long enough, the head drafts in the rounds its gate gives it."""
     prompts = [list(range(10, 30)) * 3]
     heads = DRAFTERS["eagle"](_heads("eagle", target), target, tree="dynamic", tree_tokens=8, top_k=2)
     drafter = LookupTree(heads, NgramDrafter())
@@ -104,6 +104,7 @@ def test_sampling_keeps_the_targets_two_token_distribution(monkeypatch, broken):
     with torch.no_grad():
         target.lm_head.weight.mul_(0.25)  # many tokens matter
     monkeypatch.setattr(hybrid, "STRONG_MATCH", 99)  # every round merges
+    monkeypatch.setattr(hybrid.HeadGate, "choose", lambda self: True)  # with the head, whatever its measured rate
     if broken:
         monkeypatch.setattr(hybrid, "merge_chains", _stale_attention_merge)
     heads = DRAFTERS["eagle"](_heads("eagle", target), target, tree="static", tree_tokens=4, top_k=2)
@@ -134,3 +135,49 @@ def test_lookup_options_are_checked_before_anything_loads():
         check_drafter_traits(eagle, DecodeOptions(drafter="heads", lookup="ngram", suffix_cache="cache"))
     with pytest.raises(UsageError, match="max-ngram=N applies to eagle heads only with --lookup ngram"):
         check_drafter_traits(eagle, DecodeOptions(drafter="heads", max_ngram=4))
+
+
+class _Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_the_gate_keeps_to_the_faster_choice_and_tries_the_other_every_few_rounds():
+    clock = _Clock()
+    gate = hybrid.HeadGate(clock)
+    gate.record(5)  # nothing open: nothing measured
+    assert gate.rate(True) is None and gate.rate(False) is None
+
+    def round_(tokens, seconds):
+        choice = gate.choose()
+        clock.now += seconds[choice]
+        gate.record(tokens[choice])
+        return choice
+
+    # with the head: 3 tokens in 2 s; without: 2 tokens in 1 s. Both measured first, the head first.
+    tokens, seconds = {True: 3, False: 2}, {True: 2.0, False: 1.0}
+    choices = [round_(tokens, seconds) for _ in range(24)]
+    assert choices[:2] == [True, False]
+    assert gate.rate(True) == pytest.approx(1.5) and gate.rate(False) == pytest.approx(2.0)
+    assert [i + 1 for i, c in enumerate(choices[2:], start=2) if c] == [8, 16, 24]  # explored every 8th round
+    # the head turns faster: it takes over once its explored rounds outweigh its slow history (the second here)
+    seconds[True] = 0.5
+    choices = [round_(tokens, seconds) for _ in range(24)]
+    assert not any(choices[:7]) and choices[7] and choices[15] and all(choices[16:23]) and not choices[23]
+    assert gate.rate(True) > gate.rate(False)
+
+
+def test_a_head_that_does_not_pay_is_left_idle_and_the_output_stays_plain_decodings(target, monkeypatch):
+    import time
+
+    prompts = make_prompts(2, seed=41)
+    heads = DRAFTERS["eagle"](_heads("eagle", target), target, tree="dynamic", tree_tokens=8, top_k=2)
+    real = heads.propose
+    monkeypatch.setattr(heads, "propose", lambda batch: time.sleep(0.05) or real(batch))  # a slow head
+    drafter = LookupTree(heads, NgramDrafter())
+    out = _generate(target, drafter, prompts, max_new=48)
+    assert [r.token_ids for r in out] == [r.token_ids for r in _generate(target, None, prompts, max_new=48)]
+    assert drafter.sources["tree"] >= 1 and drafter.sources["idle"] > 2 * drafter.sources["tree"]

@@ -9,7 +9,11 @@ runs both for every round: the lookup first (it costs no forward), then
   round costs what an ``ngram`` round costs;
 - otherwise: the head grows its tree and each row's lookup chain is merged into it as one more path
   from the root (a prefix the tree already holds is shared, not repeated), so the target verifies
-  both kinds of candidates in one forward.
+  both kinds of candidates in one forward;
+- unless the head does not pay: ``HeadGate`` measures the tokens a second of those rounds yields with the
+  head and without it (the lookup's short chains alone, or a plain step), and keeps to the faster, trying
+  the other one round in ``EXPLORE_EVERY`` so that both rates stay measured. A head too weak for the
+  machine then costs a few rounds, not the job.
 
 The head keeps its state (its own cache of the target's features) in every round, whichever source
 won, because it observes every verify segment as it would alone. Verification does not depend on where
@@ -19,12 +23,53 @@ the output is the target's own.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from specdec.decode.drafters.base import Drafter, Proposal, Segment, tree_proposal
 
 STRONG_MATCH = 2  # n-gram matches of this many tokens or more draft alone: their chains are accepted far more often than a head's
 LOOKUPS = ("ngram", "suffix")  # model-free chain drafters a head's tree takes candidates from
+EXPLORE_EVERY = 8  # rounds between tries of the choice the measured rates do not favour
+DECAY = 0.9  # weight of a rate's history per round it is measured: the text's nature drifts
+
+
+class HeadGate:
+    """Whether a round without a long match runs the head: by tokens per second measured for each choice
+    (decayed sums over the rounds that made it), the faster one, the other every ``EXPLORE_EVERY``-th round.
+    What a round yields does not depend on the choice (verification is exact either way): only its speed."""
+
+    def __init__(self, clock=time.perf_counter):
+        self.clock = clock
+        self.sums = {True: [0.0, 0.0], False: [0.0, 0.0]}  # with the head / without it: [tokens, seconds]
+        self.rounds = 0
+        self._open: tuple[bool, float] | None = None
+
+    def rate(self, head: bool) -> float | None:
+        tokens, seconds = self.sums[head]
+        return tokens / seconds if seconds > 0 else None
+
+    def choose(self) -> bool:
+        self.rounds += 1
+        with_head, without = self.rate(True), self.rate(False)
+        if with_head is None or without is None:
+            best = with_head is None  # measure both first, the head first
+        else:
+            best = with_head >= without
+        choice = (not best) if self.rounds % EXPLORE_EVERY == 0 else best
+        self._open = (choice, self.clock())
+        return choice
+
+    def record(self, tokens: int) -> None:
+        """The round just verified (if it was a gated one) yielded ``tokens``."""
+        if self._open is None:
+            return
+        head, start = self._open
+        self._open = None
+        s = self.sums[head]
+        s[0] = DECAY * s[0] + tokens
+        s[1] = DECAY * s[1] + max(self.clock() - start, 1e-9)
 
 
 class LookupTree(Drafter):
@@ -42,7 +87,8 @@ class LookupTree(Drafter):
         self.model = heads.model
         self._length = None
         self._round: tuple[list[list[int]], list[int]] | None = None  # the lookup's chains in the tree under verification
-        self.sources = {"lookup": 0, "tree": 0}  # rounds of each kind (stats, tests)
+        self.gate = HeadGate()
+        self.sources = {"lookup": 0, "tree": 0, "idle": 0}  # rounds of each kind: a long match, the head's tree, the head gated off
 
     # the engine hands a drafter of LengthPolicy.tree its DraftLength: the head sizes its trees with it and the
     # lookup's chains are trimmed by it
@@ -96,9 +142,13 @@ class LookupTree(Drafter):
 
     def propose(self, batch) -> Proposal | None:
         self._round = None
+        self.gate._open = None  # a round that was never observed (the batch emptied) measured nothing
         chains, classes = self._chains(batch)
-        if all(c >= STRONG_MATCH and chain for c, chain in zip(classes, chains)):
-            self.sources["lookup"] += 1
+        strong = all(c >= STRONG_MATCH and chain for c, chain in zip(classes, chains))
+        if strong or not self.gate.choose():
+            self.sources["lookup" if strong else "idle"] += 1
+            if not any(chains):
+                return None  # a plain step
             width = max(map(len, chains))
             tokens = torch.zeros(len(chains), width, dtype=torch.long)
             for r, chain in enumerate(chains):
@@ -114,6 +164,7 @@ class LookupTree(Drafter):
         return merge_chains(tree, chains, batch.device)
 
     def observe(self, batch, seg: Segment) -> None:
+        self.gate.record(sum(seg.accepted) + len(seg.accepted))  # the accepted drafts and each row's own token
         self.heads.observe(batch, seg)
         self.lookup.observe(batch, seg)
         if self._round is None or self._length is None:
