@@ -164,6 +164,8 @@ def test_cli_trains_a_block_drafter_that_decode_uses(tiny_family, tmp_path):
         assert res.exit_code == 0, res.output
         outs[drafter] = [json.loads(line)["completion"] for line in (tmp_path / f"{len(outs)}.jsonl").read_text().splitlines()]
     assert outs["ar"] == outs[str(out)]
+    res = invoke(["export", out, "--to", "vllm", "--out", tmp_path / "exported"])
+    assert res.exit_code == 2 and "no published layout holds" in res.output and not (tmp_path / "exported").exists()
     # a setting of another kind is refused before anything loads
     res = invoke(["train-heads", "--kind", "eagle", "--target", tiny_family / "target", "--data", data, "--out", tmp_path / "x",
                   "--anchors", "8"])

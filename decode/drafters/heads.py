@@ -634,7 +634,8 @@ class BlockDrafter(HeadTreeDrafter):
             c.write(slots, c.length + t)(k, v)
             c.commit(valid)
 
-    def _prefill(self, batch, seg: Segment) -> list:
+    def _prefill(self, batch, seg: Segment) -> tuple[list, torch.Tensor]:
+        """Caches of the prompts' context entries, and each row's last entry."""
         p = next(self.heads.parameters())
         caches = [_SlotCache(len(batch.seqs), layer.kv_heads, layer.head_dim, p.dtype, p.device) for layer in self.heads.layers]
         ctx = self._context(seg)

@@ -249,6 +249,10 @@ def export_artifact(src: Path, dst: Path, to: str, target: Path | None = None) -
     from safetensors.torch import save_file
 
     src, dst = Path(src), Path(dst)
+    if read_config(src).get("kind") == "block":
+        raise UsageError(f"{src} is a block drafter, which no published layout holds: DFlash's (vLLM, SGLang, speculators, "
+                         "llama.cpp's draft-dflash) queries read token embeddings alone and its context keys no layer norm, "
+                         "where this drafter fuses the last context entry into every query and adds block-position vectors")
     if to == "gguf":
         from specdec.models.gguf_export import export_gguf
 
