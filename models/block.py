@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdec.models.heads import DraftLayer, _RMSNorm, _rope, _TargetHead, _frozen, rope_frequencies
+from specdec.models.heads import DraftLayer, _RMSNorm, _rope, _TargetHead, _frozen, register_rope
 
 LOSSES = ("kl", "lk")
 POSITION_DECAY = 0.9  # later block positions are reached less often: their loss weighs less
@@ -61,12 +61,7 @@ class BlockHead(_TargetHead, nn.Module):
                                                getattr(target_config, "num_key_value_heads", None) or heads, head_dim, eps)
                                     for _ in range(self.num_layers))
         self.norm = _RMSNorm(hidden, eps)
-        max_pos = int(getattr(target_config, "max_position_embeddings", 2048)) + self.num_heads + 1
-        inv_freq, scaling = rope_frequencies(target_config, head_dim)
-        freqs = torch.outer(torch.arange(max_pos, dtype=torch.float64), inv_freq)
-        emb = torch.cat([freqs, freqs], dim=-1)
-        self.register_buffer("rope_cos", (emb.cos() * scaling).float(), persistent=False)
-        self.register_buffer("rope_sin", (emb.sin() * scaling).float(), persistent=False)
+        register_rope(self, target_config, head_dim, int(getattr(target_config, "max_position_embeddings", 2048)) + self.num_heads + 1)
         self._target = None
 
     def init_from_target(self, target) -> "BlockHead":

@@ -432,6 +432,16 @@ def rope_frequencies(config, head_dim: int) -> tuple[torch.Tensor, float]:
     return 1.0 / rope_theta(config) ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim), 1.0
 
 
+def register_rope(module: nn.Module, config, head_dim: int, positions: int) -> None:
+    """``module.rope_cos`` / ``rope_sin`` [positions, head_dim]: the target's rotary tables (``rope_frequencies``) for
+    positions 0..positions-1, as non-persistent float32 buffers (the drafters' layers index them by position id)."""
+    inv_freq, scaling = rope_frequencies(config, head_dim)
+    freqs = torch.outer(torch.arange(positions, dtype=torch.float64), inv_freq)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    module.register_buffer("rope_cos", (emb.cos() * scaling).float(), persistent=False)
+    module.register_buffer("rope_sin", (emb.sin() * scaling).float(), persistent=False)
+
+
 class FeatureSampler(nn.Module):
     """FSPAD's feature sampling (Gui et al. 2024, "Boosting Lossless Speculative Decoding via Feature
     Sampling and Partial Alignment Distillation"; the authors' ``Efc`` in ``cnets_fspad.py``).
@@ -489,12 +499,7 @@ class EagleHead(_TargetHead, nn.Module):
             getattr(target_config, "num_key_value_heads", None) or heads, head_dim, getattr(target_config, "rms_norm_eps", 1e-6),
         )])
         # the output is a feature for the target's LM head, as f_t is: no final norm
-        max_pos = int(getattr(target_config, "max_position_embeddings", 2048)) + 64  # + room for tree depth
-        inv_freq, scaling = rope_frequencies(target_config, head_dim)
-        freqs = torch.outer(torch.arange(max_pos, dtype=torch.float64), inv_freq)
-        emb = torch.cat([freqs, freqs], dim=-1)
-        self.register_buffer("rope_cos", (emb.cos() * scaling).float(), persistent=False)
-        self.register_buffer("rope_sin", (emb.sin() * scaling).float(), persistent=False)
+        register_rope(self, target_config, head_dim, int(getattr(target_config, "max_position_embeddings", 2048)) + 64)  # + tree depth
         self._target = None
 
     @property

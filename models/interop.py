@@ -47,7 +47,7 @@ from torch import nn
 from specdec.models.artifacts import load_weights, read_config, write_json
 from specdec.models.errors import SpecdecError, UsageError
 from specdec.models.layouts import SPECULATORS_VERSION, _weight_keys, foreign_kind, foreign_layout  # noqa: F401
-from specdec.models.heads import DraftLayer, EagleHead, MedusaHeads, _RMSNorm, rope_frequencies, soft_ce
+from specdec.models.heads import DraftLayer, EagleHead, MedusaHeads, _RMSNorm, register_rope, soft_ce
 
 LAYOUTS = ("eagle1", "eagle3")  # published EAGLE architectures specdec trains and runs as heads
 
@@ -229,11 +229,7 @@ class Eagle3Head(EagleHead):
         else:
             self.draft_ids = None
         self.embed_tokens = nn.Embedding(vocab, h) if own_embed else None
-        inv_freq, scaling = rope_frequencies(_hf_config(layer), layer["head_dim"])
-        freqs = torch.outer(torch.arange(layer["max_position_embeddings"] + 64, dtype=torch.float64), inv_freq)
-        emb = torch.cat([freqs, freqs], dim=-1)
-        self.register_buffer("rope_cos", (emb.cos() * scaling).float(), persistent=False)
-        self.register_buffer("rope_sin", (emb.sin() * scaling).float(), persistent=False)
+        register_rope(self, _hf_config(layer), layer["head_dim"], layer["max_position_embeddings"] + 64)
         self._target = None
 
     @property
