@@ -216,7 +216,6 @@ def train_lud_cmd(
     target: o.TargetRequired,
     data: o.Data,
     out: o.OutDir,
-    unit_size: Annotated[Optional[int], typer.Option("--unit-size", min=2, help="Tokens per lexical unit: the last real position and m-1 placeholders each predict one (default 3).")] = None,
     recipe: o.Recipe = None,
     max_steps: o.MaxSteps = None,
     budget_minutes: o.Budget = None,
@@ -233,15 +232,20 @@ def train_lud_cmd(
     attn_implementation: o.AttnImpl = None,
     trust_remote_code: o.TrustRemoteCode = False,
     threads: o.Threads = 0,
+    **declared,
 ) -> None:
     """Fine-tune the target with LoRA to predict lexical units of several tokens (Lexical Unit Decoding)."""
+    from specdec.train.settings import LudSettings
     from specdec.train.trainers.lud import train_lud
+
+    given = {k: v for k, v in declared.items() if v is not None}
+    LudSettings(**given).check()  # a bad value is refused before the target loads
 
     cfg = _config(recipe, "lud.yaml", "lud", max_steps=max_steps, budget_minutes=budget_minutes, batch=batch_size,
                   seq_len=seq_len, lr=lr, seed=seed, checkpoint_every=checkpoint_every,
                   mixed_precision=mixed_precision.value if mixed_precision else None)
     place = o.placement(device, dtype, device_map, attn_implementation, trust_remote_code, threads)
-    metrics = train_lud(target, data, out, cfg, unit_size=unit_size, resume=resume, placement=place)
+    metrics = train_lud(target, data, out, cfg, resume=resume, placement=place, **given)
     _report(metrics, out, ("unit_accuracy", "unit_ce", "steps", "stopped"))
 
 
@@ -333,11 +337,11 @@ def plan_cmd(
 
 
 def register(app: typer.Typer) -> None:
-    from specdec.train.settings import AcceptanceSettings, DraftSettings, HeadSettings
+    from specdec.train.settings import AcceptanceSettings, DraftSettings, HeadSettings, LudSettings
 
     app.command("train-draft")(o.declared_flags(DraftSettings, unset=True)(train_draft_cmd))
     app.command("train-acceptance")(o.declared_flags(AcceptanceSettings, unset=True)(train_acceptance_cmd))
     app.command("train-heads")(o.declared_flags(HeadSettings, unset=True)(train_heads_cmd))
-    app.command("train-lud")(train_lud_cmd)
+    app.command("train-lud")(o.declared_flags(LudSettings, unset=True)(train_lud_cmd))
     app.command("export")(export_cmd)
     app.command("plan")(plan_cmd)

@@ -165,3 +165,48 @@ def test_train_acceptance_flags_and_recipe_keys_are_its_settings(tmp_path):
     assert res.exit_code == 2 and "--reject-weight must be a finite number > 0, got 0" in " ".join(res.output.split()), res.output
     assert acceptance_knobs({"reject_weight": 3.0, "num_heads": 4}) == {"reject_weight": 3.0}
     assert draft_knobs({"kd_weight": 0.5, "lora": True, "unit_size": 3}) == {"kd_weight": 0.5, "lora": True}
+
+
+@pytest.mark.parametrize("command, settings, required, bad, message", [
+    ("train-lud", "LudSettings", ["--target", "{absent}", "--data", "{data}", "--out", "{out}"],
+     ["--unit-size", "1"], "--unit-size must be an integer >= 2 (1 is ordinary decoding), got 1"),
+    ("train-lud", "LudSettings", ["--target", "{absent}", "--data", "{data}", "--out", "{out}"],
+     ["--lora-alpha", "0"], "--lora-alpha must be a finite number > 0, got 0"),
+    ("train-dllm", "DllmSettings", ["--target", "{absent}", "--data", "{data}", "--out", "{out}"],
+     ["--block-size", "0"], "--block-size must be a positive integer, got 0"),
+    ("train-dllm", "DllmSettings", ["--target", "{absent}", "--data", "{data}", "--out", "{out}"],
+     ["--list-tasks", "-1"], "--list-tasks must be an integer >= 0, got -1"),
+    ("train-filter", "FilterSettings", ["--target", "{absent}", "--data", "{data}", "--out", "{out}"],
+     ["--gen-length", "0"], "--gen-length must be a positive integer, got 0"),
+])
+def test_lud_dllm_and_filter_flags_are_their_settings(tmp_path, command, settings, required, bad, message):
+    """train-lud, train-dllm and train-filter make their own flags from their settings (``train.settings``) like
+    the other trainers: every declared setting is a flag, a value out of its range is one ``error:`` line, exit
+    2, before anything loads or is written."""
+    from specdec.cli.main import app
+    from specdec.train import settings as declared
+
+    cls = getattr(declared, settings)
+    out = CliRunner().invoke(app, [command, "--help"], env={"COLUMNS": "240"}).output
+    for f in dataclasses.fields(cls):
+        assert f.metadata.get("help") and flag(f.name) in out, f.name
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"prompt": "x", "text": "x"}\n')
+    paths = {"absent": tmp_path / "absent", "data": data, "out": tmp_path / "out"}
+    res = invoke([command, *[a.format(**paths) for a in required], *bad])
+    assert res.exit_code == 2, res.output
+    assert [line for line in res.output.splitlines() if line.startswith("error:")] and "Traceback" not in res.output
+    assert message in " ".join(res.output.split()), res.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_trainers_check_their_settings_where_they_are_declared():
+    """The trainers' own configs are checked by the same declarations as the flags (one place validates)."""
+    from specdec.train.trainers.dllm import DllmTrainConfig
+    from specdec.train.trainers.filter import FilterTrainConfig
+
+    with pytest.raises(UsageError, match="--attention must be one of block, bidirectional"):
+        DllmTrainConfig(attention="causal")
+    with pytest.raises(UsageError, match="--cache must be one of none, prefix"):
+        FilterTrainConfig(cache="all")
+    assert DllmTrainConfig(cf_cache="prefix").cf_cache == "prefix"

@@ -190,3 +190,66 @@ class HeadSettings:
         else:
             hp.pop("fspad_align", None)  # an aligned fraction means nothing without FSPAD
         return hp
+
+
+@dataclass(frozen=True)
+class LudSettings:
+    """What train-lud trains (Lexical Unit Decoding: a LoRA on the target), beside the loop's ``TrainConfig``."""
+
+    unit_size: int = opt(3, range=Range(2, integer=True, note=" (1 is ordinary decoding)"),
+                         help="Tokens per lexical unit: the last real position and m-1 placeholders each predict one (default 3).")
+    cuts: int = opt(16, range=POSITIVE, help="Cut points per training block: each starts a unit to predict (default 16).")
+    lora_rank: int = opt(8, range=POSITIVE, help="Rank of the LoRA on the target's attention (default 8).")
+    lora_alpha: float = opt(16.0, range=Range(0, open_lo=True), help="LoRA scale alpha (default 16).")
+    ntp_weight: float = opt(1.0, range=Range(0), help="Weight of the ordinary next-token loss beside the unit loss (default 1; 0: units only).")
+    placeholder_id: int | None = opt(range=AT_LEAST_ZERO, help="The placeholder positions' token id (default: one the tokenizer "
+                                     "rarely uses, chosen).")
+
+    def check(self) -> None:
+        _check_ranges(self)
+
+
+@dataclass(frozen=True)
+class DllmSettings:
+    """What train-dllm trains (a masked-diffusion LM from an AR checkpoint or a config, or dParallel's certainty
+    forcing of a dLLM), beside the shared training options (``kwargs``: as ``train_dllm`` takes them)."""
+
+    block_size: int = opt(32, range=POSITIVE, help="Block size of block diffusion (and of decoding).")
+    attention: str = opt("block", choices=("block", "bidirectional"), help="block (block diffusion) or bidirectional.")
+    list_tasks: int = opt(0, range=AT_LEAST_ZERO, help="Add this many generated list tasks (copy/reverse/sort) to the mix.")
+    certainty_forcing: bool = opt(False, help="dParallel certainty-forcing distillation of --target (a dLLM).")
+    lora: bool = opt(False, help="Train a LoRA (merged into the saved model).")
+    cf_prompts: int = opt(256, range=POSITIVE, help="Certainty forcing: code prompts cut from --data whose own answers are distilled.")
+    gen_length: int = opt(128, range=POSITIVE, help="Certainty forcing: answer length of the self-generated decodes "
+                          "(decode at this length).")
+    cf_cache: str = opt("none", choices=("none", "prefix"), help="Certainty forcing: cache of the self-generating static "
+                        "decodes (none, or prefix: same result up to rounding under block attention, much faster).")
+
+    def check(self) -> None:
+        _check_ranges(self)
+
+    def kwargs(self) -> dict:
+        """``train_dllm``'s keywords (its ``DllmTrainConfig`` names the answer length ``cf_gen_length``); the list
+        tasks are examples the command makes, not a trainer setting."""
+        values = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("gen_length", "list_tasks")}
+        return values | {"cf_gen_length": self.gen_length}
+
+
+@dataclass(frozen=True)
+class FilterSettings:
+    """What train-filter trains (a Learn2PD filter for a dLLM); the trainer's ``FilterTrainConfig`` takes them by name."""
+
+    gen_length: int = opt(128, range=POSITIVE, help="Answer length of the labelling decodes.")
+    block_size: int = opt(32, range=POSITIVE, help="Decode block size (the filter's width).")
+    hidden: int = opt(0, range=AT_LEAST_ZERO, help="0: logistic regression; >0: MLP hidden size.")
+    code_prompts: int = opt(0, range=AT_LEAST_ZERO, help="Cut this many code prompts (64-256 tokens, as the held-out prompts) "
+                            "from --data's texts instead of using them as prompts.")
+    cache: str = opt("none", choices=("none", "prefix"), help="Cache of the labelling decodes (none, or prefix: same result up "
+                     "to rounding under block attention, much faster).")
+
+    def check(self) -> None:
+        _check_ranges(self)
+
+    def kwargs(self) -> dict:
+        """``train_filter``'s keywords (cutting code prompts is the command's, before it)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "code_prompts"}

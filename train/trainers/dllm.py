@@ -82,8 +82,10 @@ class DllmTrainConfig:
     checkpoint_every: int | None = None
 
     def __post_init__(self):
-        if self.attention not in ("block", "bidirectional"):
-            raise SpecdecError(f"--attention must be block or bidirectional, not {self.attention!r}")
+        from specdec.train.settings import DllmSettings
+
+        # the settings a user gives are checked where they are declared (train.settings), by the same names
+        DllmSettings(**{f.name: getattr(self, f.name) for f in fields(DllmSettings) if hasattr(self, f.name)}).check()
         if self.block_size < 1 or self.seq_len < 2 or self.batch_size < 1:
             raise SpecdecError("block size, sequence length and batch size must be positive")
 

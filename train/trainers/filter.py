@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
@@ -44,6 +44,12 @@ class FilterTrainConfig:
     seed: int = 0
     # checkpoints under OUT/checkpoints every N optimizer steps (0: only at the end; None: none, nothing to resume)
     checkpoint_every: int | None = None
+
+    def __post_init__(self):
+        from specdec.train.settings import FilterSettings
+
+        # the settings a user gives are checked where they are declared (train.settings), by the same names
+        FilterSettings(**{f.name: getattr(self, f.name) for f in fields(FilterSettings) if hasattr(self, f.name)}).check()
 
 
 @dataclass

@@ -29,6 +29,7 @@ Artifact: a peft adapter folder (adapter_config.json, adapter_model.safetensors)
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import asdict, fields
 from pathlib import Path
 
 import torch
@@ -37,11 +38,11 @@ import torch.nn.functional as F
 from specdec.models.artifacts import tokenizer_fingerprint, write_json
 from specdec.models.errors import SpecdecError, UsageError
 from specdec.train.loop import StepSeeded, TrainConfig, run_training, save_config
+from specdec.train.settings import LudSettings
 
 KIND = "lud"
 # the default recipe (no --recipe): small enough for Gemma 3 270M on a 2-core CPU. A recipe's ``lud:``
-# section (or the whole file) replaces it; trainer knobs go under ``extra``.
-KNOBS = {"unit_size": 3, "cuts": 16, "lora_rank": 8, "lora_alpha": 16, "ntp_weight": 1.0, "placeholder_id": None}
+# section (or the whole file) replaces it; the trainer's settings (train.settings.LudSettings) go under ``extra``.
 EVAL_BLOCKS = 32  # held-out blocks the before/after metrics read at most
 
 
@@ -310,23 +311,20 @@ def train_lud(
     **knobs,
 ) -> dict:
     """Fine-tune the target for lexical units and write the artifact; returns metrics (empty on the
-    non-main processes). ``knobs`` (else ``cfg.extra``, else KNOBS): cuts (cut points per block and
-    micro-batch), lora_rank, lora_alpha, ntp_weight, placeholder_id."""
+    non-main processes). ``knobs`` (else ``cfg.extra``, else their declared defaults): ``LudSettings`` by name."""
     from specdec.models.loading import resolve_source
     from specdec.train.data import block_prefix, load_blocks, load_teacher
     from specdec.train.loop import make_accelerator
 
-    unknown = sorted(set(cfg.extra) - set(KNOBS))
+    known = {f.name for f in fields(LudSettings)}
+    unknown = sorted(set(cfg.extra) - known)
     if unknown:
-        raise UsageError(f"unknown lud recipe knob(s) under extra: {', '.join(unknown)} (known: {', '.join(sorted(KNOBS))})")
-    hp = {**KNOBS, **cfg.extra, **{k: v for k, v in knobs.items() if v is not None}}
-    if unit_size is not None:
-        hp["unit_size"] = unit_size
-    m = int(hp["unit_size"])
-    if m < 2:
-        raise UsageError(f"--unit-size must be at least 2 (1 is ordinary decoding), got {m}")
-    if int(hp["cuts"]) < 1 or int(hp["lora_rank"]) < 1:
-        raise UsageError("cuts and lora_rank must be >= 1")
+        raise UsageError(f"unknown lud recipe knob(s) under extra: {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+    given = {k: v for k, v in {**knobs, "unit_size": unit_size}.items() if v is not None}
+    settings = LudSettings(**{**cfg.extra, **given})
+    settings.check()
+    hp = asdict(settings)
+    m = settings.unit_size
     out_dir = Path(out_dir)
     accelerator = make_accelerator(cfg)
     target, tokenizer = load_teacher(target_dir, placement, accelerator)
@@ -336,16 +334,16 @@ def train_lud(
                          f"{len(prefix) + m + 1} (the {len(prefix)}-token prefix every block starts with, a token, the unit)")
     fp = tokenizer_fingerprint(tokenizer)
     vocab = target.get_input_embeddings().weight.shape[0]
-    placeholder = hp["placeholder_id"]
-    placeholder = choose_placeholder(tokenizer, vocab) if placeholder is None else int(placeholder)
+    placeholder = settings.placeholder_id
+    placeholder = choose_placeholder(tokenizer, vocab) if placeholder is None else placeholder
     if not 0 <= placeholder < vocab:
         raise UsageError(f"placeholder_id {placeholder} is outside the target's vocabulary ({vocab})")
     train, held = load_blocks(data_files, tokenizer, cfg.seq_len, cfg.heldout, cfg.seed)
     torch.manual_seed(cfg.seed)
-    peft_model, names = add_lora(target, int(hp["lora_rank"]), float(hp["lora_alpha"]))
+    peft_model, names = add_lora(target, settings.lora_rank, float(settings.lora_alpha))
     masks = MaskMaker(target.config, target.dtype)
-    ntp_weight = float(hp["ntp_weight"])
-    collate = LudCollate(cfg.seed, m, int(hp["cuts"]), placeholder, skip=len(prefix))
+    ntp_weight = float(settings.ntp_weight)
+    collate = LudCollate(cfg.seed, m, settings.cuts, placeholder, skip=len(prefix))
     before = evaluate_units(peft_model, held, collate, masks, cfg.seed) if accelerator.is_main_process else {}
 
     def loss_fn(model, batch):
@@ -368,7 +366,7 @@ def train_lud(
         "heldout_before": before, "heldout": after,
         "unit_accuracy": after.get("unit_accuracy"), "unit_ce": after.get("unit_ce"),
     }
-    lora = {"r": int(hp["lora_rank"]), "lora_alpha": float(hp["lora_alpha"]), "target_modules": names, "dropout": 0.0}
+    lora = {"r": settings.lora_rank, "lora_alpha": float(settings.lora_alpha), "target_modules": names, "dropout": 0.0}
     save_lud(trained, out_dir, fp, m, placeholder, tokenizer, lora, str(resolve_source(target_dir)))
     save_config(cfg, out_dir, {"trainer": KIND, "target": str(target_dir), "data": [str(f) for f in data_files], **hp,
                                "unit_size": m, "placeholder_id": placeholder})
