@@ -141,3 +141,43 @@ def test_a_hook_on_a_layer_sends_the_forward_to_transformers(calls):
     handle.remove()
     engine.generate([GenRequest(PROMPTS[0], 4)])
     assert calls and step is direct.direct_step(model, cache_mod.SlotBuffers)
+
+
+@pytest.mark.parametrize("quantised", [False, True])
+@pytest.mark.parametrize("bsz", [1, 3])
+def test_a_drafter_that_reads_hidden_states_decodes_through_the_direct_step(monkeypatch, calls, quantised, bsz):
+    """A drafter reading the target's hidden states (a block drafter on EAGLE-3's fused layers) gets them from the
+    direct step too: its verify forwards run there, the drafts are the same and so is the text (greedy, as
+    plain decoding gives it)."""
+    from specdec.decode.drafters.heads import BlockDrafter
+    from specdec.models.head_artifacts import build_heads
+
+    model = _gemma(seed=1, quantised=quantised)
+    assert direct.direct_step(model, cache_mod.SlotBuffers) is not None
+    calls.clear()
+    torch.manual_seed(0)
+    heads = build_heads("block", model, {"num_heads": 3}).attach(model).float().eval()
+    with torch.no_grad():
+        heads.block_position.normal_(0, 0.5)
+    # EAGLE-3's layers (on this 3-layer target two of them): intermediate layers' outputs, not only the last
+    assert heads.feature_layers and max(heads.feature_layers) < model.config.num_hidden_layers
+    prompts = PROMPTS[:bsz]
+    drafts = {}
+
+    class Spy(BlockDrafter):
+        def _reset_tree(self, batch):
+            super()._reset_tree(batch)
+            drafts.setdefault(self.tag, []).append(self._logp.argmax(-1))
+
+    def run(use_direct):
+        drafter = Spy(heads, model, tree="static", tree_tokens=3, top_k=1)
+        drafter.tag = use_direct
+        return _decode(model, drafter, prompts, use_direct, monkeypatch)
+
+    want = run(False)
+    assert not calls
+    got = run(True)
+    plain = _decode(model, NoDrafter(), prompts, False, monkeypatch)
+    assert got == want == plain
+    assert any(shape[1] > 1 for shape in calls)  # the verify forwards, with their hidden states
+    assert len(drafts[True]) == len(drafts[False]) and all(torch.equal(a, b) for a, b in zip(drafts[True], drafts[False]))

@@ -308,10 +308,13 @@ class KVState(SlotBook):
         input_valid: torch.Tensor | None = None,
         tree_attn: torch.Tensor | None = None,
         depth: torch.Tensor | None = None,
-        hidden: bool = False,
+        hidden: bool | tuple = False,
         **model_kwargs,
     ):
         """Run the model on a segment appended after the cache.
+
+        hidden: its hidden states too (``output_hidden_states``); a tuple of indices into them says which the
+        caller reads (the others may be None where the forward skips keeping them).
 
         input_valid [B, T]: False marks holes (padding) inside the segment.
         tree_attn [B, T, T]: which segment tokens each token sees (a tree's ancestor matrix);
@@ -379,14 +382,14 @@ class KVState(SlotBook):
         """The model's forward (HF's, its compiled one, or its layers in one call) on a segment after the cache."""
         direct = self._direct if self._direct is not None and self._direct.model is forward else None  # not a view swapped in
         if direct is not None and direct.usable(input_ids, mask, hidden, model_kwargs, self.cache):
-            return direct(input_ids, mask, positions, self.cache)
+            return direct(input_ids, mask, positions, self.cache, hidden)
         return forward(
             input_ids=input_ids,
             attention_mask=mask,
             position_ids=positions,
             past_key_values=self.cache,
             use_cache=True,
-            output_hidden_states=hidden,
+            output_hidden_states=bool(hidden),
             **model_kwargs,
         )
 

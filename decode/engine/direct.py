@@ -189,7 +189,7 @@ class DirectStep:
 
     def usable(self, input_ids: torch.Tensor, mask, hidden: bool, model_kwargs: dict, cache) -> bool:
         """This forward is one the direct step computes as transformers would."""
-        if not self.enabled or hidden or model_kwargs or input_ids.numel() > MAX_ROWS or torch.is_grad_enabled():
+        if not self.enabled or model_kwargs or input_ids.numel() > MAX_ROWS or torch.is_grad_enabled():
             return False
         if input_ids.device.type != "cpu" or (self.blocks is not None and self.blocks.suspended):
             return False
@@ -219,9 +219,12 @@ class DirectStep:
         make = {arch.FULL: create_causal_mask, arch.SLIDING: create_sliding_window_causal_mask}
         return [make[t](**kwargs) for t in self.types]
 
-    def __call__(self, input_ids: torch.Tensor, mask, positions: torch.Tensor, cache):
+    def __call__(self, input_ids: torch.Tensor, mask, positions: torch.Tensor, cache, hidden: bool | tuple = False):
         """Logits [B, T, V] of a segment after the cache (written at the cache's write offset), as
-        transformers' forward with ``attention_mask=mask`` (None, one mask, or one per layer type) returns them."""
+        transformers' forward with ``attention_mask=mask`` (None, one mask, or one per layer type) returns them;
+        with ``hidden``, also its ``hidden_states`` as ``output_hidden_states`` gives them (the embeddings, each
+        layer's output but the last, the last one's after the final norm), those not in ``hidden`` (a tuple of
+        indices) None."""
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
         x = self.base.embed_tokens(input_ids)
@@ -232,21 +235,40 @@ class DirectStep:
         layers = cache.layers
         start, offset, t = layers[0].end, layers[0].offset, input_ids.shape[1]
         linears, qtypes, widths, norms = self._weights()
-        x = _layers(x, linears, self.biases, qtypes, widths, norms, self.eps, [layer.keys for layer in layers],
-                    [layer.values for layer in layers], rope, masks, self.kinds, self.family.style(), self.head_dim,
-                    self.groups, self.scaling, self.causal, start, offset)
+        keys, values = [layer.keys for layer in layers], [layer.values for layer in layers]
+        # a drafter that reads the target's hidden states (EAGLE, a block drafter) gets them from a call per run of
+        # layers between the states it reads (``hidden``: their indices; True: all): the same operations in the
+        # same order, so the same floats as transformers' forward and as one call
+        n_layers = len(self.kinds)
+        wanted = range(1, n_layers) if hidden is True else [i % (n_layers + 1) for i in hidden] if hidden else ()
+        cuts = sorted({i for i in wanted if 0 < i < n_layers} | {n_layers})
+        states = [None] * n_layers
+        states[0] = x
+        a = 0
+        for b in cuts:
+            n, m = len(LINEARS) * a, len(LINEARS) * b
+            x = _layers(x, linears[n:m], self.biases[n:m], qtypes[n:m], widths[n:m], norms[3 * len(self.family.norms) * a:
+                        3 * len(self.family.norms) * b], self.eps[len(self.family.norms) * a: len(self.family.norms) * b],
+                        keys[a:b], values[a:b], rope, masks, self.kinds[a:b], self.family.style(), self.head_dim,
+                        self.groups, self.scaling, self.causal, start, offset)
+            if b < n_layers:
+                states[b] = x
+            a = b
         for layer in layers:
             layer.end = start + t
-        logits = self.model.lm_head(self.base.norm(x))
+        x = self.base.norm(x)
+        logits = self.model.lm_head(x)
         cap = getattr(self.model.config, "final_logit_softcapping", None)
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
-        return CausalLMOutputWithPast(logits=logits)
+        if not hidden:
+            return CausalLMOutputWithPast(logits=logits)
+        return CausalLMOutputWithPast(logits=logits, hidden_states=(*states, x))
 
     def matches_hf(self, buffers) -> bool:
         """Both forwards on a probe over preallocated buffers (a 5-token prefill by transformers, then segments
         of one and three positions, then two under a mask with a hole, as the engine passes masks) give equal
-        logits, with the blocks' switch on and off."""
+        logits (and, for the three positions, equal hidden states), with the blocks' switch on and off."""
         cfg, dev = self.model.config, next(self.model.parameters()).device
         gen = torch.Generator().manual_seed(0)
         ids = torch.randint(0, cfg.vocab_size, (1, 11), generator=gen).to(dev)
@@ -267,10 +289,14 @@ class DirectStep:
                         for c in caches:
                             c.at(a, False)
                         mask = self._probe_mask(a, b, dev) if a == 9 else None
+                        hidden = a == 6  # a drafter's forward: the hidden states too, from a call per layer
                         ref = self.model(input_ids=ids[:, a:b], attention_mask=mask, position_ids=pos,
-                                         past_key_values=caches[0], use_cache=True)
-                        got = self(ids[:, a:b], mask, pos, caches[1])
+                                         past_key_values=caches[0], use_cache=True, output_hidden_states=hidden)
+                        got = self(ids[:, a:b], mask, pos, caches[1], hidden)
                         if not torch.equal(ref.logits, got.logits):
+                            return False
+                        if hidden and not (len(ref.hidden_states) == len(got.hidden_states) and all(
+                                torch.equal(r, g) for r, g in zip(ref.hidden_states, got.hidden_states))):
                             return False
             finally:
                 if self.blocks is not None:

@@ -537,8 +537,11 @@ class SpecEngine:
         return seg, verdict
 
     @property
-    def wants_hidden(self) -> bool:
-        return bool(self.drafter.needs_hidden or self.drafter.hidden_layers)
+    def wants_hidden(self) -> bool | tuple:
+        """The hidden states the drafter reads: False, or their indices (``hidden_of``'s, the last as -1)."""
+        if not (self.drafter.needs_hidden or self.drafter.hidden_layers):
+            return False
+        return (*(self.drafter.hidden_layers or ()), -1)
 
     def hidden_of(self, out) -> tuple:
         """(last hidden state, the drafter's extra layers) of a forward, as the drafter asked."""
