@@ -28,6 +28,7 @@ import time
 import torch
 
 from specdec.decode.drafters.base import Drafter, Proposal, Segment, tree_proposal
+from specdec.decode.engine.length import LengthPolicy
 
 STRONG_MATCH = 2  # n-gram matches of this many tokens or more draft alone: their chains are accepted far more often than a head's
 LOOKUPS = ("ngram", "suffix")  # model-free chain drafters a head's tree takes candidates from
@@ -83,7 +84,10 @@ class LookupTree(Drafter):
         self.needs_hidden = heads.needs_hidden
         self.hidden_layers = heads.hidden_layers
         self.default_k = max(heads.default_k, lookup.default_k)
-        self.length_policy = heads.length_policy
+        # the engine's cost model (decode.engine.length) sizes the lookup's chains by their match class as it does
+        # for ngram alone (and a dynamic tree's nodes), whatever the head's own policy: under a static tree a chain
+        # would otherwise be capped at the tree's depth
+        self.length_policy = LengthPolicy.tree
         self.model = heads.model
         self._length = None
         self._round: tuple[list[list[int]], list[int]] | None = None  # the lookup's chains in the tree under verification
