@@ -181,3 +181,28 @@ def test_a_head_that_does_not_pay_is_left_idle_and_the_output_stays_plain_decodi
     out = _generate(target, drafter, prompts, max_new=48)
     assert [r.token_ids for r in out] == [r.token_ids for r in _generate(target, None, prompts, max_new=48)]
     assert drafter.sources["tree"] >= 1 and drafter.sources["idle"] > 2 * drafter.sources["tree"]
+
+
+def test_under_a_static_head_the_lookups_chains_are_sized_by_the_cost_model_not_the_trees_depth(target):
+    """A static-tree head decides nothing about lengths, but the lookup's chains beside it are still sized by the
+    engine's cost model per match class (as ngram's alone are): on a CPU the engine hands the hybrid its
+    DraftLength (before, such a hybrid had none: its chains ran to --num-draft whatever they cost), and a long
+    repeat drafts chains longer than the head's tree is deep."""
+    prompts = [list(range(10, 40)) * 3]
+    heads = DRAFTERS["medusa"](_heads("medusa", target), target, tree="static", tree_tokens=4, top_k=1)
+    drafter = LookupTree(heads, NgramDrafter())
+    widths = []
+    real = drafter.propose
+
+    def spy(batch):
+        proposal = real(batch)
+        if proposal is not None and not proposal.is_tree:
+            widths.append(proposal.tokens.shape[1])
+        return proposal
+
+    drafter.propose = spy
+    engine = SpecEngine(target, ByteTokenizer(), drafter)
+    assert engine.length is not None and drafter.length is engine.length
+    out = engine.generate([GenRequest(prompt_ids=prompts[0], max_new_tokens=48)])
+    assert out[0].token_ids == _generate(target, None, prompts, max_new=48)[0].token_ids
+    assert widths and max(widths) > heads.depth
