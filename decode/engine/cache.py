@@ -381,7 +381,7 @@ class KVState(SlotBook):
     def _call(self, forward, input_ids, mask, positions, hidden: bool, model_kwargs: dict):
         """The model's forward (HF's, its compiled one, or its layers in one call) on a segment after the cache."""
         direct = self._direct if self._direct is not None and self._direct.model is forward else None  # not a view swapped in
-        if direct is not None and direct.usable(input_ids, mask, hidden, model_kwargs, self.cache):
+        if direct is not None and direct.usable(input_ids, mask, model_kwargs, self.cache):
             return direct(input_ids, mask, positions, self.cache, hidden)
         return forward(
             input_ids=input_ids,

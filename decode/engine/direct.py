@@ -187,7 +187,7 @@ class DirectStep:
                 norms += [m.weight, None, None]
         return (*self._linears[on], norms)
 
-    def usable(self, input_ids: torch.Tensor, mask, hidden: bool, model_kwargs: dict, cache) -> bool:
+    def usable(self, input_ids: torch.Tensor, mask, model_kwargs: dict, cache) -> bool:
         """This forward is one the direct step computes as transformers would."""
         if not self.enabled or model_kwargs or input_ids.numel() > MAX_ROWS or torch.is_grad_enabled():
             return False
@@ -245,12 +245,12 @@ class DirectStep:
         states = [None] * n_layers
         states[0] = x
         a = 0
+        per_linear, per_norm = len(LINEARS), len(self.family.norms)  # the per-layer lists' entries a layer
         for b in cuts:
-            n, m = len(LINEARS) * a, len(LINEARS) * b
-            x = _layers(x, linears[n:m], self.biases[n:m], qtypes[n:m], widths[n:m], norms[3 * len(self.family.norms) * a:
-                        3 * len(self.family.norms) * b], self.eps[len(self.family.norms) * a: len(self.family.norms) * b],
-                        keys[a:b], values[a:b], rope, masks, self.kinds[a:b], self.family.style(), self.head_dim,
-                        self.groups, self.scaling, self.causal, start, offset)
+            lin, nrm = slice(per_linear * a, per_linear * b), slice(per_norm * a, per_norm * b)
+            x = _layers(x, linears[lin], self.biases[lin], qtypes[lin], widths[lin], norms[3 * nrm.start: 3 * nrm.stop],
+                        self.eps[nrm], keys[a:b], values[a:b], rope, masks, self.kinds[a:b], self.family.style(),
+                        self.head_dim, self.groups, self.scaling, self.causal, start, offset)
             if b < n_layers:
                 states[b] = x
             a = b
