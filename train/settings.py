@@ -18,6 +18,12 @@ from specdec.models.errors import UsageError
 KD_WEIGHT = 0.9  # the share of the distillation term in a draft's loss (the rest: cross-entropy)
 
 
+def check_by_name(cls, source) -> None:
+    """Refuse what the settings ``cls`` declare out of range among ``source``'s values of the same names (a trainer's
+    own config, which the library can be handed directly): one declaration checks the flags and the config alike."""
+    cls(**{f.name: getattr(source, f.name) for f in fields(cls) if hasattr(source, f.name)}).check()
+
+
 def _check_ranges(settings) -> None:
     refusal = field_refusal(settings)
     if refusal:

@@ -39,6 +39,7 @@ from specdec.models.errors import SpecdecError, UsageError
 from specdec.models.loading import apply_threads
 from specdec.train.loop import StepSeeded
 from specdec.train.prompts import code_prompts
+from specdec.train.settings import DllmSettings, check_by_name
 
 # every linear layer but the output head, whatever the architecture calls them (peft resolves it)
 LORA_TARGETS = "all-linear"
@@ -82,12 +83,9 @@ class DllmTrainConfig:
     checkpoint_every: int | None = None
 
     def __post_init__(self):
-        from specdec.train.settings import DllmSettings
-
-        # the settings a user gives are checked where they are declared (train.settings), by the same names
-        DllmSettings(**{f.name: getattr(self, f.name) for f in fields(DllmSettings) if hasattr(self, f.name)}).check()
-        if self.block_size < 1 or self.seq_len < 2 or self.batch_size < 1:
-            raise SpecdecError("block size, sequence length and batch size must be positive")
+        check_by_name(DllmSettings, self)  # block size, attention, ...: where they are declared (train.settings)
+        if self.seq_len < 2 or self.batch_size < 1:
+            raise SpecdecError("sequence length and batch size must be positive")
 
 
 @dataclass

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import tempfile
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -23,6 +23,7 @@ from specdec.models.artifacts import tokenizer_fingerprint, write_json
 from specdec.models.dllm import ConfidenceFilter, encode_prompt, save_filter
 from specdec.models.errors import SpecdecError
 from specdec.decode.engine.types import GenRequest
+from specdec.train.settings import FilterSettings, check_by_name
 from specdec.train.trainers.dllm import curve_summary
 
 
@@ -46,10 +47,7 @@ class FilterTrainConfig:
     checkpoint_every: int | None = None
 
     def __post_init__(self):
-        from specdec.train.settings import FilterSettings
-
-        # the settings a user gives are checked where they are declared (train.settings), by the same names
-        FilterSettings(**{f.name: getattr(self, f.name) for f in fields(FilterSettings) if hasattr(self, f.name)}).check()
+        check_by_name(FilterSettings, self)  # where they are declared (train.settings)
 
 
 @dataclass
