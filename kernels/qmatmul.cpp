@@ -20,7 +20,10 @@
 
 namespace {
 
-enum QType : int64_t { Q8_0 = 8, Q5_0 = 6, Q4_K = 12, Q6_K = 14 };
+// ggml's type ids, and two layouts of specdec's own (ids far from ggml's): Q4_K and Q6_K blocks unpacked at
+// load (models.blocks) into groups of 32 weights whose scales are already float32, so that a group costs
+// no scalar decoding of packed 6-bit scales; each rebuilds the very same float32 weights in the same order
+enum QType : int64_t { Q8_0 = 8, Q5_0 = 6, Q4_K = 12, Q6_K = 14, Q4_K_X = 1012, Q6_K_X = 1014 };
 
 inline float fp16(const uint8_t* p) {
   uint16_t h;
@@ -29,13 +32,15 @@ inline float fp16(const uint8_t* p) {
 }
 
 // weights per block and bytes per block
-inline int block_weights(int64_t t) { return (t == Q8_0 || t == Q5_0) ? 32 : 256; }
+inline int block_weights(int64_t t) { return (t == Q4_K || t == Q6_K) ? 256 : 32; }
 inline int block_bytes(int64_t t) {
   switch (t) {
     case Q8_0: return 34;
     case Q5_0: return 22;
     case Q4_K: return 144;
     case Q6_K: return 210;
+    case Q4_K_X: return 24;  // float d * scale, float dmin * min, 16 bytes: weight i in the low nibble of byte i, weight 16 + i in its high one
+    case Q6_K_X: return 40;  // float d * scale of weights 0..15, of 16..31, then the 32 weights as signed bytes
   }
   return 0;
 }
@@ -78,6 +83,26 @@ inline void group32(const uint8_t* blk, int g, __m256 w[4]) {
     const __m256i high = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10));
     const __m256i q = _mm256_sub_epi8(_mm256_or_si256(nib, high), _mm256_set1_epi8(16));
     widen32(q, d, w);
+  } else if constexpr (T == Q4_K_X) {
+    float f[2];
+    std::memcpy(f, blk, 8);
+    const __m256 ds = _mm256_set1_ps(f[0]), dm = _mm256_set1_ps(f[1]);
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 8));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    const __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+    w[0] = _mm256_fmsub_ps(ds, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), dm);
+    w[1] = _mm256_fmsub_ps(ds, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), dm);
+    w[2] = _mm256_fmsub_ps(ds, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), dm);
+    w[3] = _mm256_fmsub_ps(ds, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), dm);
+  } else if constexpr (T == Q6_K_X) {
+    float f[2];
+    std::memcpy(f, blk, 8);
+    const __m256 d0 = _mm256_set1_ps(f[0]), d1 = _mm256_set1_ps(f[1]);
+    const int8_t* qs = reinterpret_cast<const int8_t*>(blk + 8);
+    w[0] = _mm256_mul_ps(d0, cvt8_epi8(qs));
+    w[1] = _mm256_mul_ps(d0, cvt8_epi8(qs + 8));
+    w[2] = _mm256_mul_ps(d1, cvt8_epi8(qs + 16));
+    w[3] = _mm256_mul_ps(d1, cvt8_epi8(qs + 24));
   } else if constexpr (T == Q4_K) {
     const float d = fp16(blk), dmin = fp16(blk + 2);
     const uint8_t* sc = blk + 4;
@@ -204,6 +229,8 @@ at::Tensor qmatmul(const at::Tensor& x_in, const at::Tensor& blocks, int64_t qty
         case Q8_0: dispatch_p<Q8_0>(P, wq, row_bytes, xm, K, ym, N, n0, n1); break;
         case Q5_0: dispatch_p<Q5_0>(P, wq, row_bytes, xm, K, ym, N, n0, n1); break;
         case Q4_K: dispatch_p<Q4_K>(P, wq, row_bytes, xm, K, ym, N, n0, n1); break;
+        case Q4_K_X: dispatch_p<Q4_K_X>(P, wq, row_bytes, xm, K, ym, N, n0, n1); break;
+        case Q6_K_X: dispatch_p<Q6_K_X>(P, wq, row_bytes, xm, K, ym, N, n0, n1); break;
         default: dispatch_p<Q6_K>(P, wq, row_bytes, xm, K, ym, N, n0, n1); break;
       }
     }
@@ -228,6 +255,8 @@ at::Tensor qdequant(const at::Tensor& blocks, int64_t qtype, int64_t K) {
           case Q8_0: group32<Q8_0>(blk, g, v); break;
           case Q5_0: group32<Q5_0>(blk, g, v); break;
           case Q4_K: group32<Q4_K>(blk, g, v); break;
+          case Q4_K_X: group32<Q4_K_X>(blk, g, v); break;
+          case Q6_K_X: group32<Q6_K_X>(blk, g, v); break;
           default: group32<Q6_K>(blk, g, v); break;
         }
         float* o = out + n * K + b * bw + g * 32;

@@ -18,12 +18,14 @@ import torch
 
 # ggml's type ids of the block formats the kernel reads, and (weights, bytes) per block
 BLOCKS = {"Q8_0": (8, 32, 34), "Q5_0": (6, 32, 22), "Q4_K": (12, 256, 144), "Q6_K": (14, 256, 210)}
-QTYPES = {v[0]: k for k, v in BLOCKS.items()}
+# specdec's own layouts of the K-quant blocks, unpacked at load (models.blocks): groups of 32 weights with float32 scales
+UNPACKED = {"Q4_K_X": (1012, 32, 24), "Q6_K_X": (1014, 32, 40)}
+QTYPES = {v[0]: k for k, v in {**BLOCKS, **UNPACKED}.items()}
 SOURCES = (Path(__file__).with_name("qmatmul.cpp"), Path(__file__).with_name("step.cpp"))  # step.cpp: a decode step's layers in one call
 
 
 def row_bytes(qtype: int, k: int) -> int:
-    _, weights, nbytes = BLOCKS[QTYPES[qtype]]
+    _, weights, nbytes = {**BLOCKS, **UNPACKED}[QTYPES[qtype]]
     return k // weights * nbytes
 
 

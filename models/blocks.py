@@ -62,7 +62,7 @@ def extract(gguf_path: Path, weights: dict[str, torch.Tensor]) -> tuple[dict[str
     file = np.memmap(str(gguf_path), dtype=np.uint8, mode="r")
     for t in read_header(Path(gguf_path))[1]:
         qtype = t["type"]
-        if qtype not in kernel.QTYPES or len(t["shape"]) != 2:
+        if qtype not in FILE_TYPES or len(t["shape"]) != 2:
             continue
         n, k = t["shape"]
         if k % kernel.BLOCKS[kernel.QTYPES[qtype]][1]:
@@ -108,7 +108,60 @@ def write(gguf_path: Path, folder: Path, weights: dict[str, torch.Tensor]) -> in
     return len(blocks)
 
 
-Q5_0, Q8_0 = kernel.BLOCKS["Q5_0"][0], kernel.BLOCKS["Q8_0"][0]
+Q5_0, Q8_0, Q4_K, Q6_K = (kernel.BLOCKS[t][0] for t in ("Q5_0", "Q8_0", "Q4_K", "Q6_K"))
+Q4_K_X, Q6_K_X = kernel.UNPACKED["Q4_K_X"][0], kernel.UNPACKED["Q6_K_X"][0]
+FILE_TYPES = {v[0] for v in kernel.BLOCKS.values()}  # the ggml types a file's tensors may have (the others are specdec's own)
+
+
+def _fp16(two_bytes: torch.Tensor) -> torch.Tensor:
+    """[n, 2] uint8 little-endian half-precision numbers as float32 [n]."""
+    return two_bytes.contiguous().view(torch.float16).float().reshape(-1)
+
+
+def q4_k_unpacked(blocks: torch.Tensor) -> torch.Tensor:
+    """Q4_K blocks as the kernel's Q4_K_X groups of the same weights: per 32 weights the float32 products
+    d * scale and dmin * min (exact: an 11-bit and a 6-bit significand), then 16 bytes holding weight i in
+    the low nibble of byte i and weight 16 + i in its high one. 24 bytes for 32 weights instead of 18, but
+    the kernel no longer decodes each group's packed 6-bit scale and minimum, which bound it below the
+    memory's rate."""
+    rows = blocks.shape[0]
+    b = blocks.reshape(-1, 144)
+    d, dmin = _fp16(b[:, 0:2]), _fp16(b[:, 2:4])
+    sc = b[:, 4:16].to(torch.int32)
+    low = [sc[:, g] & 63 for g in range(4)], [sc[:, g + 4] & 63 for g in range(4)]
+    high = ([(sc[:, g + 8] & 0x0F) | ((sc[:, g] >> 6) << 4) for g in range(4)],
+            [(sc[:, g + 8] >> 4) | ((sc[:, g + 4] >> 6) << 4) for g in range(4)])
+    scales = torch.stack(low[0] + high[0], 1).float()  # [n, 8], group g's scale and min, as llama.cpp's get_scale_min_k4
+    mins = torch.stack(low[1] + high[1], 1).float()
+    qs = b[:, 16:].reshape(-1, 4, 32)  # 32 bytes per pair of groups: the even group's low nibbles, the odd one's high
+    nib = torch.stack([qs & 0x0F, qs >> 4], 2).reshape(-1, 8, 32)  # [n, group, weight]
+    packed = nib[..., :16] | (nib[..., 16:] << 4)
+    floats = torch.stack([d[:, None] * scales, dmin[:, None] * mins], -1).contiguous()  # [n, 8, 2]
+    out = torch.cat([floats.view(torch.uint8), packed.to(torch.uint8)], -1)  # [n, 8, 24]
+    return out.reshape(rows, -1).contiguous()
+
+
+def q6_k_unpacked(blocks: torch.Tensor) -> torch.Tensor:
+    """Q6_K blocks as the kernel's Q6_K_X groups of the same weights: per 32 weights the float32 products
+    d * scale of their two halves (exact: an 11-bit and an 8-bit significand), then the 32 six-bit values
+    minus 32 as signed bytes. 40 bytes for 32 weights instead of 26.25, read at about the rate of Q8_0's,
+    where the bit gathering held Q6_K at a third of it."""
+    rows = blocks.shape[0]
+    b = blocks.reshape(-1, 210)
+    ql, qh = b[:, :128].to(torch.int16), b[:, 128:192].to(torch.int16)
+    sc = b[:, 192:208].view(torch.int8).float()
+    d = _fp16(b[:, 208:210])
+    groups = []
+    for g in range(8):
+        h, r = divmod(g, 4)
+        lo = ql[:, 64 * h + 32 * (r & 1) : 64 * h + 32 * (r & 1) + 32]
+        l4 = (lo >> (4 * (r >> 1))) & 0x0F
+        h2 = (qh[:, 32 * h : 32 * h + 32] >> (2 * r)) & 0x03
+        groups.append((l4 | (h2 << 4)) - 32)
+    q = torch.stack(groups, 1).to(torch.int8).view(torch.uint8)  # [n, 8, 32]
+    floats = (d[:, None] * sc).reshape(-1, 8, 2).contiguous()  # scales 2g and 2g + 1: the group's two halves
+    out = torch.cat([floats.view(torch.uint8), q], -1)  # [n, 8, 40]
+    return out.reshape(rows, -1).contiguous()
 
 
 def q5_0_as_q8_0(blocks: torch.Tensor) -> torch.Tensor:
@@ -179,6 +232,10 @@ def install(model, source: str | os.PathLike) -> BlockLayers | None:
                 continue
             if qtype == Q5_0:
                 blocks, qtype = q5_0_as_q8_0(blocks), Q8_0
+            elif qtype == Q4_K:
+                blocks, qtype = q4_k_unpacked(blocks), Q4_K_X
+            elif qtype == Q6_K:
+                blocks, qtype = q6_k_unpacked(blocks), Q6_K_X
             by_ptr[p.data_ptr()] = (blocks, int(qtype))
     if not by_ptr:
         return None

@@ -65,6 +65,21 @@ def test_a_positions_product_does_not_depend_on_the_forwards_width(qtype):
             assert torch.equal(got[m : m + 8], kernel.qmatmul(x[m : m + 8].contiguous(), raw, t, 512))
 
 
+@pytest.mark.parametrize("qtype, unpack", [("Q4_K", blocks.q4_k_unpacked), ("Q6_K", blocks.q6_k_unpacked)])
+def test_unpacked_k_quants_are_the_same_weights_and_the_same_products(qtype, unpack):
+    """The layouts the K-quant blocks are unpacked into at load rebuild the same float32 weights, and the kernel
+    runs the same products in the same order on them: every output bit for bit as from the file's blocks."""
+    raw = torch.from_numpy(random_blocks(qtype, 37, 768, seed=11))
+    t, tx = kernel.BLOCKS[qtype][0], kernel.UNPACKED[f"{qtype}_X"][0]
+    un = unpack(raw)
+    assert un.shape == (37, kernel.row_bytes(tx, 768))
+    assert torch.equal(kernel.qdequant(un, tx, 768).view(torch.int32), _dense(raw.numpy(), qtype, 768).view(torch.int32))
+    g = torch.Generator().manual_seed(2)
+    for rows in (1, 2, 3, 4, 5, 8, 11):
+        x = torch.randn(rows, 768, generator=g)
+        assert torch.equal(kernel.qmatmul(x, un, tx, 768).view(torch.int32), kernel.qmatmul(x, raw, t, 768).view(torch.int32))
+
+
 def test_blocks_are_found_by_content_not_by_name(tmp_path):
     import gguf
 
