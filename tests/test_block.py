@@ -58,6 +58,11 @@ def test_the_decode_block_is_the_training_time_block(target):
     got = [r for _, r in sorted(SpecEngine(target, ByteTokenizer(), drafter, eos_ids=[]).stream(reqs, batch_size=3))]
     ar = SpecEngine(target, ByteTokenizer(), None, eos_ids=[]).generate(reqs)
     assert [r.token_ids for r in got] == [r.token_ids for r in ar]
+    assert _checked_against_training(heads, target, seen) > 20
+
+
+def _checked_against_training(heads, target, seen) -> int:
+    """How many (round, row) log-prob vectors were held against chain_logits on the row's whole text (all equal)."""
     checked = 0
     with torch.no_grad():
         for seqs, logp in seen:
@@ -67,7 +72,37 @@ def test_the_decode_block_is_the_training_time_block(target):
                 ref = torch.log_softmax(chain[:, 0, len(seq) - 2].float(), -1)  # the root is the last token of seq
                 assert torch.allclose(logp[row], ref, atol=1e-5), (len(seq), (logp[row] - ref).abs().max())
                 checked += 1
-    assert checked > 20
+    return checked
+
+
+def test_rounds_the_block_sits_out_are_committed_before_its_next_call(target, monkeypatch):
+    """Beside a lookup the block drafts only in the rounds without a long match; the kept states of the rounds
+    between wait and are committed in one pass before its next call, whose log-probs are still chain_logits' on
+    the whole text (rows finishing and joining as above)."""
+    from specdec.decode.drafters.hybrid import HeadGate, LookupTree
+    from specdec.decode.drafters.model_free import NgramDrafter
+
+    monkeypatch.setattr(HeadGate, "choose", lambda self: True)  # every round without a long match runs the block
+    heads = _block(target, num_layers=2)
+    seen, waited = [], []
+
+    class Spy(BlockDrafter):
+        def _catch_up(self):
+            waited.append(len(self._waiting))
+            super()._catch_up()
+
+        def _reset_tree(self, batch):
+            super()._reset_tree(batch)
+            seen.append(([list(s) for s in batch.seqs], self._logp.clone()))
+
+    drafter = LookupTree(Spy(heads, target, tree="static", tree_tokens=6, top_k=2), NgramDrafter())
+    prompts = [p * 3 for p in make_prompts(5, seed=7, lo=3, hi=8)]  # repeats: rounds of long matches
+    reqs = [GenRequest(p, n) for p, n in zip(prompts, [24, 5, 16, 3, 20])]
+    got = [r for _, r in sorted(SpecEngine(target, ByteTokenizer(), drafter, eos_ids=[]).stream(reqs, batch_size=3))]
+    ar = SpecEngine(target, ByteTokenizer(), None, eos_ids=[]).generate(reqs)
+    assert [r.token_ids for r in got] == [r.token_ids for r in ar]
+    assert drafter.sources["lookup"] > 0 and max(waited) > 1  # some call caught up on several rounds
+    assert _checked_against_training(heads, target, seen) > 5
 
 
 @pytest.mark.parametrize("loss", ["kl", "lk"])

@@ -612,14 +612,22 @@ class BlockDrafter(HeadTreeDrafter):
     """A block drafter (models.block.BlockHead): one draft call per round gives the K positions' distributions;
     depth d's candidates are position d's top-k whatever the parent (a chain with --top-k 1, else a
     Medusa-style tree). The context's keys and values per draft layer live in slot caches of committed
-    positions (the target's features, as EAGLE's cache holds its entries)."""
+    positions (the target's features, as EAGLE's cache holds its entries).
+
+    A round's kept states wait until the next draft call, which commits every waiting round's entries in
+    one pass: with lookup (``decode.drafters.hybrid``) the block runs only in the rounds without a long
+    match, and the rounds between cost it nothing but the states' copies."""
 
     def __init__(self, heads, target, **kw):
         super().__init__(heads, target, **kw)
         self.hidden_layers = tuple(heads.feature_layers) if heads.feature_layers else None
+        self._waiting: list[tuple[list[torch.Tensor], torch.Tensor, list[int]]] = []  # per round: kept states, their validity, accepted
+
+    def _layers(self, seg: Segment) -> tuple:
+        return seg.hidden_layers if self.hidden_layers is not None else (seg.hidden,)
 
     def _context(self, seg: Segment) -> torch.Tensor:
-        return self.heads.context_of(seg.hidden_layers if self.hidden_layers is not None else (seg.hidden,))
+        return self.heads.context_of(self._layers(seg))
 
     def _commit(self, caches: list, ctx: torch.Tensor, valid: torch.Tensor) -> None:
         """Append the context entries ``ctx`` [B, T, H] (holes where ``valid`` is False) to every layer's cache
@@ -643,28 +651,43 @@ class BlockDrafter(HeadTreeDrafter):
         return caches, ctx[:, -1]  # prompts are left-padded: the last slot is every row's last token
 
     def begin(self, batch, seg: Segment) -> None:
+        self._waiting = []
         self.caches, self.last = self._prefill(batch, seg)
 
     def admit(self, batch, seg: Segment) -> None:
+        self._catch_up()
         caches, last = self._prefill(batch, seg)
         for c, new in zip(self.caches, caches):
             c.admit(new)
         self.last = torch.cat([self.last, last], 0)
 
     def _observe(self, batch, seg: Segment) -> None:
-        ctx = self._context(seg)
-        kept = ctx.gather(1, seg.keep_index[..., None].expand(-1, -1, ctx.shape[-1]))
-        self._commit(self.caches, kept, seg.keep_valid)
-        rows = torch.arange(kept.shape[0], device=kept.device)
-        self.last = kept[rows, torch.tensor(seg.accepted, device=kept.device)]  # root + accepted path: its last kept slot
+        """The kept slots' states (root + accepted path), gathered before the context map runs on them."""
+        idx = seg.keep_index[..., None]
+        kept = [x.gather(1, idx.expand(-1, -1, x.shape[-1])) for x in self._layers(seg)]
+        self._waiting.append((kept, seg.keep_valid, list(seg.accepted)))
+
+    def _catch_up(self) -> None:
+        """Commit the waiting rounds' entries in one pass; ``last`` becomes the newest round's last kept entry."""
+        if not self._waiting:
+            return
+        waiting, self._waiting = self._waiting, []
+        layers = [torch.cat([w[0][i] for w in waiting], 1) for i in range(len(waiting[0][0]))]
+        ctx = self.heads.context_of(layers)
+        self._commit(self.caches, ctx, torch.cat([w[1] for w in waiting], 1))
+        offset = ctx.shape[1] - waiting[-1][1].shape[1]
+        rows = torch.arange(ctx.shape[0], device=ctx.device)
+        self.last = ctx[rows, offset + torch.tensor(waiting[-1][2], device=ctx.device)]
 
     def select_rows(self, rows: torch.Tensor) -> None:
+        self._catch_up()
         for c in self.caches:
             c.select_rows(rows)
         self.last = self.last[rows]
 
     def _reset_tree(self, batch) -> None:
         """The round's one draft call: the block after each row's root, attending to its committed context."""
+        self._catch_up()
         h, caches = self.heads, self.caches
         c0 = caches[0]
         bsz, k = len(batch.seqs), h.num_heads
