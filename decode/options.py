@@ -201,6 +201,11 @@ class DraftingOptions:
     # SuffixDecoding: a folder keeping finished texts across jobs (decode.drafters.suffix)
     suffix_cache: str | None = opt(help="--drafter suffix: a folder that keeps finished texts (prompt and output) across jobs, "
                                    "appended as rows finish; drafts from earlier jobs' outputs.")
+    # a head drafter's own matrices on a CPU: Q8_0 blocks through the kernel (models.blocks.quantize_layers), or float32
+    draft_weights: str | None = opt(choices=("q8_0", "float32"),
+                                    help="Head drafters on a CPU: their layers' weights as Q8_0 blocks read by specdec's "
+                                    "kernel (the default where it builds: a quarter of the bytes a draft call reads; the "
+                                    "drafts may change, never the output) or float32.")
     # a model-free lookup (decode.drafters.hybrid.LOOKUPS) whose chains join a head drafter's trees
     lookup: str | None = opt(choices=("ngram", "suffix"),
                              help="Head drafters (EAGLE, Medusa, ...): ngram or suffix: the lookup's chains join the heads' "

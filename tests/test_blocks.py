@@ -290,3 +290,36 @@ def test_a_drafter_reads_its_rows_of_the_output_layer_from_the_blocks(quantised_
         assert not calls
     finally:
         kernel.qmatmul = real
+
+
+@pytest.mark.parametrize("bs", [1, 3])
+def test_a_drafters_layers_on_q8_0_blocks_draft_through_the_kernel_and_the_output_stays_plain_decodings(monkeypatch, bs):
+    """models.blocks.quantize_layers: a head drafter's float32 matrices as gguf's Q8_0 blocks, read by the kernel in
+    every draft call; the weights move by at most Q8_0's rounding, and the output is still plain decoding's."""
+    from conftest import ByteTokenizer, make_prompts, tiny_llama
+
+    from specdec.decode.drafters.heads import DRAFTERS
+    from specdec.decode.engine.loop import SpecEngine
+    from specdec.decode.engine.types import GenRequest
+    from specdec.models.head_artifacts import build_heads
+
+    target = tiny_llama(hidden=64, seed=4).float()  # the kernel multiplies float32
+    torch.manual_seed(0)
+    heads = build_heads("eagle", target, {}).attach(target, init_from_lm_head=True).eval()
+    dense = {n: m.weight.detach().clone() for n, m in heads.named_modules() if isinstance(m, torch.nn.Linear)}
+    state = blocks.quantize_layers(heads)
+    routed = {n for n, m in heads.named_modules() if hasattr(m, "_specdec_blocks")}
+    assert state is not None and routed and routed == {n for n, w in dense.items() if w.shape[1] % 32 == 0}
+    for n in routed:
+        m = heads.get_submodule(n)
+        rebuilt = kernel.qdequant(*m._specdec_blocks, m.in_features)
+        # 8-bit values of a half-precision scale max|w| / 127 per 32 weights: half a step, and the scale's rounding
+        assert (rebuilt - dense[n]).abs().max() <= dense[n].abs().max() * (1 / 254 + 2.0**-11) and not torch.equal(rebuilt, dense[n])
+    calls = []
+    real = kernel.qmatmul
+    monkeypatch.setattr(kernel, "qmatmul", lambda *a: calls.append(1) or real(*a))
+    prompts = make_prompts(bs, seed=12)
+    reqs = [GenRequest(prompt_ids=p, max_new_tokens=24) for p in prompts]
+    out = SpecEngine(target, ByteTokenizer(), DRAFTERS["eagle"](heads, target, tree="dynamic", tree_tokens=8, top_k=2)).generate(reqs)
+    assert calls
+    assert [r.token_ids for r in out] == [r.token_ids for r in SpecEngine(target, ByteTokenizer(), None).generate(reqs)]

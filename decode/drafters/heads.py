@@ -715,7 +715,7 @@ def build_head_drafter(artifact_dir: Path, target, tokenizer, options) -> Drafte
 
     options: ``num_draft`` (tree depth; None = the kind's default), ``tree`` ("static" or "dynamic";
     None = dynamic for EAGLE, static for the others), ``tree_tokens`` (nodes per tree; None = default),
-    optional ``top_k``.
+    optional ``top_k``, ``draft_weights`` ("float32" keeps the heads' float32 matrices; else Q8_0 blocks on a CPU).
     """
     cfg = read_config(artifact_dir)
     kind = cfg.get("kind")
@@ -729,6 +729,10 @@ def build_head_drafter(artifact_dir: Path, target, tokenizer, options) -> Drafte
             raise SpecdecError(f"{artifact_dir} is not a {'/'.join(DRAFTERS)} artifact (kind {kind!r})")
         check_fingerprint(cfg["target"], tokenizer_fingerprint(tokenizer), f"{kind} artifact {artifact_dir}")
         heads, _ = load_heads(artifact_dir, target)
+    if getattr(options, "draft_weights", None) != "float32" and isinstance(heads, torch.nn.Module):
+        from specdec.models.blocks import quantize_layers
+
+        quantize_layers(heads)  # on a CPU where the kernel builds; float32 layers elsewhere
     return DRAFTERS[kind](
         heads, target,
         tree=getattr(options, "tree", None) or ("dynamic" if kind == "eagle" else "static"),

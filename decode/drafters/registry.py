@@ -298,7 +298,7 @@ DRAFT_MODES = (
 
 HEAD_OPTIONS = frozenset({"tree", "tree_tokens", "top_k"})
 # heads whose trees take a lookup's chains (--lookup; its own options with it, checked in decode.jobs.validate)
-TREE_HEAD_OPTIONS = HEAD_OPTIONS | {"lookup", "max_ngram", "suffix_cache"}
+TREE_HEAD_OPTIONS = HEAD_OPTIONS | {"lookup", "max_ngram", "suffix_cache", "draft_weights"}
 
 
 def _heads(path, target, tokenizer, options: DecodeOptions):
