@@ -60,7 +60,8 @@ def _load(build_root: Path) -> None:
     from torch.utils import cpp_extension
 
     # OpenMP: at::parallel_for's threads are torch's own (libgomp.so.1, already loaded by torch)
-    cflags, ldflags = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"], ["-fopenmp"]
+    # no contraction of a * b + c into one rounding: the step's fused loops must round as ATen's separate operations do
+    cflags, ldflags = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"], ["-fopenmp"]
     code = b"".join(source.read_bytes() for source in SOURCES)
     digest = hashlib.sha256(code + torch.__version__.encode() + str(cflags).encode()).hexdigest()[:12]
     build = build_root / f"qmatmul-{digest}"

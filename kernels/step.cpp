@@ -9,6 +9,7 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <cmath>
 #include <optional>
 #include <vector>
 
@@ -50,27 +51,105 @@ at::Tensor linear(const Layer& l, int j, const at::Tensor& x) {
   return y.reshape(shape);
 }
 
+// Each row of the float32 x (last dimension contiguous; out has x's strides) as f(row's offset in x, in out, its
+// index in logical order); the rows of a [..., n] tensor in logical order, whatever its strides.
+template <typename F>
+void for_rows(const at::Tensor& x, F f) {
+  const int64_t dims = x.dim() - 1, rows = x.numel() / x.size(-1);
+  for (int64_t r = 0; r < rows; ++r) {
+    int64_t rest = r, off = 0;
+    for (int64_t d = dims - 1; d >= 0; --d) {
+      off += (rest % x.size(d)) * x.stride(d);
+      rest /= x.size(d);
+    }
+    f(off, r);
+  }
+}
+
+bool fusable(const at::Tensor& x) {
+  return x.scalar_type() == at::kFloat && x.device().is_cpu() && x.stride(-1) == 1 && x.numel() > 0 &&
+         !at::GradMode::is_enabled();
+}
+
+// models.norms' Gemma RMSNorm after its sum of squares, in one pass: per row s = sum / count + eps, r = 1 / sqrt(s)
+// (what rsqrt computes: both correctly rounded), then (x * r) * (1 + w), and with a residual, residual + that:
+// every operation a float32 rounding of its own, in ATen's order (built without fused multiply-adds), so the
+// same floats as the separate operations, without their dispatch, allocation and passes over memory.
+at::Tensor gemma_norm_tail(const at::Tensor& x, const at::Tensor& sums, const at::Tensor& count, const at::Tensor& eps,
+                           const at::Tensor& w, const at::Tensor* residual) {
+  at::Tensor out = at::empty_like(x);
+  const int64_t n = x.size(-1);
+  const float c = *count.data_ptr<float>(), e = *eps.data_ptr<float>();
+  const float* xp = x.data_ptr<float>();
+  const float* sp = sums.contiguous().data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  const float* rp = residual ? residual->data_ptr<float>() : nullptr;
+  float* op = out.data_ptr<float>();
+  for_rows(x, [&](int64_t off, int64_t row) {
+    const float s = sp[row] / c + e;
+    const float r = 1.0f / std::sqrt(s);
+    const float* xr = xp + off;
+    float* orow = op + off;
+    if (rp) {
+      const float* res = rp + off;
+      for (int64_t j = 0; j < n; ++j) orow[j] = res[j] + (xr[j] * r) * wp[j];
+    } else {
+      for (int64_t j = 0; j < n; ++j) orow[j] = (xr[j] * r) * wp[j];
+    }
+  });
+  return out;
+}
+
 // models.norms' Gemma RMSNorm: sum(x * x) / count, + epsilon, rsqrt, times x, times (1 + weight);
 // Llama's RMSNorm: in float32, pow(2).mean(), + epsilon, rsqrt, times x, back to x's dtype, times weight
-at::Tensor norm(const Layer& l, const Style& style, int j, const at::Tensor& x) {
+at::Tensor norm(const Layer& l, const Style& style, int j, const at::Tensor& x, const at::Tensor* residual = nullptr) {
   const int64_t i = l.norm_first + 3 * j;
   const at::Tensor w = *l.norms->get(i);
   if (style.gemma_norm) {
     const at::Tensor eps = *l.norms->get(i + 1), count = *l.norms->get(i + 2);
+    if (fusable(x) && w.is_contiguous() && w.scalar_type() == at::kFloat && w.numel() == x.size(-1) &&
+        count.numel() == 1 && eps.numel() == 1 && count.scalar_type() == at::kFloat &&
+        eps.scalar_type() == at::kFloat && (!residual || (residual->sizes() == x.sizes() && residual->strides() == x.strides())))
+      return gemma_norm_tail(x, at::sum(x * x, {-1}, true), count, eps, w, residual);
     at::Tensor square = at::sum(x * x, {-1}, true).div_(count);
-    return x * at::rsqrt(square.add_(eps)) * w;
+    at::Tensor y = x * at::rsqrt(square.add_(eps)) * w;
+    return residual ? *residual + y : y;
   }
   at::Tensor h = x.to(at::kFloat);
   at::Tensor variance = h.pow(2).mean({-1}, true);
   h = h * at::rsqrt(variance + l.eps[j]);
-  return w * h.to(x.scalar_type());
+  at::Tensor y = w * h.to(x.scalar_type());
+  return residual ? *residual + y : y;
 }
 
 bool has_norm(const Layer& l, int j) { return l.norms->get(l.norm_first + 3 * j).has_value(); }
 
-// transformers' rotate_half and apply_rotary_pos_emb (cos, sin already unsqueezed at dim 1)
+// transformers' rotate_half and apply_rotary_pos_emb (cos, sin already unsqueezed at dim 1): x * cos + turned * sin,
+// turned = (-x[half:], x[:half]); in one pass where x is (b, heads, t, d) float32 and cos, sin are (b, 1, t, d)
+// contiguous: the two products and the sum each rounded on their own (no fused multiply-add), -a * b being
+// exactly -(a * b), so the same floats as the five operations
 at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
-  const int64_t half = x.size(-1) / 2;
+  const int64_t d = x.size(-1), half = d / 2;
+  if (fusable(x) && x.dim() == 4 && d % 2 == 0 && cos.is_contiguous() && sin.is_contiguous() &&
+      cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.sizes() == sin.sizes() &&
+      cos.dim() == 4 && cos.size(0) == x.size(0) && cos.size(1) == 1 && cos.size(2) == x.size(2) && cos.size(3) == d) {
+    at::Tensor out = at::empty_like(x);
+    const float* xp = x.data_ptr<float>();
+    const float* cp = cos.data_ptr<float>();
+    const float* sp = sin.data_ptr<float>();
+    float* op = out.data_ptr<float>();
+    const int64_t heads = x.size(1), t = x.size(2);
+    for_rows(x, [&](int64_t off, int64_t row) {
+      const int64_t tb = (row / (heads * t)) * t + row % t;  // the row's (batch, position) in cos and sin
+      const float* xr = xp + off;
+      const float* cr = cp + tb * d;
+      const float* sr = sp + tb * d;
+      float* o = op + off;
+      for (int64_t j = 0; j < half; ++j) o[j] = xr[j] * cr[j] + (-xr[j + half]) * sr[j];
+      for (int64_t j = half; j < d; ++j) o[j] = xr[j] * cr[j] + xr[j - half] * sr[j];
+    });
+    return out;
+  }
   at::Tensor turned = at::cat({-x.slice(-1, half), x.slice(-1, 0, half)}, -1);
   return (x * cos) + (turned * sin);
 }
@@ -153,13 +232,13 @@ at::Tensor decoder_layers(const at::Tensor& x_in, at::TensorList linears, const 
     at::Tensor o = attend(q, keys[i].slice(2, offset, end), values[i].slice(2, offset, end), masks.get(kind), groups,
                           scaling, causal);
     o = linear(l, 3, o.reshape({b, t, -1}).contiguous());
-    x = residual + (has_norm(l, 3) ? norm(l, style, 3, o) : o);
+    x = has_norm(l, 3) ? norm(l, style, 3, o, &residual) : residual + o;
     residual = x;
     h = norm(l, style, 4, x);
     at::Tensor gate = linear(l, 4, h);
     gate = style.gelu ? at::gelu(gate, "tanh") : at::silu(gate);
     h = linear(l, 6, gate * linear(l, 5, h));
-    x = residual + (has_norm(l, 5) ? norm(l, style, 5, h) : h);
+    x = has_norm(l, 5) ? norm(l, style, 5, h, &residual) : residual + h;
   }
   return x;
 }
