@@ -203,6 +203,10 @@ def test_under_a_static_head_the_lookups_chains_are_sized_by_the_cost_model_not_
     drafter.propose = spy
     engine = SpecEngine(target, ByteTokenizer(), drafter)
     assert engine.length is not None and drafter.length is engine.length
+    for width in range(1, 18):  # a machine where width costs nothing, whatever this one measures: the longest chains pay
+        for _ in range(2):
+            engine.length.record_forward(1, width, 1e-3)
+    engine.length.record_forward = lambda *a: None
     out = engine.generate([GenRequest(prompt_ids=prompts[0], max_new_tokens=48)])
     assert out[0].token_ids == _generate(target, None, prompts, max_new=48)[0].token_ids
     assert widths and max(widths) > heads.depth

@@ -40,6 +40,35 @@ def test_classes_are_kept_apart_and_unknown_costs_draft_everything():
     assert length.forward_cost(1, 20) > length.forward_cost(1, 13)  # extrapolated by the last slope
 
 
+def test_a_wide_batch_measures_a_plain_step_before_it_drafts_by_cost():
+    """With 8 rows some row nearly always has drafts, so a plain step of that batch would never be measured and its
+    cost would be extrapolated from wide forwards (on a CPU, 8 rows x 3 positions leave the quantised kernel for
+    float32 matmuls: far costlier per position). Two rounds without drafts measure it; then lengths follow it."""
+    length = DraftLength(8)
+    rows = 8
+    for w in (3, 5):
+        for _ in range(3):
+            length.record_forward(rows, w, 0.30 + 0.01 * w)  # wide forwards, nearly flat in the width
+    _accept(length, cls=2, rate_first=0.6)
+    assert length.lengths([2] * rows, [4] * rows) == [0] * rows  # no plain step of 8 rows measured yet
+    for _ in range(2):  # the plain rounds it asked for (the first builds the shape)
+        length.record_forward(rows, 1, 0.05)
+    chosen = [length.lengths([2] * rows, [4] * rows) for _ in range(20)]
+    assert max(max(c) for c in chosen) <= 2 and sum(map(sum, chosen)) <= 2 * rows * 3  # exploration aside: no drafts
+    assert length.lengths([2], [4]) == [0]  # one row is another batch width: its plain step is measured too
+
+
+def test_a_lookups_drafts_are_not_charged_a_heads_draft_seconds():
+    """Beside a head (decode.drafters.hybrid) the measured seconds per drafted position are the head's tree levels;
+    the lookup's chains cost nothing to draft, and are sized so."""
+    length = DraftLength(8)
+    _costs(length, per_token=0.02)
+    _accept(length, cls=2, rate_first=0.9)
+    length.record_draft(1, 1.0)  # a slow head level
+    assert max(length.lengths([2], [8])[0] for _ in range(10)) <= 2
+    assert min(length.lengths([2], [8], draft_s=0.0)[0] for _ in range(10)) >= 6
+
+
 def test_untimed_lengths_follow_acceptance_not_the_clock():
     """Sampling: lengths may not depend on measured seconds (they decide how many random draws a round takes)."""
     fast, slow = DraftLength(12, timed=False), DraftLength(12, timed=False)

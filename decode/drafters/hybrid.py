@@ -141,7 +141,8 @@ class LookupTree(Drafter):
         have = found.lengths.tolist() if found.lengths is not None else [len(t) for t in tokens]
         classes = list(found.classes) if found.classes is not None else [0] * bsz
         if self._length is not None:
-            have = self._length.lengths(classes, have)
+            # the lookup's drafts cost nothing: the measured seconds per drafted position are the head's tree levels
+            have = self._length.lengths(classes, have, draft_s=0.0)
         return [t[:n] for t, n in zip(tokens, have)], classes
 
     def propose(self, batch) -> Proposal | None:

@@ -72,6 +72,7 @@ class DraftLength:
         self.draft_s = 0.0 if timed else draft_share
         self.rng = random.Random(seed)
         self.chosen: list[int] = []  # the lengths of the last choice (stats)
+        self.plain_asked: dict[int, int] = {}  # rows bucket -> rounds asked to draft nothing so a plain step is measured
 
     # -- costs ---------------------------------------------------------------------------------
 
@@ -135,8 +136,9 @@ class DraftLength:
         a = (self.acc[min(max(cls, 0), CLASSES - 1)] / self.seen[min(max(cls, 0), CLASSES - 1)]).clamp(0, 1)
         return torch.cat([torch.ones(1, dtype=torch.float64), 1 + a.cumprod(0).cumsum(0)])
 
-    def best(self, cls: int, rows: int, available: int) -> int:
-        """The length in 0..available with the most expected tokens per second (``available`` when no cost is known)."""
+    def best(self, cls: int, rows: int, available: int, explore: bool = True, draft_s: float | None = None) -> int:
+        """The length in 0..available with the most expected tokens per second (``available`` when no cost is known);
+        with ``explore``, now and then two positions more; ``draft_s``: a drafted position's seconds, if not the measured."""
         available = min(available, self.max_k)
         if available <= 0:
             return 0
@@ -146,16 +148,32 @@ class DraftLength:
         gain = self.expected(cls)
         best_k, best_rate = 0, 0.0
         for k in range(available + 1):
-            rate = float(gain[k]) / (self.forward_cost(rows, 1 + k) + k * self.draft_s)
+            rate = float(gain[k]) / (self.forward_cost(rows, 1 + k) + k * (self.draft_s if draft_s is None else draft_s))
             if rate > best_rate * (1 + 1e-9):
                 best_k, best_rate = k, rate
-        if best_k < available and self.rng.random() < EXPLORE:
+        if explore and best_k < available and self.rng.random() < EXPLORE:
             best_k = min(available, best_k + 2)
         return best_k
 
-    def lengths(self, classes: list[int], available: list[int]) -> list[int]:
+    def lengths(self, classes: list[int], available: list[int], draft_s: float | None = None) -> list[int]:
+        """Each row's length; ``draft_s`` as in ``best`` (0 for a lookup beside a head whose draft levels are measured)."""
         rows = len(classes)
-        self.chosen = [self.best(c, rows, n) for c, n in zip(classes, available)]
+        b = self._bucket(rows)
+        if self.timed and any(available) and (b, 1) not in self.times and self.plain_asked.get(b, 0) < 2:
+            # a batch this wide has not run a plain step yet (with several rows some row nearly always has drafts):
+            # two rounds without drafts measure one (the first only builds the shape), where the choice would
+            # otherwise extrapolate it from wide forwards, which on a CPU cost per position far more than it.
+            # Asked twice at most: a round may still be wide for drafts these lengths do not govern (a head's tree)
+            self.plain_asked[b] = self.plain_asked.get(b, 0) + 1
+            self.chosen = [0] * rows
+            return self.chosen
+        self.chosen = [self.best(c, rows, n, explore=False, draft_s=draft_s) for c, n in zip(classes, available)]
+        # one row now and then drafts two positions more, so the positions past the chosen lengths stay measured: one
+        # row a round at most, since the widest row sets the whole batch's forward (8 rows exploring each on their own
+        # made a third of the rounds wide)
+        if self.rng.random() < EXPLORE:
+            r = self.rng.randrange(rows)
+            self.chosen[r] = min(available[r], self.max_k, self.chosen[r] + 2)
         return self.chosen
 
     # -- trees ---------------------------------------------------------------------------------
