@@ -66,9 +66,10 @@ void for_rows(const at::Tensor& x, F f) {
   }
 }
 
+// dense (so empty_like gives the output x's strides, and a row's offset is the same in both) float32 on a CPU
 bool fusable(const at::Tensor& x) {
   return x.scalar_type() == at::kFloat && x.device().is_cpu() && x.stride(-1) == 1 && x.numel() > 0 &&
-         !at::GradMode::is_enabled();
+         x.is_non_overlapping_and_dense() && !at::GradMode::is_enabled();
 }
 
 // models.norms' Gemma RMSNorm after its sum of squares, in one pass: per row s = sum / count + eps, r = 1 / sqrt(s)
