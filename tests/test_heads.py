@@ -246,6 +246,46 @@ def test_eagle3_drafter_reads_fused_layers_and_stays_lossless(target, bs):
         assert torch.allclose(f_root[row], chain[0, 0, len(prompt) - 1], atol=1e-7)
 
 
+def test_eagle_rounds_without_a_tree_are_committed_before_its_next_one(target, monkeypatch):
+    """Beside a lookup the EAGLE-3 head grows trees only in some rounds; the entries of the rounds between wait
+    and are committed in one layer call before its next tree, after which its root feature is still the
+    training-time chain's at each row's last committed position (rows finishing and joining a running batch)."""
+    from specdec.decode.drafters.heads import EagleDrafter
+    from specdec.decode.drafters.hybrid import HeadGate, LookupTree
+    from specdec.decode.drafters.model_free import NgramDrafter
+
+    count = iter(range(10**6))
+    monkeypatch.setattr(HeadGate, "choose", lambda self: next(count) % 3 == 0)  # one round in three without a long match grows a tree
+    heads = _heads("eagle", target, feature_layers=[1, 2])
+    seen, waited = [], []
+
+    class Spy(EagleDrafter):
+        def _catch_up(self):
+            waited.append(len(self._waiting))
+            super()._catch_up()
+
+        def _reset_tree(self, batch):
+            super()._reset_tree(batch)
+            seen.append(([list(q) for q in batch.seqs], self.f_root.clone()))
+
+    drafter = LookupTree(Spy(heads, target, tree="static", tree_tokens=6, top_k=2), NgramDrafter())
+    prompts = [p * 2 for p in make_prompts(5, seed=7, lo=3, hi=8)]
+    reqs = [GenRequest(p, n) for p, n in zip(prompts, [20, 5, 14, 3, 16])]
+    got = [r for _, r in sorted(SpecEngine(target, ByteTokenizer(), drafter, eos_ids=[]).stream(reqs, batch_size=3))]
+    ar = SpecEngine(target, ByteTokenizer(), None, eos_ids=[]).generate(reqs)
+    assert [r.token_ids for r in got] == [r.token_ids for r in ar]
+    assert max(waited) > 1  # some tree caught up on several rounds
+    checked = 0
+    with torch.no_grad():
+        for seqs, f_root in seen:
+            for row, seq in enumerate(seqs):
+                ids = torch.tensor([seq])
+                chain = heads.unrolled(target(input_ids=ids, output_hidden_states=True).hidden_states, ids, 1)
+                assert torch.allclose(f_root[row], chain[0, 0, len(seq) - 2], atol=1e-7)  # the root is seq's last token
+                checked += 1
+    assert checked > 5
+
+
 @pytest.mark.parametrize("rope", [
     {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
      "original_max_position_embeddings": 64},

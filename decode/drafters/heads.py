@@ -520,18 +520,27 @@ class EagleDrafter(HeadTreeDrafter):
     """EAGLE: a one-layer feature drafter with its own KV cache of true (token, feature) entries for
     committed text. A tree node is the entry (its token, its parent's predicted feature); each level
     runs only the nodes it expands, attending to the committed entries and to their ancestors'
-    scratch slots (tree attention), so a round costs one small layer call per level."""
+    scratch slots (tree attention), so a round costs one small layer call per level.
+
+    A round's kept entries wait until the next tree, which commits every waiting round's entries in one
+    layer call (as BlockDrafter's do): with lookup (``decode.drafters.hybrid``) the head grows trees only in
+    some rounds, and the rounds between cost it no call of its layer."""
 
     def __init__(self, heads, target, **kw):
         super().__init__(heads, target, **kw)
         # EAGLE-3 artifacts read several target layers (fused by the head); the engine returns them
         self.hidden_layers = tuple(heads.feature_layers) if heads.feature_layers else None
+        self._waiting: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]] = []  # per round: entries' tokens, validity, features, accepted
 
-    def _features(self, seg: Segment) -> torch.Tensor:
-        """The drafter's input feature per slot: the last hidden state, or the fused EAGLE-3 layers."""
+    def _features(self, seg: Segment, index: torch.Tensor | None = None) -> torch.Tensor:
+        """The drafter's input feature per slot (per slot of ``index`` [B, T] where given: the states gathered
+        before the fusion, which then runs on those slots only): the last hidden state, or the fused EAGLE-3 layers."""
+        states = (seg.hidden,) if self.hidden_layers is None else seg.hidden_layers
+        if index is not None:
+            states = [x.gather(1, index[..., None].expand(-1, -1, x.shape[-1])) for x in states]
         if self.hidden_layers is None:
-            return seg.hidden
-        return self.heads.fuse(torch.cat(seg.hidden_layers, dim=-1).to(self.heads.fuse.weight.dtype))
+            return states[0]
+        return self.heads.fuse(torch.cat(states, dim=-1).to(self.heads.fuse.weight.dtype))
 
     def _commit(self, tokens: torch.Tensor, valid: torch.Tensor, feats: torch.Tensor, cache: "_SlotCache | None" = None) -> torch.Tensor:
         """Append true entries (holes where ``valid`` is False) to ``cache`` (default: the drafter's);
@@ -550,9 +559,11 @@ class EagleDrafter(HeadTreeDrafter):
         return out
 
     def begin(self, batch, seg: Segment) -> None:
+        self._waiting = []
         self.cache, self.f_root = self._prefill(batch, seg)
 
     def admit(self, batch, seg: Segment) -> None:
+        self._catch_up()
         cache, f_root = self._prefill(batch, seg)
         self.cache.admit(cache)
         self.f_root = torch.cat([self.f_root, f_root], 0)
@@ -571,15 +582,25 @@ class EagleDrafter(HeadTreeDrafter):
         acc = torch.tensor(seg.accepted, device=nxt.device)
         rows = torch.arange(nxt.shape[0], device=nxt.device)
         nxt[rows, acc] = batch.root  # the token after each row's last kept slot is its new root
-        f = self._features(seg)
-        feats = f.gather(1, seg.keep_index[..., None].expand(-1, -1, f.shape[-1]))
-        self.f_root = self._commit(nxt, seg.keep_valid, feats)[rows, acc]
+        self._waiting.append((nxt, seg.keep_valid, self._features(seg, seg.keep_index), list(seg.accepted)))
+
+    def _catch_up(self) -> None:
+        """Commit the waiting rounds' entries in one call; ``f_root`` becomes the newest round's root feature."""
+        if not self._waiting:
+            return
+        waiting, self._waiting = self._waiting, []
+        out = self._commit(*(torch.cat([w[i] for w in waiting], 1) for i in range(3)))
+        offset = out.shape[1] - waiting[-1][0].shape[1]
+        rows = torch.arange(out.shape[0], device=out.device)
+        self.f_root = out[rows, offset + torch.tensor(waiting[-1][3], device=out.device)]
 
     def select_rows(self, rows: torch.Tensor) -> None:
+        self._catch_up()
         self.cache.select_rows(rows)
         self.f_root = self.f_root[rows]
 
     def _reset_tree(self, batch) -> None:
+        self._catch_up()
         self._fh = self.f_root.new_zeros(self.f_root.shape[0], 0, self.f_root.shape[-1])  # [B, n, H] predicted feature per tree node (zeros until expanded)
         self._slot_nodes = torch.zeros(self.f_root.shape[0], 0, dtype=torch.long, device=self.f_root.device)  # tree node of each scratch slot
 
