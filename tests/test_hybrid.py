@@ -145,7 +145,7 @@ class _Clock:
         return self.now
 
 
-def test_the_gate_keeps_to_the_faster_choice_and_tries_the_other_every_few_rounds():
+def test_the_gate_keeps_to_the_faster_choice_and_tries_the_other_less_often_the_slower_it_is():
     clock = _Clock()
     gate = hybrid.HeadGate(clock)
     gate.record(5)  # nothing open: nothing measured
@@ -162,12 +162,22 @@ def test_the_gate_keeps_to_the_faster_choice_and_tries_the_other_every_few_round
     choices = [round_(tokens, seconds) for _ in range(24)]
     assert choices[:2] == [True, False]
     assert gate.rate(True) == pytest.approx(1.5) and gate.rate(False) == pytest.approx(2.0)
-    assert [i + 1 for i, c in enumerate(choices[2:], start=2) if c] == [8, 16, 24]  # explored every 8th round
-    # the head turns faster: it takes over once its explored rounds outweigh its slow history (the second here)
+    # the head measured 2.0 / 1.5 times slower: tried once in 8 * 4/3 = 10.7 rounds, every 11th
+    assert gate.interval() == pytest.approx(hybrid.EXPLORE_EVERY * 4 / 3)
+    assert [i + 1 for i, c in enumerate(choices[2:], start=2) if c] == [13, 24]
+    # the head turns faster (3 tokens in 0.5 s): it takes over once its tried rounds outweigh its slow history
+    # (the second try here), and the choice without it, now 3 times slower, is tried once in 24 rounds
     seconds[True] = 0.5
-    choices = [round_(tokens, seconds) for _ in range(24)]
-    assert not any(choices[:7]) and choices[7] and choices[15] and all(choices[16:23]) and not choices[23]
+    choices = [round_(tokens, seconds) for _ in range(60)]
+    assert [i for i, c in enumerate(choices[:20]) if c] == [10, 19]
+    assert all(choices[19:42]) and not choices[42] and all(choices[43:])
     assert gate.rate(True) > gate.rate(False)
+    assert gate.interval() == pytest.approx(hybrid.EXPLORE_EVERY * gate.rate(True) / gate.rate(False))
+    assert gate.interval() > 20
+    # however slow a choice measured, it is tried again within EXPLORE_AT_MOST_EVERY rounds
+    seconds[False] = 1000.0
+    choices = [round_(tokens, seconds) for _ in range(3 * hybrid.EXPLORE_AT_MOST_EVERY)]
+    assert gate.interval() == hybrid.EXPLORE_AT_MOST_EVERY and 1 <= choices.count(False) <= 4
 
 
 def test_a_head_that_does_not_pay_is_left_idle_and_the_output_stays_plain_decodings(target, monkeypatch):

@@ -12,8 +12,10 @@ runs both for every round: the lookup first (it costs no forward), then
   both kinds of candidates in one forward;
 - unless the head does not pay: ``HeadGate`` measures the tokens a second of those rounds yields with the
   head and without it (the lookup's short chains alone, or a plain step), and keeps to the faster, trying
-  the other one round in ``EXPLORE_EVERY`` so that both rates stay measured. A head too weak for the
-  machine then costs a few rounds, not the job.
+  the other one round in ``EXPLORE_EVERY`` times the ratio of the two rates (so that both rates stay
+  measured, and a choice several times slower, such as a head's tree over a batch of 8 rows on a CPU,
+  takes about the same small share of the time). A head too weak for the machine then costs a few
+  rounds, not the job.
 
 The head keeps its state (its own cache of the target's features) in every round, whichever source
 won, because it observes every verify segment as it would alone. Verification does not depend on where
@@ -32,33 +34,45 @@ from specdec.decode.engine.length import LengthPolicy
 
 STRONG_MATCH = 2  # n-gram matches of this many tokens or more draft alone: their chains are accepted far more often than a head's
 LOOKUPS = ("ngram", "suffix")  # model-free chain drafters a head's tree takes candidates from
-EXPLORE_EVERY = 8  # rounds between tries of the choice the measured rates do not favour
+EXPLORE_EVERY = 8  # rounds between tries of the choice the measured rates do not favour, at equal rates
+EXPLORE_AT_MOST_EVERY = 64  # the longest such interval, however slow that choice measured: the text may change
 DECAY = 0.9  # weight of a rate's history per round it is measured: the text's nature drifts
 
 
 class HeadGate:
     """Whether a round without a long match runs the head: by tokens per second measured for each choice
-    (decayed sums over the rounds that made it), the faster one, the other every ``EXPLORE_EVERY``-th round.
+    (decayed sums over the rounds that made it), the faster one, the other once in ``interval()`` rounds.
     What a round yields does not depend on the choice (verification is exact either way): only its speed."""
 
     def __init__(self, clock=time.perf_counter):
         self.clock = clock
         self.sums = {True: [0.0, 0.0], False: [0.0, 0.0]}  # with the head / without it: [tokens, seconds]
         self.rounds = 0
+        self._since = 0  # rounds since the slower choice was last tried
         self._open: tuple[bool, float] | None = None
 
     def rate(self, head: bool) -> float | None:
         tokens, seconds = self.sums[head]
         return tokens / seconds if seconds > 0 else None
 
+    def interval(self) -> float:
+        """Rounds between tries of the slower choice: ``EXPLORE_EVERY`` times how many times slower it measured
+        (its tries then take about the same share of the time however slow it is), at most ``EXPLORE_AT_MOST_EVERY``."""
+        with_head, without = self.rate(True), self.rate(False)
+        if not with_head or not without:
+            return EXPLORE_EVERY
+        return min(EXPLORE_EVERY * max(with_head, without) / min(with_head, without), EXPLORE_AT_MOST_EVERY)
+
     def choose(self) -> bool:
         self.rounds += 1
         with_head, without = self.rate(True), self.rate(False)
         if with_head is None or without is None:
-            best = with_head is None  # measure both first, the head first
+            choice = with_head is None  # measure both first, the head first
         else:
-            best = with_head >= without
-        choice = (not best) if self.rounds % EXPLORE_EVERY == 0 else best
+            self._since += 1
+            choice = with_head >= without
+            if self._since >= self.interval():
+                choice, self._since = not choice, 0
         self._open = (choice, self.clock())
         return choice
 
