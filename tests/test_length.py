@@ -58,6 +58,24 @@ def test_a_wide_batch_measures_a_plain_step_before_it_drafts_by_cost():
     assert length.lengths([2], [4]) == [0]  # one row is another batch width: its plain step is measured too
 
 
+def test_a_batch_drafts_to_one_width_that_pays_for_all_its_rows():
+    """A batch's forward is as wide as its longest row: one row's strong match does not widen the forward of eight
+    rows whose other matches are weak (chosen row by row, that row alone would draft 8), while eight strong rows do."""
+    length = DraftLength(8)
+    rows = 8
+    for w in (1, 2, 3, 5, 9):
+        for _ in range(3):
+            length.record_forward(rows, w, 0.1 * (1 + 0.3 * (w - 1)))
+    _accept(length, cls=3, rate_first=0.95)
+    _accept(length, cls=1, rate_first=0.05)
+    assert length.best(3, rows, 8, explore=False) == 8  # what that row would choose on its own
+    mixed = [length.lengths([3] + [1] * 7, [8] * rows) for _ in range(40)]
+    assert max(max(c) for c in mixed) <= 2  # no drafts (exploration aside: two positions for one row)
+    strong = [length.lengths([3] * rows, [8] * rows) for _ in range(40)]
+    assert min(min(c) for c in strong) >= 6
+    assert length.lengths([3, 3], [8, 2])[1] <= 2  # never past what a row has
+
+
 def test_a_lookups_drafts_are_not_charged_a_heads_draft_seconds():
     """Beside a head (decode.drafters.hybrid) the measured seconds per drafted position are the head's tree levels;
     the lookup's chains cost nothing to draft, and are sized so."""

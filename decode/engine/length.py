@@ -5,9 +5,11 @@ once either way). On a CPU it does not: Gemma 3 270M on two cores takes about 1.
 forward for 8 tokens, 2.3x for 16, so a chain of 12 n-gram drafts of which the first is accepted 4
 times in 10 loses to plain decoding. ``DraftLength`` keeps, per drafter-given class (n-gram: the
 length of the match), the acceptance rate of each draft position given the earlier ones, and the
-seconds of the target's forwards by their width; each round every row drafts the length K that
+seconds of the target's forwards by their width; each round a row drafts the length K that
 maximises expected tokens per second: (1 + sum_{i<=K} prod_{j<=i} a_j) / (t(1 + K) + K d), with
-t the forward time at that width and d a draft token's time. Unmeasured widths are interpolated
+t the forward time at that width and d a draft token's time; a batch of rows drafts min(its chain, W)
+a row, with the one W that maximises the rows' expected tokens together over t(1 + W) + W d (the
+forward is as wide as its longest row). Unmeasured widths are interpolated
 (or extrapolated by the nearest slope); a small share of rounds drafts two positions further, so
 positions past the chosen length keep being measured. Which tokens are drafted never depends on
 it: the output is unchanged, only the work per round.
@@ -167,7 +169,7 @@ class DraftLength:
             self.plain_asked[b] = self.plain_asked.get(b, 0) + 1
             self.chosen = [0] * rows
             return self.chosen
-        self.chosen = [self.best(c, rows, n, explore=False, draft_s=draft_s) for c, n in zip(classes, available)]
+        self.chosen = self._batch(classes, available, draft_s)
         # one row now and then drafts two positions more, so the positions past the chosen lengths stay measured: one
         # row a round at most, since the widest row sets the whole batch's forward (8 rows exploring each on their own
         # made a third of the rounds wide)
@@ -175,6 +177,28 @@ class DraftLength:
             r = self.rng.randrange(rows)
             self.chosen[r] = min(available[r], self.max_k, self.chosen[r] + 2)
         return self.chosen
+
+    def _batch(self, classes: list[int], available: list[int], draft_s: float | None) -> list[int]:
+        """The rows' lengths as one choice: a batch's forward is as wide as its longest row, so each row drafts
+        min(its chain, W) with the W that gives the batch the most expected tokens per second. Chosen row by row,
+        one row's strong match would widen every row's forward and pay for its own tokens only (with 8 rows on a
+        CPU, a third of the rounds went wide so). One row: ``best``'s choice."""
+        rows = len(classes)
+        caps = [min(max(n, 0), self.max_k) for n in available]
+        if rows == 1:
+            return [self.best(classes[0], 1, caps[0], explore=False, draft_s=draft_s)]
+        top = max(caps)
+        if top == 0 or self.forward_cost(rows, 1) is None:
+            return caps
+        gains = [self.expected(c) for c in classes]
+        d = self.draft_s if draft_s is None else draft_s
+        best_w, best_rate = 0, 0.0
+        for w in range(top + 1):
+            tokens = sum(float(g[min(n, w)]) for g, n in zip(gains, caps))
+            rate = tokens / (self.forward_cost(rows, 1 + w) + w * d)
+            if rate > best_rate * (1 + 1e-9):
+                best_w, best_rate = w, rate
+        return [min(n, best_w) for n in caps]
 
     # -- trees ---------------------------------------------------------------------------------
 
