@@ -101,7 +101,8 @@ def test_rounds_the_block_sits_out_are_committed_before_its_next_call(target, mo
     got = [r for _, r in sorted(SpecEngine(target, ByteTokenizer(), drafter, eos_ids=[]).stream(reqs, batch_size=3))]
     ar = SpecEngine(target, ByteTokenizer(), None, eos_ids=[]).generate(reqs)
     assert [r.token_ids for r in got] == [r.token_ids for r in ar]
-    assert drafter.sources["lookup"] > 0 and max(waited) > 1  # some call caught up on several rounds
+    # rounds the block sat out: long matches, and the first rounds, which measure a plain step before any tree
+    assert drafter.sources["lookup"] + drafter.sources["idle"] > 0 and max(waited) > 1  # some call caught up on several rounds
     assert _checked_against_training(heads, target, seen) > 5
 
 

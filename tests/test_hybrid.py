@@ -220,3 +220,25 @@ def test_under_a_static_head_the_lookups_chains_are_sized_by_the_cost_model_not_
     out = engine.generate([GenRequest(prompt_ids=prompts[0], max_new_tokens=48)])
     assert out[0].token_ids == _generate(target, None, prompts, max_new=48)[0].token_ids
     assert widths and max(widths) > heads.depth
+
+
+def test_the_heads_first_tree_waits_for_a_measured_plain_step(target):
+    """Until a plain step of the batch is measured (the first rounds ask for one), the head grows no tree: sized by
+    costs known only by their prior, a first tree over 8 rows could cost tens of plain steps."""
+    from types import SimpleNamespace
+
+    from specdec.decode.engine.length import DraftLength
+
+    heads = DRAFTERS["eagle"](_heads("eagle", target), target, tree="dynamic", tree_tokens=8, top_k=2)
+    grown = []
+    heads.propose = lambda batch: grown.append(1)
+    drafter = LookupTree(heads, NgramDrafter())
+    drafter.length = DraftLength(8)
+    batch = SimpleNamespace(seqs=[[1, 2, 3, 4]] * 8, device="cpu", num_draft=8)
+    for _ in range(3):
+        drafter.propose(batch)
+    assert not grown and drafter.sources["idle"] == 3 and drafter.gate.rounds == 0
+    for width in (1, 1):  # the plain step asked for: the first run of a width is not timed
+        drafter.length.record_forward(8, width, 0.1)
+    drafter.propose(batch)
+    assert grown == [1] and drafter.sources["tree"] == 1  # the gate measures the head first

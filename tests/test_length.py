@@ -1,5 +1,7 @@
 """decode.engine.length: chain lengths chosen by measured forward costs and acceptance."""
 
+import pytest
+
 from specdec.decode.engine.length import DraftLength
 
 
@@ -74,6 +76,23 @@ def test_a_batch_drafts_to_one_width_that_pays_for_all_its_rows():
     strong = [length.lengths([3] * rows, [8] * rows) for _ in range(40)]
     assert min(min(c) for c in strong) >= 6
     assert length.lengths([3, 3], [8, 2])[1] <= 2  # never past what a row has
+
+
+def test_one_measured_width_extrapolates_by_the_priors_slope_per_row():
+    """With only a plain step measured, a wider forward costs 1 + SLOPE_PRIOR * rows * (width - 1) of it, as in the
+    untimed model: 8 rows pay each extra position 8 times."""
+    from specdec.decode.engine.length import SLOPE_PRIOR
+
+    length = DraftLength(8)
+    for rows in (1, 8):
+        for _ in range(2):
+            length.record_forward(rows, 1, 0.1)
+        for w in (2, 33):
+            assert length.forward_cost(rows, w) == pytest.approx(0.1 * (1 + SLOPE_PRIOR * rows * (w - 1)))
+    wide = DraftLength(8)
+    for _ in range(2):
+        wide.record_forward(8, 33, 0.1 * (1 + SLOPE_PRIOR * 8 * 32))  # only a wide tree measured
+    assert wide.forward_cost(8, 1) == pytest.approx(0.1)
 
 
 def test_a_lookups_drafts_are_not_charged_a_heads_draft_seconds():
