@@ -192,6 +192,12 @@ class BlockLayers:
     def active(self) -> bool:
         return self.enabled and not self.suspended
 
+    def add(self, blocks: torch.Tensor, weight: torch.Tensor) -> None:
+        """Count a layer whose float32 ``weight`` is read as ``blocks``."""
+        self.layers += 1
+        self.bytes += blocks.numel() * blocks.element_size()
+        self.dense_bytes += weight.numel() * weight.element_size()
+
 
 @contextlib.contextmanager
 def suspended(model, on: bool = True):
@@ -247,9 +253,7 @@ def install(model, source: str | os.PathLike) -> BlockLayers | None:
         found = by_ptr.get(module.weight.data_ptr())
         if found is None:
             continue
-        state.layers += 1
-        state.bytes += found[0].numel()
-        state.dense_bytes += module.weight.numel() * module.weight.element_size()
+        state.add(found[0], module.weight)
         module._specdec_rows = (found, state)  # for a drafter that reads some of its rows (models.heads._TargetHead)
         if head is not None and head.linear is module:
             head.blocks, head.block_state = found, state  # the output layer's own dispatcher reads them (models.head)
@@ -276,11 +280,9 @@ def quantize_layers(module: torch.nn.Module) -> BlockLayers | None:
         if not isinstance(m, torch.nn.Linear) or type(m).forward is not torch.nn.Linear.forward or hasattr(m, "_specdec_blocks") \
                 or w.dtype != torch.float32 or w.device.type != "cpu" or m.in_features % 32:
             continue
-        raw = quants.quantize(w.detach().numpy(), GGMLQuantizationType.Q8_0)
-        state.layers += 1
-        state.bytes += raw.size
-        state.dense_bytes += w.numel() * w.element_size()
-        _route(m, torch.from_numpy(raw.copy()), Q8_0, state)
+        blocks = torch.from_numpy(quants.quantize(w.detach().numpy(), GGMLQuantizationType.Q8_0).copy())
+        state.add(blocks, w)
+        _route(m, blocks, Q8_0, state)
     return state if state.layers else None
 
 
