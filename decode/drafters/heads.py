@@ -113,6 +113,17 @@ class HeadTreeDrafter(Drafter):
         # decode.engine.length.DraftLength (on a CPU, where each verified node costs time)
         self.length_policy = LengthPolicy.tree if tree == "dynamic" else LengthPolicy.own
         self.length = None
+        self._waiting: list[tuple[tuple, list[int]]] = []  # per round waiting to be committed: its entries [B, T, ...], accepted
+
+    def _drain(self) -> tuple[tuple, torch.Tensor] | None:
+        """The waiting rounds' entries, each tensor concatenated along time, and each row's index there of the
+        newest round's last kept entry (what the next draft call starts from); None when nothing waits."""
+        if not self._waiting:
+            return None
+        waiting, self._waiting = self._waiting, []
+        tensors = tuple(torch.cat([w[0][i] for w in waiting], 1) for i in range(len(waiting[0][0])))
+        last, accepted = waiting[-1]
+        return tensors, tensors[0].shape[1] - last[0].shape[1] + torch.tensor(accepted, device=tensors[0].device)
 
     def modules(self) -> list:
         return [self.heads] if isinstance(self.heads, torch.nn.Module) else []
@@ -530,7 +541,6 @@ class EagleDrafter(HeadTreeDrafter):
         super().__init__(heads, target, **kw)
         # EAGLE-3 artifacts read several target layers (fused by the head); the engine returns them
         self.hidden_layers = tuple(heads.feature_layers) if heads.feature_layers else None
-        self._waiting: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]] = []  # per round: entries' tokens, validity, features, accepted
 
     def _features(self, seg: Segment, index: torch.Tensor | None = None) -> torch.Tensor:
         """The drafter's input feature per slot (per slot of ``index`` [B, T] where given: the states gathered
@@ -582,17 +592,16 @@ class EagleDrafter(HeadTreeDrafter):
         acc = torch.tensor(seg.accepted, device=nxt.device)
         rows = torch.arange(nxt.shape[0], device=nxt.device)
         nxt[rows, acc] = batch.root  # the token after each row's last kept slot is its new root
-        self._waiting.append((nxt, seg.keep_valid, self._features(seg, seg.keep_index), list(seg.accepted)))
+        self._waiting.append(((nxt, seg.keep_valid, self._features(seg, seg.keep_index)), list(seg.accepted)))
 
     def _catch_up(self) -> None:
         """Commit the waiting rounds' entries in one call; ``f_root`` becomes the newest round's root feature."""
-        if not self._waiting:
+        drained = self._drain()
+        if drained is None:
             return
-        waiting, self._waiting = self._waiting, []
-        out = self._commit(*(torch.cat([w[i] for w in waiting], 1) for i in range(3)))
-        offset = out.shape[1] - waiting[-1][0].shape[1]
-        rows = torch.arange(out.shape[0], device=out.device)
-        self.f_root = out[rows, offset + torch.tensor(waiting[-1][3], device=out.device)]
+        (tokens, valid, feats), last = drained
+        out = self._commit(tokens, valid, feats)
+        self.f_root = out[torch.arange(out.shape[0], device=out.device), last]
 
     def select_rows(self, rows: torch.Tensor) -> None:
         self._catch_up()
@@ -642,7 +651,6 @@ class BlockDrafter(HeadTreeDrafter):
     def __init__(self, heads, target, **kw):
         super().__init__(heads, target, **kw)
         self.hidden_layers = tuple(heads.feature_layers) if heads.feature_layers else None
-        self._waiting: list[tuple[list[torch.Tensor], torch.Tensor, list[int]]] = []  # per round: kept states, their validity, accepted
 
     def _layers(self, seg: Segment) -> tuple:
         return seg.hidden_layers if self.hidden_layers is not None else (seg.hidden,)
@@ -686,19 +694,17 @@ class BlockDrafter(HeadTreeDrafter):
         """The kept slots' states (root + accepted path), gathered before the context map runs on them."""
         idx = seg.keep_index[..., None]
         kept = [x.gather(1, idx.expand(-1, -1, x.shape[-1])) for x in self._layers(seg)]
-        self._waiting.append((kept, seg.keep_valid, list(seg.accepted)))
+        self._waiting.append(((seg.keep_valid, *kept), list(seg.accepted)))
 
     def _catch_up(self) -> None:
         """Commit the waiting rounds' entries in one pass; ``last`` becomes the newest round's last kept entry."""
-        if not self._waiting:
+        drained = self._drain()
+        if drained is None:
             return
-        waiting, self._waiting = self._waiting, []
-        layers = [torch.cat([w[0][i] for w in waiting], 1) for i in range(len(waiting[0][0]))]
+        (valid, *layers), last = drained
         ctx = self.heads.context_of(layers)
-        self._commit(self.caches, ctx, torch.cat([w[1] for w in waiting], 1))
-        offset = ctx.shape[1] - waiting[-1][1].shape[1]
-        rows = torch.arange(ctx.shape[0], device=ctx.device)
-        self.last = ctx[rows, offset + torch.tensor(waiting[-1][2], device=ctx.device)]
+        self._commit(self.caches, ctx, valid)
+        self.last = ctx[torch.arange(ctx.shape[0], device=ctx.device), last]
 
     def select_rows(self, rows: torch.Tensor) -> None:
         self._catch_up()
