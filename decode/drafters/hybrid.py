@@ -166,7 +166,7 @@ class LookupTree(Drafter):
         strong = all(c >= STRONG_MATCH and chain for c, chain in zip(classes, chains))
         # the head's first tree waits for a measured plain step of this batch: sized by costs known only by their
         # prior, a tree over 8 rows can cost tens of plain steps on a CPU
-        untimed = self._length is not None and self._length.timed and self._length.forward_cost(len(chains), 1) is None
+        untimed = self._length is not None and self._length.forward_cost(len(chains), 1) is None
         if strong or untimed or not self.gate.choose():
             self.sources["lookup" if strong else "idle"] += 1
             if not any(chains):

@@ -143,15 +143,9 @@ class DraftLength:
         available = min(available, self.max_k)
         if available <= 0:
             return 0
-        t1 = self.forward_cost(rows, 1)
-        if t1 is None:
+        if self.forward_cost(rows, 1) is None:
             return available
-        gain = self.expected(cls)
-        best_k, best_rate = 0, 0.0
-        for k in range(available + 1):
-            rate = float(gain[k]) / (self.forward_cost(rows, 1 + k) + k * (self.draft_s if draft_s is None else draft_s))
-            if rate > best_rate * (1 + 1e-9):
-                best_k, best_rate = k, rate
+        best_k = self._width([cls], [available], rows, draft_s)
         if explore and best_k < available and self.rng.random() < EXPLORE:
             best_k = min(available, best_k + 2)
         return best_k
@@ -181,23 +175,25 @@ class DraftLength:
         """The rows' lengths as one choice: a batch's forward is as wide as its longest row, so each row drafts
         min(its chain, W) with the W that gives the batch the most expected tokens per second. Chosen row by row,
         one row's strong match would widen every row's forward and pay for its own tokens only (with 8 rows on a
-        CPU, a third of the rounds went wide so). One row: ``best``'s choice."""
-        rows = len(classes)
+        CPU, a third of the rounds went wide so). For one row this is ``best``'s choice."""
         caps = [min(max(n, 0), self.max_k) for n in available]
-        if rows == 1:
-            return [self.best(classes[0], 1, caps[0], explore=False, draft_s=draft_s)]
-        top = max(caps)
-        if top == 0 or self.forward_cost(rows, 1) is None:
+        if max(caps) == 0 or self.forward_cost(len(classes), 1) is None:
             return caps
+        width = self._width(classes, caps, len(classes), draft_s)
+        return [min(n, width) for n in caps]
+
+    def _width(self, classes: list[int], caps: list[int], rows: int, draft_s: float | None) -> int:
+        """The W in 0..max(caps) with the most expected tokens per second when each row drafts min(its cap, W) and
+        the forward of ``rows`` rows is 1 + W wide (costs known)."""
         gains = [self.expected(c) for c in classes]
         d = self.draft_s if draft_s is None else draft_s
         best_w, best_rate = 0, 0.0
-        for w in range(top + 1):
+        for w in range(max(caps) + 1):
             tokens = sum(float(g[min(n, w)]) for g, n in zip(gains, caps))
             rate = tokens / (self.forward_cost(rows, 1 + w) + w * d)
             if rate > best_rate * (1 + 1e-9):
                 best_w, best_rate = w, rate
-        return [min(n, best_w) for n in caps]
+        return best_w
 
     # -- trees ---------------------------------------------------------------------------------
 
