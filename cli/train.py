@@ -206,7 +206,7 @@ def train_heads_cmd(
                   mixed_precision=mixed_precision.value if mixed_precision else None)
     place = o.placement(device, dtype, device_map, attn_implementation, trust_remote_code, threads)
     knobs = head_knobs(cfg.extra) | given  # the flags given, over the recipe's settings
-    if kind == "eagle" and knobs.get("layout") is None and not knobs.get("fspad"):
+    if kind in ("eagle", "block") and knobs.get("layout") is None and not knobs.get("fspad"):
         knobs["layout"] = "published"  # what a user trains exports to the serving engines without a flag
     metrics = train_heads(kind, target, data, out, cfg, resume=resume, placement=place, **knobs)
     _report(metrics, out, ("top1_accuracy", "expected_tau", "steps", "stopped"))
@@ -250,16 +250,16 @@ def train_lud_cmd(
 
 
 def export_cmd(
-    src: Annotated[Path, typer.Argument(help="A medusa or eagle artifact directory.")],
+    src: Annotated[Path, typer.Argument(help="A medusa, eagle or block artifact directory.")],
     to: Annotated[ExportTo, typer.Option("--to", help="hf (the method's own checkpoint layout), vllm, speculators (EAGLE-3 "
-                  "heads: the format vLLM loads), eagle (EAGLE-1 / EAGLE-3 as SafeAILab EAGLE and SpecForge write them) or "
+                  "heads, and block drafters as DFlash checkpoints: the format vLLM loads), eagle (EAGLE-1 / EAGLE-3 as SafeAILab EAGLE and SpecForge write them) or "
                   "gguf (EAGLE-3 heads as one llama.cpp draft file: llama-server -m TARGET.gguf -md DRAFT.gguf --spec-type "
-                  "draft-eagle3); speculators, eagle and gguf take heads trained with --layout published.")],
+                  "draft-eagle3); speculators, eagle and gguf take drafters trained with --layout published (the default).")],
     out: Annotated[Optional[Path], typer.Option("--out", help="Where to write (default SRC-TO; --to gguf: SRC.gguf).")] = None,
     target: Annotated[Optional[Path], typer.Option("--target", help="--to gguf: the target's GGUF file, whose tokenizer the "
                       "draft carries (default: the file the head's target was converted from).")] = None,
 ) -> None:
-    """Export a head artifact in the Medusa / EAGLE / speculators checkpoint conventions, or as a llama.cpp GGUF draft."""
+    """Export a head artifact in the Medusa / EAGLE / speculators (EAGLE-3, DFlash) checkpoint conventions, or as a llama.cpp GGUF draft."""
     from specdec.train.trainers.heads import export_artifact
 
     default = src.with_name(f"{src.name}.gguf" if to is ExportTo.gguf else f"{src.name}-{to.value}")

@@ -13,6 +13,14 @@ low, middle and high layers fused by one linear map and normed), projected by th
 value maps. Block position j predicts the token j + 1 after the root, through a norm and the target's
 frozen output layer (its rows of a reduced draft vocabulary, ``models.heads._TargetHead``).
 
+Two layouts. The one above is specdec's own (``layout="specdec"``). ``layout="published"`` is DFlash's, as
+speculators' ``dflash`` checkpoints and vLLM run it (``models.interop.export_dflash`` writes it, ``_dflash`` reads
+one trained elsewhere): the block is the root then K positions filled with a mask token's row of the target's
+embedding matrix, with no fusion and no position vectors (RoPE alone places them); the root's slot drafts nothing
+and mask slot j predicts the token j after the root; the layers are Qwen3's (per-head q/k norms), and the context
+entries go into their key/value maps without the layer's input norm. What each slot predicts, and so training
+and decoding, is the same in both.
+
 At decode the context's keys and values are computed once per committed position (a slot cache, as
 EAGLE's), so a round costs one draft call over K positions whatever K is. The K per-position
 distributions are independent given the context, so a round's proposal is a chain (top-1 per position)
@@ -35,6 +43,7 @@ from torch import nn
 from specdec.models.heads import DraftLayer, _RMSNorm, _rope, _TargetHead, _frozen, register_rope
 
 LOSSES = ("kl", "lk")
+LAYOUTS = ("specdec", "published")
 POSITION_DECAY = 0.9  # later block positions are reached less often: their loss weighs less
 
 
@@ -42,26 +51,53 @@ class BlockHead(_TargetHead, nn.Module):
     kind = "block"
 
     def __init__(self, target_config, num_heads: int = 4, num_layers: int = 1, feature_layers: list[int] | None = None,
-                 anchors: int = 64, loss: str = "kl"):
+                 anchors: int = 64, loss: str = "kl", layout: str = "specdec", mask_token_id: int | None = None,
+                 layer: dict | None = None, own_head: int | None = None):
+        """``layer`` (published): the draft layers' shape and rotation (``models.interop.layer_config``'s keys; default
+        the target's); ``own_head``: an output layer of that many rows of its own (a DFlash checkpoint trained
+        elsewhere) instead of the target's rows of the draft vocabulary."""
         super().__init__()
         if loss not in LOSSES:
             raise ValueError(f"loss must be one of {LOSSES}, not {loss!r}")
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, not {layout!r}")
+        published = layout == "published"
+        if published and (not feature_layers or mask_token_id is None):
+            raise ValueError("the published (DFlash) layout fuses chosen target layers and fills the block with a mask token: "
+                             "it needs feature_layers and mask_token_id")
         hidden = target_config.hidden_size
-        heads = target_config.num_attention_heads
-        head_dim = getattr(target_config, "head_dim", None) or hidden // heads
-        eps = getattr(target_config, "rms_norm_eps", 1e-6)
+        if published:
+            from specdec.models.interop import _hf_config, layer_config
+
+            self.layer_cfg = {**(layer or layer_config(target_config)), "model_type": "qwen3"}
+            shape = _hf_config(self.layer_cfg)
+        else:
+            shape = target_config
+        heads = shape.num_attention_heads
+        head_dim = getattr(shape, "head_dim", None) or hidden // heads
+        eps = getattr(shape, "rms_norm_eps", 1e-6)
         self.num_heads, self.num_layers, self.anchors, self.loss = int(num_heads), int(num_layers), int(anchors), loss
+        self.layout, self.mask_token_id = layout, None if mask_token_id is None else int(mask_token_id)
+        # the published block is the root then num_heads masks, the root's own slot predicting nothing (DFlash's
+        # anchor); specdec's is num_heads slots, the root's predicting the token after it
+        self.first = 1 if published else 0
+        self.block_len = self.num_heads + self.first
         self.feature_layers = list(feature_layers) if feature_layers else None
         self.fuse = nn.Linear(len(self.feature_layers) * hidden, hidden, bias=False) if self.feature_layers else None
         self.context_norm = _RMSNorm(hidden, eps)
-        self.mask_embedding = nn.Parameter(torch.zeros(hidden))
-        self.fc = nn.Linear(2 * hidden, hidden, bias=False)
-        self.block_position = nn.Parameter(torch.zeros(self.num_heads, hidden))
-        self.layers = nn.ModuleList(DraftLayer(hidden, getattr(target_config, "intermediate_size", 4 * hidden), heads,
-                                               getattr(target_config, "num_key_value_heads", None) or heads, head_dim, eps)
+        if not published:
+            self.mask_embedding = nn.Parameter(torch.zeros(hidden))
+            self.fc = nn.Linear(2 * hidden, hidden, bias=False)
+            self.block_position = nn.Parameter(torch.zeros(self.num_heads, hidden))
+        self.layers = nn.ModuleList(DraftLayer(hidden, getattr(shape, "intermediate_size", 4 * hidden), heads,
+                                               getattr(shape, "num_key_value_heads", None) or heads, head_dim, eps,
+                                               qk_norm=published)
                                     for _ in range(self.num_layers))
         self.norm = _RMSNorm(hidden, eps)
-        register_rope(self, target_config, head_dim, int(getattr(target_config, "max_position_embeddings", 2048)) + self.num_heads + 1)
+        self.lm_head = nn.Linear(hidden, int(own_head), bias=False) if own_head else None
+        # published: the rotation the layer's config gives in other engines (the one the export writes)
+        positions = int(getattr(shape, "max_position_embeddings", 2048)) + self.block_len + 1
+        register_rope(self, shape, head_dim, positions)
         self._target = None
 
     def init_from_target(self, target) -> "BlockHead":
@@ -70,6 +106,8 @@ class BlockHead(_TargetHead, nn.Module):
         with Gemma's large per-dimension scales a fresh block's random features gave logits of hundreds (a
         first loss of ~100 nats that took hundreds of steps to come down), where unit features give a
         near-uniform start."""
+        if self.layout == "published":
+            return self  # its mask is a token of the target's vocabulary, and its output norm starts at ones as well
         embed = target.get_input_embeddings()
         with torch.no_grad():
             ids = torch.arange(min(4096, embed.weight.shape[0]), device=embed.weight.device)
@@ -81,8 +119,11 @@ class BlockHead(_TargetHead, nn.Module):
         return self
 
     def hparams(self) -> dict:
-        return {"num_heads": self.num_heads, "num_layers": self.num_layers, "feature_layers": self.feature_layers,
-                "anchors": self.anchors, "loss": self.loss}
+        hp = {"num_heads": self.num_heads, "num_layers": self.num_layers, "feature_layers": self.feature_layers,
+              "anchors": self.anchors, "loss": self.loss}
+        if self.layout == "published":
+            hp |= {"layout": self.layout, "mask_token_id": self.mask_token_id, "layer": self.layer_cfg}
+        return hp
 
     # -- pieces shared by training and decoding --------------------------------------------------
 
@@ -105,17 +146,25 @@ class BlockHead(_TargetHead, nn.Module):
         """The context entries' keys and values [B, kvh, T, D] in ``layer``."""
         b, t, _ = ctx.shape
         a, d = layer.self_attn, layer.head_dim
-        x = layer.input_layernorm(ctx)
+        # the published layer maps the context entries as they are (DFlash's target_hidden skips the layer's input norm)
+        x = ctx if self.layout == "published" else layer.input_layernorm(ctx)
         k = a.k_proj(x).view(b, t, layer.kv_heads, d).transpose(1, 2)
         v = a.v_proj(x).view(b, t, layer.kv_heads, d).transpose(1, 2)
+        if hasattr(a, "k_norm"):
+            k = a.k_norm(k)
         cos, sin = self.rope(position_ids)
         return _rope(k, cos, sin), v
 
     def block_inputs(self, root, last) -> torch.Tensor:
-        """[B, n, K, H] for root tokens [B, n] after context entries ``last`` [B, n, H]: the root's embedding, then
-        the mask, each fused with the last entry, plus its block position."""
+        """[B, n, L, H] (L = ``block_len``) for root tokens [B, n] after context entries ``last`` [B, n, H]: the root's
+        embedding, then the mask, each fused with the last entry, plus its block position; published: the root's and
+        the mask token's rows of the target's embedding matrix (as DFlash's checkpoints read them: unscaled), no more."""
         embed, _ = self._target
         b, n = root.shape
+        if self.layout == "published":
+            w = embed.weight
+            mask = w[self.mask_token_id].expand(b, n, self.num_heads, -1)
+            return torch.cat([w[root][:, :, None], mask], 2).to(self.context_norm.weight.dtype)
         e = embed(root).to(self.mask_embedding.dtype)
         x = torch.cat([e[:, :, None], self.mask_embedding.expand(b, n, self.num_heads - 1, -1)], 2)
         x = self.fc(torch.cat([x, last[:, :, None].to(x.dtype).expand(-1, -1, self.num_heads, -1)], -1))
@@ -129,7 +178,13 @@ class BlockHead(_TargetHead, nn.Module):
             x = layer(x, cos, sin, mask, store)
         return self.norm(x)
 
+    def drafted(self, out):
+        """The block outputs [..., L, H] of its drafting slots [..., K, H]: slot j predicts the (j + 1)-th token after the root."""
+        return out[..., self.first:, :]
+
     def lm_logits(self, f):
+        if self.lm_head is not None:  # its rows are the draft vocabulary's (set_vocab's d2t without the unk stand-in)
+            return self.lm_head(f.to(self.lm_head.weight.dtype))
         return self.target_logits(f)
 
     # -- training ------------------------------------------------------------------------------
@@ -139,7 +194,7 @@ class BlockHead(_TargetHead, nn.Module):
         context entries 0..t and its own block (the root x_{t+1} at position t + 1, masks after it)."""
         ctx = self.context(hidden_states)
         b, t, h = ctx.shape
-        k, a = self.num_heads, anchors.numel()
+        k, a = self.block_len, anchors.numel()
         dev = ctx.device
         ctx_pos = torch.arange(t, device=dev)[None].expand(b, t)
         root = F.pad(input_ids, (0, 1), value=0)[:, anchors + 1]  # [B, A]; the last cut's root is padding
@@ -153,7 +208,7 @@ class BlockHead(_TargetHead, nn.Module):
             ck, cv = self.context_kv(layer, ctx, ctx_pos)
             stores.append(lambda kk, vv, ck=ck, cv=cv: (torch.cat([ck, kk], 2), torch.cat([cv, vv], 2)))
         out = self.run(x, mask[None, None].expand(b, 1, -1, -1), pos[None].expand(b, -1), stores)
-        return out.view(b, a, k, h)
+        return self.drafted(out.view(b, a, k, h))
 
     def chain_logits(self, hidden_states, input_ids, k):
         """[k, B, T, V]: entry j at position t predicts token t + 2 + j from the context up to t (every cut)."""

@@ -48,8 +48,13 @@ def build_heads(kind: str, target, hp: dict):
 
         layers = hp.get("feature_layers")  # default EAGLE-3's three; "last": the last layer alone
         layers = eagle3_layers(cfg.num_hidden_layers) if layers in (None, "eagle3") else (None if layers == "last" else layers)
+        layout = str(hp.get("layout") or "specdec")
+        if layout == "published" and layers is None:
+            raise UsageError("--layout published (DFlash's) fuses chosen target layers: --feature-layers last is specdec's layout only")
+        mask = hp.get("mask_token_id")
         m = BlockHead(cfg, int(hp.get("num_heads") or 4), int(hp.get("num_layers") or 1), layers,
-                      int(hp.get("anchors") or 64), str(hp.get("loss") or "kl")).init_from_target(target)
+                      int(hp.get("anchors") or 64), str(hp.get("loss") or "kl"), layout,
+                      None if mask is None else int(mask)).init_from_target(target)
     elif kind == "ppd":  # riding the target's forward (decode.drafters.parallel_prompts)
         m = PromptTokens(cfg.hidden_size, int(hp.get("num_heads") or 3), int(hp.get("placeholder") or 0), int(hp.get("ensemble") or 1))
     elif kind == "hidden-transfer":

@@ -355,7 +355,7 @@ class DraftLayer(nn.Module):
     (``store``) instead of re-running the expanded tree every level.
     """
 
-    def __init__(self, hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int, eps: float):
+    def __init__(self, hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int, eps: float, qk_norm: bool = False):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.input_layernorm = _RMSNorm(hidden, eps)
@@ -365,6 +365,9 @@ class DraftLayer(nn.Module):
         self.self_attn.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
         self.self_attn.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
         self.self_attn.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
+        if qk_norm:  # Qwen3's per-head RMSNorm of queries and keys before the rotation (DFlash's draft layer)
+            self.self_attn.q_norm = _RMSNorm(head_dim, eps)
+            self.self_attn.k_norm = _RMSNorm(head_dim, eps)
         self.mlp = nn.Module()
         self.mlp.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.mlp.up_proj = nn.Linear(hidden, intermediate, bias=False)
@@ -379,6 +382,8 @@ class DraftLayer(nn.Module):
         a, d = self.self_attn, self.head_dim
         qkv = F.linear(self.input_layernorm(x), self._fused("qkv", a.q_proj, a.k_proj, a.v_proj)).view(b, t, -1, d).transpose(1, 2)
         q, k, v = qkv.split([self.heads, self.kv_heads, self.kv_heads], dim=1)
+        if hasattr(a, "q_norm"):
+            q, k = a.q_norm(q), a.k_norm(k)
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
         if store is not None:
             k, v = store(k, v)

@@ -448,6 +448,47 @@ def _eagle3(folder: Path, cfg: dict, target, layout: str):
     return head
 
 
+def _dflash(folder: Path, cfg: dict, target):
+    """A speculators ``dflash`` checkpoint as specdec's block drafter of the published layout (``models.block``)."""
+    from specdec.models.block import BlockHead
+    from specdec.models.vocab import DraftVocab
+
+    tl = dict(cfg.get("transformer_layer_config") or {})
+    vocab = int(tl.get("vocab_size") or target.config.vocab_size)
+    _check(folder, "DFlash", target, int(cfg.get("target_hidden_size") or tl.get("hidden_size") or 0), vocab)
+    if int(tl.get("hidden_size") or 0) != target.config.hidden_size:
+        raise SpecdecError(f"{folder}: this DFlash draft's layers are {tl.get('hidden_size')} wide and the target's "
+                           f"{target.config.hidden_size}; specdec's block drafter keeps the target's width")
+    unsupported = [what for what, on in (
+        ("sample_from_anchor (a drafted root slot)", cfg.get("sample_from_anchor")),
+        ("sliding-window draft layers", "sliding_attention" in (tl.get("layer_types") or [])),
+        ("attention or MLP biases", tl.get("attention_bias") or tl.get("mlp_bias")),
+        ("an activation other than SiLU", (tl.get("hidden_act") or "silu") != "silu")) if on]
+    if unsupported or cfg.get("mask_token_id") is None or not cfg.get("aux_hidden_state_layer_ids"):
+        raise SpecdecError(f"{folder}: this DFlash draft has {', '.join(unsupported) or 'no mask token or target layers'}, "
+                           "which specdec's block drafter does not run")
+    state = _tensors(folder)
+    for name in ("verifier_lm_head.weight", "verifier_norm.weight", "embed_tokens.weight"):
+        state.pop(name, None)  # the target's own weights (speculators reloads them from the verifier too)
+    size = int(cfg.get("draft_vocab_size") or vocab)
+    ids = _d2t_ids(state, size, vocab)
+    rows = state.pop("lm_head.weight", None)
+    state["fuse.weight"], state["context_norm.weight"] = state.pop("fc.weight"), state.pop("hidden_norm.weight")
+    layer = layer_config(tl)
+    head = BlockHead(target.config, int(cfg["block_size"]) - 1, int(tl.get("num_hidden_layers") or 1),
+                     [int(i) for i in cfg["aux_hidden_state_layer_ids"]], layout="published",
+                     mask_token_id=int(cfg["mask_token_id"]), layer=layer, own_head=None if rows is None else rows.shape[0])
+    if rows is not None:
+        state["lm_head.weight"] = rows
+    elif ids is not None:
+        raise SpecdecError(f"{folder}: a draft vocabulary of {size} tokens needs the checkpoint's lm_head rows, and it has none")
+    if ids is not None:  # the rows' target ids, then a stand-in for the rest (never drafted: no row of its own)
+        standin = next(i for i in range(vocab) if i not in set(ids.tolist()))
+        head.set_vocab(DraftVocab(torch.cat([ids, torch.tensor([standin])]), vocab))
+    _load(head, state, folder, "DFlash")
+    return head
+
+
 def _eagle1(folder: Path, cfg: dict, target):
     state = _tensors(folder)
     if int(cfg.get("num_hidden_layers", 1)) != 1:
@@ -510,7 +551,9 @@ def load_foreign_heads(path: str | os.PathLike, target, tokenizer=None):
         check_fingerprint(cfg["specdec_target"], tokenizer_fingerprint(tokenizer), f"draft {folder}")
 
     def build():
-        if layout in ("speculators", "eagle3"):
+        if layout == "dflash":
+            head = _dflash(folder, cfg, target)
+        elif layout in ("speculators", "eagle3"):
             head = _eagle3(folder, cfg, target, layout)
         elif layout == "eagle":
             head = _eagle1(folder, cfg, target)
@@ -632,6 +675,80 @@ def export_speculators(src: str | os.PathLike, dst: str | os.PathLike, speculati
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(speculative_tokens), "verifier_accept_k": 1,
                                   "accept_tolerance": 0.0}],
             "verifier": {"name_or_path": verifier, "architectures": ["LlamaForCausalLM"] if verifier is None else _archs(verifier)},
+        },
+        "specdec_target": cfg.get("target"),
+    })
+    return dst
+
+
+def _target_output_rows(verifier: str | None, vocab: int, hidden: int) -> torch.Tensor | None:
+    """The target's output layer [vocab, hidden] from its folder (its input embedding where the two are tied)."""
+    if not verifier or not Path(verifier).is_dir():
+        return None
+    from safetensors import safe_open
+
+    for f in sorted(Path(verifier).glob("*.safetensors")):
+        with safe_open(str(f), "pt") as fh:
+            if "lm_head.weight" in fh.keys():
+                w = fh.get_tensor("lm_head.weight")
+                return w.float() if tuple(w.shape) == (vocab, hidden) else None
+    return _target_embedding(verifier, vocab, hidden)
+
+
+def export_dflash(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
+    """A block drafter of the published layout (``models.block``, ``layout: published``) as a speculators ``dflash``
+    checkpoint, the format vLLM's and speculators' DFlash drafts load: ``fc`` / ``hidden_norm`` (the context map and
+    its norm), ``layers.{i}.*`` (Qwen3 decoder layers with q/k norms), ``norm``, ``lm_head`` (its rows of the
+    draft vocabulary, ascending target ids, with ``d2t`` offsets and the ``t2d`` mask), the target's embedding, and
+    ``block_size`` = the drafted tokens + 1 (the root's slot, ``sample_from_anchor`` false)."""
+    from safetensors.torch import save_file
+
+    src, dst = Path(src), Path(dst)
+    cfg = read_config(src)
+    if cfg.get("kind") != "block" or cfg.get("layout") != "published":
+        raise UsageError(f"--to speculators: {src} is no block drafter of the published (DFlash) layout; train one with "
+                         "`specdec train-heads --kind block` (its default layout)")
+    layer, vocab, hidden = cfg["layer"], int(cfg["vocab_size"]), int(cfg["hidden_size"])
+    verifier = _verifier(src)
+    state = load_weights(src)
+    out = {"fc.weight": state.pop("fuse.weight"), "hidden_norm.weight": state.pop("context_norm.weight")}
+    out |= {k: v for k, v in state.items() if k.startswith("layers.") or k == "norm.weight"}
+    rows = _target_output_rows(verifier, vocab, hidden)
+    emb = _target_embedding(verifier, vocab, hidden)
+    if rows is None or emb is None:
+        raise SpecdecError(f"--to speculators writes the target's embedding and output rows beside the drafter (speculators "
+                           f"reads them from the checkpoint); {src}'s training config names target {verifier!r}, which is "
+                           "no folder with safetensors weights here")
+    out["embed_tokens.weight"] = emb
+    size = vocab
+    d2t_file = src / "draft_vocab.safetensors"
+    if d2t_file.is_file():
+        from specdec.models import vocab as draft_vocab
+
+        ids = torch.sort(draft_vocab.load(src).d2t[:-1].long()).values  # the last entry is the unk stand-in, never drafted
+        size = len(ids)
+        out["lm_head.weight"] = rows[ids]
+        out["d2t"] = ids - torch.arange(size)
+        t2d = torch.zeros(vocab, dtype=torch.bool)
+        t2d[ids] = True
+        out["t2d"] = t2d
+    else:
+        out["lm_head.weight"] = rows
+    dst.mkdir(parents=True, exist_ok=True)
+    save_file({k: (v.float() if v.is_floating_point() else v).contiguous() for k, v in out.items()},
+              str(dst / "model.safetensors"), metadata={"format": "pt"})
+    tl = {**layer, "num_hidden_layers": int(cfg["num_layers"]), "vocab_size": vocab, "tie_word_embeddings": False,
+          "layer_types": ["full_attention"] * int(cfg["num_layers"])}
+    write_json(dst / "config.json", {
+        "architectures": ["DFlashSpeculator"], "speculators_model_type": "dflash", "speculators_version": SPECULATORS_VERSION,
+        "transformer_layer_config": tl, "draft_vocab_size": size, "block_size": int(cfg["num_heads"]) + 1,
+        "target_hidden_size": hidden, "aux_hidden_state_layer_ids": list(cfg["feature_layers"]),
+        "mask_token_id": int(cfg["mask_token_id"]), "sliding_window_non_causal": False, "sample_from_anchor": False,
+        "speculators_config": {
+            "algorithm": "dflash", "default_proposal_method": "greedy",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(cfg["num_heads"]), "verifier_accept_k": 1,
+                                  "accept_tolerance": 0.0}],
+            "verifier": {"name_or_path": verifier, "architectures": _archs(verifier)},
         },
         "specdec_target": cfg.get("target"),
     })

@@ -31,7 +31,7 @@ def _weight_keys(folder: Path) -> set[str]:
 
 
 def foreign_layout(path: str | os.PathLike, cfg: dict | None = None) -> str | None:
-    """The published layout of a drafter folder (``speculators``, ``eagle3``, ``eagle``, ``medusa-hf``,
+    """The published layout of a drafter folder (``speculators``, ``dflash``, ``eagle3``, ``eagle``, ``medusa-hf``,
     ``medusa-vllm``), None for a plain causal LM (a draft model) or a specdec artifact. A folder no
     loader could read, or a layout specdec does not run, raises SpecdecError."""
     folder = Path(path)
@@ -40,8 +40,10 @@ def foreign_layout(path: str | os.PathLike, cfg: dict | None = None) -> str | No
         return None
     if "speculators_model_type" in cfg:
         kind = cfg["speculators_model_type"]
+        if kind == "dflash":
+            return "dflash"
         if kind != "eagle3":
-            raise SpecdecError(f"{folder}: speculators draft of type {kind!r}; specdec reads the eagle3 type "
+            raise SpecdecError(f"{folder}: speculators draft of type {kind!r}; specdec reads the eagle3 and dflash types "
                                f"(speculators {SPECULATORS_VERSION} has eagle3, mtp, dflash, dflash2, dspark, peagle, xpress)")
         return "speculators"
     if "medusa_num_heads" in cfg:
@@ -66,9 +68,11 @@ def foreign_layout(path: str | os.PathLike, cfg: dict | None = None) -> str | No
 
 
 def foreign_kind(path: str | os.PathLike, cfg: dict | None = None) -> str | None:
-    """The specdec drafter kind a published layout decodes as (eagle or medusa), None if not one."""
+    """The specdec drafter kind a published layout decodes as (eagle, medusa or block), None if not one."""
     layout = foreign_layout(path, cfg)
-    return None if layout is None else ("medusa" if layout.startswith("medusa") else "eagle")
+    if layout is None:
+        return None
+    return "medusa" if layout.startswith("medusa") else "block" if layout == "dflash" else "eagle"
 
 
 

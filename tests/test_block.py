@@ -20,31 +20,47 @@ from specdec.decode.engine.verify import Sampling
 from specdec.models.head_artifacts import build_heads
 
 
-def _block(target, seed=0, **hp):
-    """A block drafter on ``target`` with its zero-initialised parts randomised (so every part matters)."""
+LAYOUTS = ["specdec", "published"]
+MASK = 5  # a token of the tiny models whose embedding is not zero (the padding index 0's is)
+
+
+def _block(target, seed=0, layout="specdec", **hp):
+    """A block drafter on ``target`` with its zero-initialised and unit parts randomised (so every part matters);
+    ``layout`` published: DFlash's, its drafting slots filled with token MASK's embedding."""
     torch.manual_seed(seed)
+    if layout == "published":
+        hp = {"layout": layout, "mask_token_id": MASK, **hp}
     heads = build_heads("block", target, {"num_heads": 3, **hp}).attach(target).double().eval()
     with torch.no_grad():
-        heads.block_position.normal_(0, 0.5)
-        heads.mask_embedding.add_(torch.randn_like(heads.mask_embedding) * 0.5)
+        if layout == "published":
+            for name, p in heads.named_parameters():
+                if "norm" in name:
+                    p.add_(torch.randn_like(p) * 0.3)
+        else:
+            heads.block_position.normal_(0, 0.5)
+            heads.mask_embedding.add_(torch.randn_like(heads.mask_embedding) * 0.5)
     return heads
 
 
-def test_one_draft_call_per_round(target):
-    heads = _block(target)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_one_draft_call_per_round(target, layout):
+    heads = _block(target, layout=layout)
     calls = []
     orig = heads.run
     heads.run = lambda *a, **k: calls.append(1) or orig(*a, **k)
     drafter = BlockDrafter(heads, target, tree="static", tree_tokens=3, top_k=1)
-    res = SpecEngine(target, ByteTokenizer(), drafter, eos_ids=[]).generate([GenRequest(make_prompts(1, seed=2)[0], 12)])
+    req = [GenRequest(make_prompts(1, seed=2)[0], 12)]
+    res = SpecEngine(target, ByteTokenizer(), drafter, eos_ids=[]).generate(req)
     rounds = res[0].stats["target_calls"] - 1  # the prefill, then one verify forward a round
     assert rounds == len(calls) > 0
+    assert res[0].token_ids == SpecEngine(target, ByteTokenizer(), None, eos_ids=[]).generate(req)[0].token_ids  # batch 1
 
 
-def test_the_decode_block_is_the_training_time_block(target):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_decode_block_is_the_training_time_block(target, layout):
     """Every round, each row's K log-prob vectors equal chain_logits on the row's whole text at its last committed
     position: through left-padded prompts, rows finishing at different times and rows joining a running batch."""
-    heads = _block(target, num_layers=2)
+    heads = _block(target, num_layers=2, layout=layout)
     seen = []
 
     class Spy(BlockDrafter):
@@ -106,9 +122,10 @@ def test_rounds_the_block_sits_out_are_committed_before_its_next_call(target, mo
     assert _checked_against_training(heads, target, seen) > 5
 
 
-@pytest.mark.parametrize("loss", ["kl", "lk"])
-def test_a_few_steps_reduce_the_loss_and_raise_the_expected_accepted_length(target, loss):
-    heads = build_heads("block", target, {"num_heads": 3, "anchors": 8, "loss": loss}).attach(target).double()
+@pytest.mark.parametrize("loss,layout", [("kl", "specdec"), ("lk", "specdec"), ("kl", "published")])
+def test_a_few_steps_reduce_the_loss_and_raise_the_expected_accepted_length(target, loss, layout):
+    published = {"layout": layout, "mask_token_id": MASK} if layout == "published" else {}
+    heads = build_heads("block", target, {"num_heads": 3, "anchors": 8, "loss": loss, **published}).attach(target).double()
     before = {k: v.clone() for k, v in heads.state_dict().items()}
     ids = torch.tensor([p[:20] for p in make_prompts(4, seed=5, lo=20, hi=24)])
     with torch.no_grad():
@@ -127,8 +144,11 @@ def test_a_few_steps_reduce_the_loss_and_raise_the_expected_accepted_length(targ
     assert sum(losses[-3:]) < 0.95 * sum(losses[:3]), losses  # soft cross-entropy: the teacher's entropy is a floor
     assert sum(expected[-3:]) > sum(expected[:3]), expected
     after = heads.state_dict()
-    for name in ("fuse.weight", "fc.weight", "mask_embedding", "block_position", "layers.0.self_attn.k_proj.weight", "norm.weight"):
+    names = ("fuse.weight", "layers.0.self_attn.k_proj.weight", "norm.weight")
+    names += ("layers.0.self_attn.q_norm.weight", "layers.0.self_attn.k_norm.weight") if published else ("fc.weight", "mask_embedding", "block_position")
+    for name in names:
         assert not torch.equal(before[name], after[name]), name
+    assert set(before) == set(after) and not ({"fc.weight", "mask_embedding", "block_position"} & set(after) if published else False)
 
 
 def test_the_lk_term_is_the_expected_accepted_length():
@@ -152,7 +172,8 @@ def test_the_lk_term_is_the_expected_accepted_length():
     assert abs(parts["expected_accepted"] - float(expected)) < 1e-4
 
 
-def test_sampling_keeps_the_target_joint_distribution_and_a_tree_without_context_breaks_it():
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_sampling_keeps_the_target_joint_distribution_and_a_tree_without_context_breaks_it(layout):
     vocab = 12
     target = tiny_llama(vocab=vocab, hidden=32, layers=2, seed=3)
     with torch.no_grad():
@@ -161,7 +182,8 @@ def test_sampling_keeps_the_target_joint_distribution_and_a_tree_without_context
     sampling = Sampling(temperature=0.8)
 
     def run(drafter_cls):
-        drafter = drafter_cls(_block(target, seed=1, feature_layers="last"), target, tree="static", tree_tokens=6, top_k=3)
+        layers = {"layout": layout} if layout == "published" else {"feature_layers": "last"}  # DFlash's always fuses layers
+        drafter = drafter_cls(_block(target, seed=1, **layers), target, tree="static", tree_tokens=6, top_k=3)
         engine = SpecEngine(target, ByteTokenizer(), drafter, sampling, num_draft=3, seed=123, eos_ids=[])
         return engine.generate([GenRequest(prompt, 2) for _ in range(6000)])
 
@@ -191,6 +213,7 @@ def test_cli_trains_a_block_drafter_that_decode_uses(tiny_family, tmp_path):
     assert res.exit_code == 0, res.output
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["kind"] == "block" and cfg["num_heads"] == 3 and cfg["anchors"] == 8 and cfg["loss"] == "lk"
+    assert cfg["layout"] == "published" and cfg["mask_token_id"] is not None  # DFlash's layout, without a flag
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("the cat sat", "a dog ran far")))
     outs = {}
@@ -201,7 +224,21 @@ def test_cli_trains_a_block_drafter_that_decode_uses(tiny_family, tmp_path):
         outs[drafter] = [json.loads(line)["completion"] for line in (tmp_path / f"{len(outs)}.jsonl").read_text().splitlines()]
     assert outs["ar"] == outs[str(out)]
     res = invoke(["export", out, "--to", "vllm", "--out", tmp_path / "exported"])
-    assert res.exit_code == 2 and "no published layout holds" in res.output and not (tmp_path / "exported").exists()
+    assert res.exit_code == 2 and "export it --to speculators" in res.output and not (tmp_path / "exported").exists()
+    res = invoke(["export", out, "--to", "speculators", "--out", tmp_path / "exported"])
+    assert res.exit_code == 0, res.output
+    assert json.loads((tmp_path / "exported" / "config.json").read_text())["speculators_model_type"] == "dflash"
+    # specdec's own layout: trained on request, decoded, and refused by the exporters with the reason
+    own = tmp_path / "block-own"
+    res = invoke(["train-heads", "--kind", "block", "--target", tiny_family / "target", "--data", data, "--out", own,
+                  "--max-steps", "2", "--batch-size", "4", "--seq-len", "32", "--num-heads", "3", "--anchors", "8",
+                  "--layout", "specdec"])
+    assert res.exit_code == 0, res.output
+    res = invoke(["export", own, "--to", "speculators", "--out", tmp_path / "own-exported"])
+    assert res.exit_code == 2 and "specdec's layout" in res.output and not (tmp_path / "own-exported").exists()
+    res = invoke(["train-heads", "--kind", "block", "--target", tiny_family / "target", "--data", data, "--out", tmp_path / "y",
+                  "--layout", "specdec", "--mask-token-id", "5"])
+    assert res.exit_code == 2 and "--mask-token-id" in res.output
     # a setting of another kind is refused before anything loads
     res = invoke(["train-heads", "--kind", "eagle", "--target", tiny_family / "target", "--data", data, "--out", tmp_path / "x",
                   "--anchors", "8"])

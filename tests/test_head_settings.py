@@ -135,7 +135,7 @@ def test_train_heads_flags_are_its_settings():
     (["--kind", "ppd", "--ensemble", "0"], "--ensemble must be a positive integer, got 0"),
     (["--kind", "medusa", "--ensemble", "2"], "--ensemble applies to --kind ppd, not --kind medusa"),
     (["--kind", "clover", "--eagle3"], "--eagle3 applies to --kind eagle, not --kind clover"),
-    (["--kind", "chimera", "--layout", "published"], "--layout applies to --kind eagle, not --kind chimera"),
+    (["--kind", "chimera", "--layout", "published"], "--layout applies to --kind eagle / block, not --kind chimera"),
     (["--kind", "ppd", "--draft-vocab", "64"], "--draft-vocab applies to --kind medusa / clover / eagle / chimera / block, not --kind ppd"),
     (["--kind", "eagle", "--num-heads", "3"], "--num-heads applies to --kind medusa / clover / chimera / block / ppd / hidden-transfer"),
     (["--kind", "eagle", "--fspad", "--layout", "published"], "--fspad cannot train --layout published"),

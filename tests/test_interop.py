@@ -166,6 +166,129 @@ def test_speculators_loads_the_export_and_proposes_the_same_tokens(env, variant)
         assert model.d2t is not None and bool((model.d2t != 0).any())
 
 
+def _dflash(env, name, reduced=False, seed=0):
+    """A block drafter of the published (DFlash) layout, its norms and matrices perturbed; ``reduced``: a draft
+    vocabulary of 120 tokens in frequency order (not sorted: the exporter sorts it)."""
+    from specdec.models.head_artifacts import build_heads
+    from specdec.models.vocab import DraftVocab
+
+    root, target, tok = env
+    torch.manual_seed(seed)
+    head = build_heads("block", target, {"num_heads": 3, "num_layers": 2, "layout": "published", "mask_token_id": 5}).attach(target)
+    if reduced:
+        ids = torch.randperm(target.config.vocab_size, generator=torch.Generator().manual_seed(seed))[:121]
+        head.set_vocab(DraftVocab(ids, target.config.vocab_size))
+    return _artifact(env, name, _perturb(head, seed))
+
+
+def _dflash_logits(model, target, ids, anchor):
+    """speculators' DFlashDraftModel at inference for one anchor: the context is the fused target layers of the
+    positions before it, the block its token then mask tokens, every query attending to the whole context and
+    block; full-vocabulary logits [block - 1, V] (-inf off the draft vocabulary) of the drafting slots."""
+    with torch.no_grad():
+        hs = target(input_ids=ids, output_hidden_states=True).hidden_states
+        aux = torch.cat([hs[i] for i in model.config.aux_hidden_state_layer_ids], -1)[:, :anchor].float()
+        ctx = model.hidden_norm(model.fc(aux))
+        size = model.config.block_size
+        block = torch.full((1, size), model.config.mask_token_id, dtype=torch.long)
+        block[0, 0] = ids[0, anchor]
+        x = model.embed_tokens(block)
+        pos = torch.arange(anchor + size)[None]
+        rope = model.rotary_emb(x, pos)
+        for layer in model.layers:
+            x = layer(hidden_states=x, target_hidden=ctx, attention_mask=None, position_ids=pos, position_embeddings=rope)
+        logits = model.lm_head(model.norm(x))[0, 1:]
+    full = torch.full((size - 1, target.config.vocab_size), float("-inf"))
+    ids_of = torch.arange(logits.shape[-1]) + (model.d2t if model.d2t is not None else 0)
+    full[:, ids_of] = logits
+    return full
+
+
+@pytest.mark.parametrize("reduced", [False, True], ids=["full-vocab", "reduced-vocab"])
+def test_speculators_loads_the_dflash_export_and_drafts_the_same_logits(env, reduced):
+    """A published block drafter exported --to speculators loads as speculators' DFlashDraftModel, whose logits for
+    a block after each anchor are specdec's (the same positions, context, mask token and vocabulary), and the
+    artifact decodes losslessly."""
+    root, target, tok = env
+    name = "dflash-reduced" if reduced else "dflash"
+    art = _dflash(env, name, reduced=reduced)
+    res = invoke(["export", art, "--to", "speculators", "--out", root / f"{name}-spec"])
+    assert res.exit_code == 0, res.output
+    cfg = json.loads((root / f"{name}-spec" / "config.json").read_text())
+    assert cfg["speculators_model_type"] == "dflash" and cfg["block_size"] == 4 and cfg["mask_token_id"] == 5
+    model = _speculators_model(root / f"{name}-spec")
+    assert type(model).__name__ == "DFlashDraftModel"
+    head, _ = load_heads(art, target)
+    ids = _text(tok, n=20)
+    with torch.no_grad():
+        hs = target(input_ids=ids, output_hidden_states=True).hidden_states
+        chain = head.chain_logits(hs, ids, 3)[:, 0]  # [K, T, V']: entry j at cut t drafts token t + 2 + j
+    for anchor in (4, 11, 17):
+        theirs = _dflash_logits(model, target, ids, anchor)
+        ours = chain[:, anchor - 1].float()  # cut anchor - 1: the root is the token at the anchor
+        if head.d2t is not None:
+            full = torch.full((3, target.config.vocab_size), float("-inf"))
+            full[:, head.d2t[:-1]] = ours
+            ours = full
+        finite = torch.isfinite(ours)
+        assert torch.equal(finite, torch.isfinite(theirs)), anchor
+        assert torch.allclose(ours[finite], theirs[finite], atol=1e-4), (anchor, (ours[finite] - theirs[finite]).abs().max())
+    _assert_lossless(env, art)
+
+
+def test_a_dflash_checkpoint_speculators_wrote_imports_and_decodes_as_ar(env):
+    """A DFlash draft trained elsewhere: speculators' own DFlashDraftModel (two Qwen3 layers narrower than the target's,
+    its own rope, a reduced vocabulary with its own trained LM head rows), saved by speculators, drafts in specdec
+    the logits it drafts in speculators, and decodes losslessly."""
+    _speculators()
+    from speculators import SpeculatorsConfig, VerifierConfig
+    from speculators.models.dflash import DFlashDraftModel, DFlashSpeculatorConfig
+    from speculators.proposals.greedy import GreedyTokenProposalConfig
+    from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
+    from transformers import Qwen3Config
+
+    root, target, tok = env
+    tc = target.config
+    torch.manual_seed(5)
+    layer = Qwen3Config(vocab_size=tc.vocab_size, hidden_size=tc.hidden_size, intermediate_size=40, num_hidden_layers=2,
+                        num_attention_heads=2, num_key_value_heads=1, head_dim=16, rms_norm_eps=1e-6,
+                        max_position_embeddings=256, rope_theta=5000.0)
+    layer._attn_implementation = "eager"
+    cfg = DFlashSpeculatorConfig(
+        transformer_layer_config=layer, draft_vocab_size=100, block_size=5, aux_hidden_state_layer_ids=[1, 3], mask_token_id=7,
+        speculators_config=SpeculatorsConfig(algorithm="dflash", proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=4)],
+                                             default_proposal_method="greedy",
+                                             verifier=VerifierConfig(name_or_path=str(root / "target"), architectures=["LlamaForCausalLM"])))
+    model = DFlashDraftModel(cfg)
+    freq = {i: int(c) for i, c in enumerate(torch.randint(1, 1000, (tc.vocab_size,)).tolist())}
+    d2t, t2d = build_vocab_mappings_from_distribution(freq, 100, tc.vocab_size)
+    model.load_vocab_mappings(t2d, d2t)
+    with torch.no_grad():
+        model.embed_tokens.weight.copy_(target.get_input_embeddings().weight)
+        model.lm_head.weight.normal_(0, 0.3)  # trained rows of its own, not the target's
+        for name, p in model.named_parameters():
+            if "norm" in name and not name.startswith("verifier"):
+                p.uniform_(0.5, 1.5)
+    path = root / "spec-native-dflash"
+    model.save_pretrained(str(path))
+    assert drafter_kind(str(path)) == "block"
+    imported, hp = load_foreign_heads(path, target, tok)
+    assert hp["layout"] == "published" and imported.num_heads == 4 and imported.lm_head is not None
+    ids = _text(tok, seed=9, n=20)
+    with torch.no_grad():
+        hs = target(input_ids=ids, output_hidden_states=True).hidden_states
+        chain = imported.chain_logits(hs, ids, 4)[:, 0]
+    theirs_model = _speculators_model(path)
+    for anchor in (3, 9, 16):
+        theirs = _dflash_logits(theirs_model, target, ids, anchor)
+        ours = torch.full_like(theirs, float("-inf"))
+        ours[:, imported.d2t[:-1]] = chain[:, anchor - 1].float()
+        finite = torch.isfinite(ours)
+        assert torch.equal(finite, torch.isfinite(theirs)) and int(finite[0].sum()) == 100
+        assert torch.allclose(ours[finite], theirs[finite], atol=1e-4), (anchor, (ours[finite] - theirs[finite]).abs().max())
+    _assert_lossless(env, path)
+
+
 # ---------------------------------------------------------------------------------------------
 # export -> import: identical proposals, identical greedy output
 

@@ -147,10 +147,15 @@ class HeadSettings:
                                     "blocks, computed once (used whenever --draft-vocab is given).")
     teacher_topk: int = _of(HEAD_KINDS, 32, range=POSITIVE)  # the target's logits the teacher cache keeps per position
     charge_teacher: bool = _of(HEAD_KINDS, True)  # the teacher cache's compute time comes out of --budget-minutes
-    layout: str = _of(("eagle",), "specdec", choices=("specdec", "published"),
+    layout: str = _of(("eagle", "block"), "specdec", choices=("specdec", "published"),
                       help="EAGLE: published (EAGLE-1, or EAGLE-3 with --eagle3, as vLLM / SGLang / speculators run them: "
                       "exportable --to speculators|eagle; the default) or specdec (its own architecture; the default with "
-                      "--fspad, which the published layouts cannot hold).")
+                      "--fspad, which the published layouts cannot hold). Block drafter: published (DFlash's, as "
+                      "speculators and vLLM run it: exportable --to speculators; the default) or specdec (queries fused "
+                      "with the last context entry, learned mask and block positions).")
+    mask_token_id: int | None = _of(("block",), range=AT_LEAST_ZERO,
+                                    help="Block drafter, --layout published: the token whose embedding fills the block's "
+                                    "drafting slots (default: the tokenizer's mask token, else its pad, else its unk token).")
     # EAGLE: the target layers whose hidden states are fused ("eagle3": EAGLE-3's three; default: the last, or EAGLE-3's)
     feature_layers: str | list | None = _of(("eagle", "block"))  # block: default EAGLE-3's three, "last" the last alone
     noise: float | None = _of(("eagle",), range=Range(0))  # feature noise in training (default 0.2; published EAGLE-3: 0)

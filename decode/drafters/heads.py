@@ -717,9 +717,9 @@ class BlockDrafter(HeadTreeDrafter):
         self._catch_up()
         h, caches = self.heads, self.caches
         c0 = caches[0]
-        bsz, k = len(batch.seqs), h.num_heads
+        bsz, k = len(batch.seqs), h.block_len
         dev = c0.valid.device
-        x = h.block_inputs(batch.root[:, None], self.last[:, None])[:, 0]  # [B, K, H]
+        x = h.block_inputs(batch.root[:, None], self.last[:, None])[:, 0]  # [B, L, H]
         pos = c0.pos[:, None] + torch.arange(k, device=dev)
         visible = torch.cat([c0.valid[:, None, :].expand(bsz, k, c0.length), torch.ones(bsz, k, k, dtype=torch.bool, device=dev)], -1)
         slots = torch.arange(c0.length, c0.length + k, device=dev)[None].expand(bsz, k)
@@ -727,7 +727,7 @@ class BlockDrafter(HeadTreeDrafter):
         for c in caches:
             c.reserve(k)
             stores.append(c.write(slots, c.length + k))
-        out = h.run(x, additive_mask(visible, c0.k.dtype)[:, None], pos, stores)
+        out = h.drafted(h.run(x, additive_mask(visible, c0.k.dtype)[:, None], pos, stores))
         self._logp = torch.log_softmax(h.lm_logits(out).float(), -1)  # [B, K, V]
 
     def _child_logprobs(self, tree, nodes, level, batch):

@@ -67,6 +67,24 @@ def evaluate_heads(heads, target, heldout, k: int, batch: int = 8, top_k: int = 
     }
 
 
+def mask_token(tokenizer, embedding: torch.Tensor, given: int | None = None) -> int:
+    """The token whose embedding fills a published block drafter's drafting slots (DFlash's mask token): the
+    tokenizer's own mask token, else its unk, pad, BOS or EOS token (in that order: those least part of a text's
+    middle), the first whose row of ``embedding`` is not zero: a zero row (a padding index's) would give every drafting
+    slot a zero query, so attention the same weight on every key whatever it learns. ``given``: checked, not chosen."""
+    if given is not None:
+        if not 0 <= given < embedding.shape[0] or not bool(embedding[given].any()):
+            raise UsageError(f"--mask-token-id {given}: " + ("outside the target's vocabulary" if not 0 <= given < embedding.shape[0]
+                             else "its embedding is zero, so every drafting slot's query would be zero"))
+        return given
+    for name in ("mask_token_id", "unk_token_id", "pad_token_id", "bos_token_id", "eos_token_id"):
+        value = getattr(tokenizer, name, None)
+        if value is not None and 0 <= int(value) < embedding.shape[0] and bool(embedding[int(value)].any()):
+            return int(value)
+    raise UsageError("the tokenizer has no mask, unk, pad, BOS or EOS token with a non-zero embedding for the block drafter's "
+                     "drafting slots: give --mask-token-id")
+
+
 def train_heads(kind: str, target_dir: str | Path, data_files: list[str | Path], out_dir: str | Path, cfg: TrainConfig,
                 settings: HeadSettings | None = None, *, resume: bool = False, placement=None, **changes) -> dict:
     """Train one head kind on the frozen target; writes the artifact, returns metrics. ``settings``
@@ -84,12 +102,17 @@ def train_heads(kind: str, target_dir: str | Path, data_files: list[str | Path],
     s = dataclasses.replace(settings or HeadSettings(), **{k: v for k, v in changes.items() if v is not None})
     s.check(kind)
     hp = s.hparams(kind)
+    if hp.get("mask_token_id") is not None and hp.get("layout") != "published":
+        raise UsageError("--mask-token-id fills the drafting slots of the published (DFlash) block layout; specdec's "
+                         "layout learns its own mask embedding")
     if kind in RIDE_KINDS:  # PPD, Hidden Transfer: trained through the target's own forward
         return _train_riding(kind, target_dir, data_files, out_dir, cfg, resume, placement, hp)
     out_dir = Path(out_dir)
     accelerator = make_accelerator(cfg)
     target, tokenizer = load_teacher(target_dir, placement, accelerator)
     fp = tokenizer_fingerprint(tokenizer)
+    if kind == "block" and hp.get("layout") == "published":
+        hp["mask_token_id"] = mask_token(tokenizer, target.get_input_embeddings().weight.detach(), hp.get("mask_token_id"))
     train, held = load_blocks(data_files, tokenizer, cfg.seq_len, cfg.heldout, cfg.seed)
     torch.manual_seed(cfg.seed)
     draft_vocab = resolve_draft_vocab(s.draft_vocab, target.config.vocab_size)
@@ -249,10 +272,19 @@ def export_artifact(src: Path, dst: Path, to: str, target: Path | None = None) -
     from safetensors.torch import save_file
 
     src, dst = Path(src), Path(dst)
-    if read_config(src).get("kind") == "block":
-        raise UsageError(f"{src} is a block drafter, which no published layout holds: DFlash's (vLLM, SGLang, speculators, "
-                         "llama.cpp's draft-dflash) queries read token embeddings alone and its context keys no layer norm, "
-                         "where this drafter fuses the last context entry into every query and adds block-position vectors")
+    block = read_config(src)
+    if block.get("kind") == "block":
+        if block.get("layout") != "published":
+            raise UsageError(f"{src} is a block drafter of specdec's layout, which no published loader runs: DFlash's (vLLM, "
+                             "SGLang, speculators, llama.cpp's draft-dflash) queries read token embeddings alone and its context "
+                             "keys no layer norm, where this drafter fuses the last context entry into every query and adds "
+                             "block-position vectors; train it with `--layout published` (the default) to export it")
+        if to != "speculators":
+            raise UsageError(f"{src} is a block drafter of DFlash's layout: export it --to speculators (speculators' dflash "
+                             f"checkpoint, which vLLM loads), not --to {to}")
+        from specdec.models import interop
+
+        return interop.export_dflash(src, dst)
     if to == "gguf":
         from specdec.models.gguf_export import export_gguf
 
