@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdec.models.heads import DraftLayer, _RMSNorm, _rope, _TargetHead, _frozen, register_rope
+from specdec.models.heads import DraftLayer, _RMSNorm, _rope, _TargetHead, _frozen, layer_config, layer_hf_config, register_rope
 
 LOSSES = ("kl", "lk")
 LAYOUTS = ("specdec", "published")
@@ -53,7 +53,7 @@ class BlockHead(_TargetHead, nn.Module):
     def __init__(self, target_config, num_heads: int = 4, num_layers: int = 1, feature_layers: list[int] | None = None,
                  anchors: int = 64, loss: str = "kl", layout: str = "specdec", mask_token_id: int | None = None,
                  layer: dict | None = None, own_head: int | None = None):
-        """``layer`` (published): the draft layers' shape and rotation (``models.interop.layer_config``'s keys; default
+        """``layer`` (published): the draft layers' shape and rotation (``models.heads.layer_config``'s keys; default
         the target's); ``own_head``: an output layer of that many rows of its own (a DFlash checkpoint trained
         elsewhere) instead of the target's rows of the draft vocabulary."""
         super().__init__()
@@ -67,10 +67,8 @@ class BlockHead(_TargetHead, nn.Module):
                              "it needs feature_layers and mask_token_id")
         hidden = target_config.hidden_size
         if published:
-            from specdec.models.interop import _hf_config, layer_config
-
             self.layer_cfg = {**(layer or layer_config(target_config)), "model_type": "qwen3"}
-            shape = _hf_config(self.layer_cfg)
+            shape = layer_hf_config(self.layer_cfg)
         else:
             shape = target_config
         heads = shape.num_attention_heads

@@ -158,7 +158,7 @@ def _rope(layer: dict, writer) -> np.ndarray | None:
     """Writes the RoPE keys; returns llama.cpp's per-frequency divisors for a non-default RoPE (None for
     the default): the base frequencies over the ones transformers' initialiser gives (Llama 3's)."""
     from specdec.models.heads import rope_frequencies
-    from specdec.models.interop import _hf_config
+    from specdec.models.heads import layer_hf_config
 
     rope = dict(layer.get("rope_parameters") or {})
     rope_type, theta, d = rope.get("rope_type", "default"), float(rope.get("rope_theta", 10000.0)), int(layer["head_dim"])
@@ -169,7 +169,7 @@ def _rope(layer: dict, writer) -> np.ndarray | None:
     if rope_type in ("dynamic", "yarn", "longrope"):
         raise UsageError(f"--to gguf: the draft layer's RoPE is {rope_type!r}; the export writes default, linear and "
                          "llama3 RoPE (export it --to speculators)")
-    inv_freq, scaling = rope_frequencies(_hf_config(layer), d)
+    inv_freq, scaling = rope_frequencies(layer_hf_config(layer), d)
     if abs(scaling - 1.0) > 1e-6:
         raise UsageError(f"--to gguf: the draft layer's {rope_type!r} RoPE scales attention by {scaling}; llama.cpp's "
                          "EAGLE-3 draft does not")

@@ -437,6 +437,42 @@ def rope_frequencies(config, head_dim: int) -> tuple[torch.Tensor, float]:
     return 1.0 / rope_theta(config) ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim), 1.0
 
 
+def _flat_rope(params: dict | None) -> dict:
+    """Per-layer-type rope parameters flattened as speculators does (models/utils.flatten_rope_parameters:
+    the ``sliding_attention`` entry when nested)."""
+    params = dict(params or {})
+    if params and all(isinstance(v, dict) for v in params.values()):
+        params = dict(params.get("sliding_attention") or params.get("full_attention") or next(iter(params.values())))
+    return params
+
+
+def layer_config(config) -> dict:
+    """The draft layer's shape from a target (or foreign draft) config: what the exports write as the
+    layer's Llama config and what ``Eagle*Head`` is rebuilt from."""
+    get = (lambda k, d=None: config.get(k, d)) if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
+    hidden, heads = int(get("hidden_size")), int(get("num_attention_heads"))
+    rope = get("rope_parameters") or {}
+    if not rope and (get("rope_theta") or get("rope_scaling")):  # a transformers-4 config
+        rope = {**(get("rope_scaling") or {}), "rope_theta": float(get("rope_theta") or 10000.0)}
+        rope.setdefault("rope_type", rope.pop("type", None) or "default")
+    rope = _flat_rope(rope) or {"rope_type": "default", "rope_theta": 10000.0}
+    rope.setdefault("rope_type", "default")
+    return {
+        "hidden_size": hidden, "intermediate_size": int(get("intermediate_size") or 4 * hidden), "num_attention_heads": heads,
+        "num_key_value_heads": int(get("num_key_value_heads") or heads), "head_dim": int(get("head_dim") or hidden // heads),
+        "rms_norm_eps": float(get("rms_norm_eps") or 1e-6), "max_position_embeddings": int(get("max_position_embeddings") or 2048),
+        "rope_parameters": rope, "attention_bias": bool(get("attention_bias") or False), "mlp_bias": bool(get("mlp_bias") or False),
+        "hidden_act": get("hidden_act") or "silu", "model_type": "qwen3" if get("model_type") == "qwen3" else "llama",
+    }
+
+
+def layer_hf_config(layer: dict):
+    """A transformers config object of the layer (for RoPE initialisers)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**{k: v for k, v in layer.items() if k != "model_type"}, num_hidden_layers=1)
+
+
 def register_rope(module: nn.Module, config, head_dim: int, positions: int) -> None:
     """``module.rope_cos`` / ``rope_sin`` [positions, head_dim]: the target's rotary tables (``rope_frequencies``) for
     positions 0..positions-1, as non-persistent float32 buffers (the drafters' layers index them by position id)."""

@@ -47,49 +47,13 @@ from torch import nn
 from specdec.models.artifacts import load_weights, read_config, write_json
 from specdec.models.errors import SpecdecError, UsageError
 from specdec.models.layouts import SPECULATORS_VERSION, _weight_keys, foreign_kind, foreign_layout  # noqa: F401
-from specdec.models.heads import DraftLayer, EagleHead, MedusaHeads, _RMSNorm, register_rope, soft_ce
+from specdec.models.heads import DraftLayer, EagleHead, MedusaHeads, _RMSNorm, layer_config, layer_hf_config, register_rope, soft_ce
 
 LAYOUTS = ("eagle1", "eagle3")  # published EAGLE architectures specdec trains and runs as heads
 
 
 # ---------------------------------------------------------------------------------------------
-# the draft layer's configuration
-
-
-def _flat_rope(params: dict | None) -> dict:
-    """Per-layer-type rope parameters flattened as speculators does (models/utils.flatten_rope_parameters:
-    the ``sliding_attention`` entry when nested)."""
-    params = dict(params or {})
-    if params and all(isinstance(v, dict) for v in params.values()):
-        params = dict(params.get("sliding_attention") or params.get("full_attention") or next(iter(params.values())))
-    return params
-
-
-def layer_config(config) -> dict:
-    """The draft layer's shape from a target (or foreign draft) config: what the exports write as the
-    layer's Llama config and what ``Eagle*Head`` is rebuilt from."""
-    get = (lambda k, d=None: config.get(k, d)) if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
-    hidden, heads = int(get("hidden_size")), int(get("num_attention_heads"))
-    rope = get("rope_parameters") or {}
-    if not rope and (get("rope_theta") or get("rope_scaling")):  # a transformers-4 config
-        rope = {**(get("rope_scaling") or {}), "rope_theta": float(get("rope_theta") or 10000.0)}
-        rope.setdefault("rope_type", rope.pop("type", None) or "default")
-    rope = _flat_rope(rope) or {"rope_type": "default", "rope_theta": 10000.0}
-    rope.setdefault("rope_type", "default")
-    return {
-        "hidden_size": hidden, "intermediate_size": int(get("intermediate_size") or 4 * hidden), "num_attention_heads": heads,
-        "num_key_value_heads": int(get("num_key_value_heads") or heads), "head_dim": int(get("head_dim") or hidden // heads),
-        "rms_norm_eps": float(get("rms_norm_eps") or 1e-6), "max_position_embeddings": int(get("max_position_embeddings") or 2048),
-        "rope_parameters": rope, "attention_bias": bool(get("attention_bias") or False), "mlp_bias": bool(get("mlp_bias") or False),
-        "hidden_act": get("hidden_act") or "silu", "model_type": "qwen3" if get("model_type") == "qwen3" else "llama",
-    }
-
-
-def _hf_config(layer: dict):
-    """A transformers config object of the layer (for RoPE initialisers)."""
-    from transformers import LlamaConfig
-
-    return LlamaConfig(**{k: v for k, v in layer.items() if k != "model_type"}, num_hidden_layers=1)
+# the draft layer's configuration (its shape: models.heads.layer_config)
 
 
 def default_aux_layers(num_layers: int) -> list[int]:
@@ -115,7 +79,7 @@ class Eagle1Head(EagleHead):
     layout = "eagle1"
 
     def __init__(self, layer: dict, fc_bias: bool = True, own_embed: bool = False, vocab: int | None = None, **train):
-        super().__init__(_hf_config(layer), None, **{k: v for k, v in train.items() if k in ("noise", "ce_weight", "reg_weight", "unroll")})
+        super().__init__(layer_hf_config(layer), None, **{k: v for k, v in train.items() if k in ("noise", "ce_weight", "reg_weight", "unroll")})
         self.layer_cfg, self.fc_bias = dict(layer), bool(fc_bias)
         self.layer.input_layernorm = nn.Identity()
         if not fc_bias:
@@ -229,7 +193,7 @@ class Eagle3Head(EagleHead):
         else:
             self.draft_ids = None
         self.embed_tokens = nn.Embedding(vocab, h) if own_embed else None
-        register_rope(self, _hf_config(layer), layer["head_dim"], layer["max_position_embeddings"] + 64)
+        register_rope(self, layer_hf_config(layer), layer["head_dim"], layer["max_position_embeddings"] + 64)
         self._target = None
 
     @property
