@@ -653,9 +653,10 @@ def _target_output_rows(verifier: str | None, vocab: int, hidden: int) -> torch.
 
     for f in sorted(Path(verifier).glob("*.safetensors")):
         with safe_open(str(f), "pt") as fh:
-            if "lm_head.weight" in fh.keys():
+            if "lm_head.weight" in fh.keys() and tuple(fh.get_slice("lm_head.weight").get_shape()) == (vocab, hidden):
                 w = fh.get_tensor("lm_head.weight")
-                return w.float() if tuple(w.shape) == (vocab, hidden) else None
+                if w.is_floating_point():  # a converted GGUF target's folder also holds its quantised blocks (uint8)
+                    return w.float()
     return _target_embedding(verifier, vocab, hidden)
 
 

@@ -236,6 +236,21 @@ def test_speculators_loads_the_dflash_export_and_drafts_the_same_logits(env, red
     _assert_lossless(env, art)
 
 
+def test_the_dflash_export_reads_a_converted_gguf_targets_float_rows_not_its_blocks(tmp_path):
+    """A converted GGUF target's folder holds its float32 weights and its quantised blocks (uint8, also named
+    lm_head.weight): the export's output rows are the float ones (here the tied embedding), never the blocks."""
+    from safetensors.torch import save_file
+
+    from specdec.models.interop import _target_output_rows
+
+    emb = torch.randn(16, 8)
+    save_file({"model.embed_tokens.weight": emb}, str(tmp_path / "model.safetensors"))
+    save_file({"lm_head.weight": torch.zeros(16, 9, dtype=torch.uint8)}, str(tmp_path / "specdec_blocks.safetensors"))
+    assert torch.equal(_target_output_rows(str(tmp_path), 16, 8), emb)
+    save_file({"lm_head.weight": torch.ones(16, 8, dtype=torch.uint8)}, str(tmp_path / "specdec_blocks.safetensors"))
+    assert torch.equal(_target_output_rows(str(tmp_path), 16, 8), emb)  # the right shape, but blocks all the same
+
+
 def test_a_dflash_checkpoint_speculators_wrote_imports_and_decodes_as_ar(env):
     """A DFlash draft trained elsewhere: speculators' own DFlashDraftModel (two Qwen3 layers narrower than the target's,
     its own rope, a reduced vocabulary with its own trained LM head rows), saved by speculators, drafts in specdec
