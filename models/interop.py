@@ -447,7 +447,8 @@ def _dflash(folder: Path, cfg: dict, target):
     elif ids is not None:
         raise SpecdecError(f"{folder}: a draft vocabulary of {size} tokens needs the checkpoint's lm_head rows, and it has none")
     if ids is not None:  # the rows' target ids, then a stand-in for the rest (never drafted: no row of its own)
-        standin = next(i for i in range(vocab) if i not in set(ids.tolist()))
+        drafted = set(ids.tolist())
+        standin = next(i for i in range(vocab) if i not in drafted)
         head.set_vocab(DraftVocab(torch.cat([ids, torch.tensor([standin])]), vocab))
     _load(head, state, folder, "DFlash")
     return head
@@ -690,10 +691,10 @@ def export_dflash(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
     if d2t_file.is_file():
         from specdec.models import vocab as draft_vocab
 
-        ids = torch.sort(draft_vocab.load(src).d2t[:-1].long()).values  # the last entry is the unk stand-in, never drafted
-        size = len(ids)
+        ids = draft_vocab.load(src).d2t[:-1].long()  # the last entry is the unk stand-in, never drafted
         out["lm_head.weight"] = rows[ids]
-        out["d2t"] = ids - torch.arange(size)
+        out["d2t"], ids = _sorted_vocab(out, ids)
+        size = len(ids)
         t2d = torch.zeros(vocab, dtype=torch.bool)
         t2d[ids] = True
         out["t2d"] = t2d

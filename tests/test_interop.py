@@ -166,6 +166,26 @@ def test_speculators_loads_the_export_and_proposes_the_same_tokens(env, variant)
         assert model.d2t is not None and bool((model.d2t != 0).any())
 
 
+def _native_config(root, algorithm: str, speculative_tokens: int):
+    """The speculators_config a checkpoint speculators trained carries: greedy proposals, the tiny target as verifier."""
+    from speculators import SpeculatorsConfig, VerifierConfig
+    from speculators.proposals.greedy import GreedyTokenProposalConfig
+
+    return SpeculatorsConfig(algorithm=algorithm, proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=speculative_tokens)],
+                             default_proposal_method="greedy",
+                             verifier=VerifierConfig(name_or_path=str(root / "target"), architectures=["LlamaForCausalLM"]))
+
+
+def _native_vocab(model, vocab: int, size: int = 100):
+    """A reduced draft vocabulary from speculators' own mapping builder over random token counts."""
+    from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
+
+    freq = {i: int(c) for i, c in enumerate(torch.randint(1, 1000, (vocab,)).tolist())}
+    d2t, t2d = build_vocab_mappings_from_distribution(freq, size, vocab)
+    model.load_vocab_mappings(t2d, d2t)
+    return t2d
+
+
 def _dflash(env, name, reduced=False, seed=0):
     """A block drafter of the published (DFlash) layout, its norms and matrices perturbed; ``reduced``: a draft
     vocabulary of 120 tokens in frequency order (not sorted: the exporter sorts it)."""
@@ -256,10 +276,7 @@ def test_a_dflash_checkpoint_speculators_wrote_imports_and_decodes_as_ar(env):
     its own rope, a reduced vocabulary with its own trained LM head rows), saved by speculators, drafts in specdec
     the logits it drafts in speculators, and decodes losslessly."""
     _speculators()
-    from speculators import SpeculatorsConfig, VerifierConfig
     from speculators.models.dflash import DFlashDraftModel, DFlashSpeculatorConfig
-    from speculators.proposals.greedy import GreedyTokenProposalConfig
-    from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
     from transformers import Qwen3Config
 
     root, target, tok = env
@@ -271,13 +288,9 @@ def test_a_dflash_checkpoint_speculators_wrote_imports_and_decodes_as_ar(env):
     layer._attn_implementation = "eager"
     cfg = DFlashSpeculatorConfig(
         transformer_layer_config=layer, draft_vocab_size=100, block_size=5, aux_hidden_state_layer_ids=[1, 3], mask_token_id=7,
-        speculators_config=SpeculatorsConfig(algorithm="dflash", proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=4)],
-                                             default_proposal_method="greedy",
-                                             verifier=VerifierConfig(name_or_path=str(root / "target"), architectures=["LlamaForCausalLM"])))
+        speculators_config=_native_config(root, "dflash", 4))
     model = DFlashDraftModel(cfg)
-    freq = {i: int(c) for i, c in enumerate(torch.randint(1, 1000, (tc.vocab_size,)).tolist())}
-    d2t, t2d = build_vocab_mappings_from_distribution(freq, 100, tc.vocab_size)
-    model.load_vocab_mappings(t2d, d2t)
+    _native_vocab(model, tc.vocab_size)
     with torch.no_grad():
         model.embed_tokens.weight.copy_(target.get_input_embeddings().weight)
         model.lm_head.weight.normal_(0, 0.3)  # trained rows of its own, not the target's
@@ -331,10 +344,7 @@ def test_a_checkpoint_speculators_wrote_imports_and_decodes_as_ar(env, layer_typ
     from its vocab-mapping builder), saved by speculators, proposes in specdec what it proposes in
     speculators, and decodes losslessly."""
     _speculators()
-    from speculators import SpeculatorsConfig, VerifierConfig
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
-    from speculators.proposals.greedy import GreedyTokenProposalConfig
-    from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
     from transformers import LlamaConfig, Qwen3Config
 
     root, target, tok = env
@@ -346,13 +356,9 @@ def test_a_checkpoint_speculators_wrote_imports_and_decodes_as_ar(env, layer_typ
     layer._attn_implementation = "eager"
     cfg = Eagle3SpeculatorConfig(
         transformer_layer_config=layer, draft_vocab_size=100, norm_before_residual=True, eagle_aux_hidden_state_layer_ids=[1, 2, 3],
-        speculators_config=SpeculatorsConfig(algorithm="eagle3", proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=3)],
-                                             default_proposal_method="greedy",
-                                             verifier=VerifierConfig(name_or_path=str(root / "target"), architectures=["LlamaForCausalLM"])))
+        speculators_config=_native_config(root, "eagle3", 3))
     model = Eagle3DraftModel(cfg)
-    freq = {i: int(c) for i, c in enumerate(torch.randint(1, 1000, (tc.vocab_size,)).tolist())}
-    d2t, t2d = build_vocab_mappings_from_distribution(freq, 100, tc.vocab_size)
-    model.load_vocab_mappings(t2d, d2t)
+    t2d = _native_vocab(model, tc.vocab_size)
     with torch.no_grad():
         model.embed_tokens.weight.copy_(target.get_input_embeddings().weight)
         model.lm_head.weight.copy_(6 * target.get_output_embeddings().weight[t2d])
