@@ -11,10 +11,10 @@ import torch
 
 
 def time_forward(model, prefix: list[int], t: int, repeats: int, batch_size: int = 1, compile: str = "off",
-                 lean: bool = False, greedy: bool | None = None) -> float:
+                 lean: bool = False, greedy: bool | None = None, kernels: str = "torch") -> float:
     """Median seconds of one forward of ``t`` tokens per row, ``batch_size`` rows each after a cache
-    holding ``prefix``, run as the engine runs it (``KVState``: compiled steps with ``compile``, a
-    draft's lean forward with ``lean``), after three warm-up forwards. The forward is not committed,
+    holding ``prefix``, run as the engine runs it (``KVState``: compiled steps with ``compile`` and the
+    engine's resolved ``kernels``, a draft's lean forward with ``lean``), after three warm-up forwards. The forward is not committed,
     so every repeat writes the same slots."""
     from specdec.decode.engine.cache import KVState
 
@@ -29,7 +29,7 @@ def time_forward(model, prefix: list[int], t: int, repeats: int, batch_size: int
     with torch.inference_mode(), scope:
         ids = torch.tensor([prefix], device=device).expand(batch_size, -1)
         step = ids[:, :t] if t <= ids.shape[1] else ids[:, :1].repeat(1, t)
-        state = KVState(model, batch_size, device, lean=lean, compile=compile)
+        state = KVState(model, batch_size, device, lean=lean, compile=compile, kernels=kernels)
         state.forward(ids, logits_to_keep=1)
         state.commit_prefix(ids.shape[1], torch.ones_like(ids, dtype=torch.bool))
         for i in range(3 + repeats):

@@ -70,18 +70,23 @@ class Compiled:
         return self.torch_mode == "reduce-overhead"
 
 
-def for_model(model: torch.nn.Module, mode: str = "inductor") -> "Compiled | Graphed":
+def for_model(model: torch.nn.Module, mode: str = "inductor", kernels: str = "torch") -> "Compiled | Graphed":
     """``model``'s compiled forward in ``mode`` (``graphs`` or ``inductor``), made once per model and
-    mode and shared by every state that runs it so (the graphs are the expensive part)."""
+    mode and shared by every state that runs it so (the graphs are the expensive part). ``kernels``: the
+    engine's resolved kernel backend; with ``triton`` recorded steps run the fused forward
+    (``decode.engine.lean.fused_step``) where it reproduces the model's."""
     if mode not in ("graphs", "inductor"):
         raise ValueError(f"no compiled forward for mode {mode!r}")
     made = _COMPILED.setdefault(model, {})
-    if mode not in made:
+    key = (mode, kernels) if mode == "graphs" else mode
+    if key not in made:
         if mode == "graphs":
-            made[mode] = Graphed(model)
+            from specdec.decode.engine.lean import fused_step
+
+            made[key] = Graphed(model, fused_step(model, kernels) if kernels == "triton" else None)
         else:
-            made[mode] = Compiled(model, "reduce-overhead" if next(model.parameters()).device.type == "cuda" else None)
-    return made[mode]
+            made[key] = Compiled(model, "reduce-overhead" if next(model.parameters()).device.type == "cuda" else None)
+    return made[key]
 
 
 def bucket(t: int) -> int | None:
@@ -99,22 +104,27 @@ class Graphed:
     replays it; later calls of that shape copy their inputs into those copies and replay. A step's key
     is everything a graph bakes in: the inputs' shapes and dtypes, the flags, and the addresses of the
     key/value buffers it reads and writes (a graph holds raw addresses). Graphs live as long as the
-    buffers they were recorded against (``weakref``), and share one memory pool.
+    buffers they were recorded against (``weakref``), and those of one cache share a memory pool.
 
     On a CPU (tests) nothing is recorded: a "replay" runs the same step function eagerly over the same
     static copies, so keys, copies and outputs are exercised where no GPU is.
+
+    ``fused``: the model's fused forward (``decode.engine.lean.LeanStep.static``), recorded instead of HF's
+    for the steps it takes (no extra keyword arguments, one mask tensor); None records HF's forward.
     """
 
     graphs = True
     mode = "graphs"
+    STATIC_ARGS = frozenset({"input_ids", "attention_mask", "position_ids", "use_cache", "output_hidden_states"})
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, fused=None):
         self.model = model
+        self.fused = fused
         # a model spread over several GPUs (--device-map) runs its steps unrecorded: one graph records one device
         spread = len(set(getattr(model, "hf_device_map", {}).values())) > 1
         self.record = next(model.parameters()).device.type == "cuda" and not spread
         self._modules = list(model.modules())
-        self._pool = None
+        self._pools: "weakref.WeakKeyDictionary[object, tuple]" = weakref.WeakKeyDictionary()
         self._steps: "weakref.WeakKeyDictionary[object, dict]" = weakref.WeakKeyDictionary()
         self.recorded = 0  # graphs recorded (steps set up, on a CPU): tests and reports read it
         self.replays = 0
@@ -174,7 +184,9 @@ class Graphed:
         # the steps of a cache live only as long as it does (``_steps`` holds it weakly): nothing they keep may
         # hold it, so the step function reaches it through a weak reference and stored outputs drop it
         buffers = weakref.ref(cache)
-        run = lambda: self.model(**kwargs, **fixed, past_key_values=buffers())  # noqa: E731
+        takes = self.fused is not None and not fixed and set(kwargs) <= self.STATIC_ARGS
+        forward = self.fused.static if takes and isinstance(kwargs.get("attention_mask"), torch.Tensor) else self.model
+        run = lambda: forward(**kwargs, **fixed, past_key_values=buffers())  # noqa: E731
         self.recorded += 1
         if not self.record:
             return _Step(inputs, None, _detached(run()), run)
@@ -186,10 +198,15 @@ class Graphed:
         with torch.cuda.stream(side):
             run()
         torch.cuda.current_stream().wait_stream(side)
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
+        # one memory pool per cache, shared by its graphs: a pool whose graphs have all died (their cache with
+        # them) cannot take a new graph (the allocator asserts), so a new cache never reuses an old one's
+        pool = self._pools.get(cache)
+        if pool is None:
+            pool = self._pools[cache] = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: work another thread issues meanwhile (a PEARL draft on its own stream) does not void
+        # this capture, as it would in the default global mode
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
             out = run()
         for layer, offset in zip(cache.layers, offsets):
             layer.cumulative_length.copy_(offset)

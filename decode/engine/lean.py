@@ -5,11 +5,20 @@ price is set by work per module and per op, not arithmetic. ``LeanStep`` runs th
 plain tensor ops, with q/k/v and gate/up fused into one matmul each, against the same cache
 (so ``KVState``'s crop/rollback/row selection apply unchanged).
 
-It is used for drafts only (the target keeps HF's forward: the lossless guarantee is stated against
+Eagerly it is used for drafts only (the target keeps HF's forward: the lossless guarantee is stated against
 it), and only where it reproduces HF: ``lean_step`` checks the model's structure (Llama's modules,
 SiLU MLP, no biases, default RoPE, SDPA, at most 50M parameters) and then compares the two forwards on a probe
 (prefill and one cached step); any difference, or any other architecture, keeps HF's forward.
 That probe is what keeps this from drifting with transformers: a change there fails it, not decoding.
+
+A target's recorded decode steps (``--compile graphs``, ``decode.engine.compiled``) run the same
+arithmetic through ``fused_step``: ``LeanStep.static`` against the preallocated buffers, its small ops
+fused into three kernels (``kernels.decode_step``: Triton on a GPU, their PyTorch references elsewhere),
+so a recorded layer is about a dozen kernels instead of HF's forty. For a target the fused matmul
+weights are the model's own (its q/k/v and gate/up parameters become views of them: no second copy of
+an 8B model's projections), and the probe is run on the same preallocated buffers, within float32's
+tolerance or, in 16-bit dtypes, within their rounding (a structural slip differs by the logits' whole
+size); a model it does not reproduce records HF's forward.
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from specdec.decode.engine.direct import foreign_hooks
 from specdec.models.masks import additive_mask
@@ -27,6 +37,11 @@ from specdec.models.masks import additive_mask
 # past this size a model's forward is arithmetic, not per-op work, and the fused copies of its weights would cost memory
 LEAN_MAX_PARAMS = 50_000_000
 _CACHE: "weakref.WeakKeyDictionary[torch.nn.Module, LeanStep | None]" = weakref.WeakKeyDictionary()
+_FUSED: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
+# RoPE types whose frequencies HF computes once (the rotary module's inv_freq): the fused step reads them
+STATIC_ROPE = ("default", "linear", "llama3")
+# the fused step's attention reads the buffers as SDPA does under either name
+FUSED_ATTENTION = ("sdpa", "specdec_tree")
 
 
 def lean_step(model) -> "LeanStep | None":
@@ -42,13 +57,37 @@ def lean_step(model) -> "LeanStep | None":
     return _CACHE[model]
 
 
-def _supported(model) -> bool:
+def fused_step(model, backend: str) -> "LeanStep | None":
+    """The target's fused step for recorded decode steps with ``backend``'s kernels ("triton" or "torch"),
+    or None where it would not reproduce HF's forward (built and checked once per model and backend)."""
+    made = _FUSED.setdefault(model, {})
+    step = made.get(backend)
+    if backend not in made or (step is not None and step.stale()):
+        step = None
+        if not any(foreign_hooks(m) for m in model.modules()) and _supported(model, None, STATIC_ROPE, FUSED_ATTENTION):
+            # the model's parameters become views of the fused weights: made outside inference mode (a job's
+            # first step runs inside it), so that they stay parameters with version counters
+            with torch.inference_mode(False):
+                step = LeanStep(model, share=True, backend=backend)
+                ok = step.static_matches_hf()
+            made[("errors", backend)] = step.errors
+            step = step if ok else None
+        made[backend] = step
+    return step
+
+
+def fused_errors(model, backend: str) -> dict | None:
+    """What ``fused_step``'s probe measured for ``model`` (relative differences by dtype), None if it did not run."""
+    return _FUSED.get(model, {}).get(("errors", backend))
+
+
+def _supported(model, max_params: int | None = LEAN_MAX_PARAMS, rope_types=("default",), attention=("sdpa",)) -> bool:
     cfg = getattr(model, "config", None)
     base = getattr(model, "model", None)
     layers = getattr(base, "layers", None)
     if cfg is None or layers is None or len(layers) == 0 or not hasattr(model, "lm_head"):
         return False
-    if sum(p.numel() for p in model.parameters()) > LEAN_MAX_PARAMS:
+    if max_params is not None and sum(p.numel() for p in model.parameters()) > max_params:
         return False
     rope = getattr(cfg, "rope_parameters", None) or {}
     if (
@@ -56,8 +95,8 @@ def _supported(model) -> bool:
         or getattr(cfg, "attention_bias", True)
         or getattr(cfg, "mlp_bias", True)
         or getattr(cfg, "pretraining_tp", 1) != 1
-        or rope.get("rope_type", "default") != "default"
-        or getattr(cfg, "_attn_implementation", None) != "sdpa"
+        or rope.get("rope_type", "default") not in rope_types
+        or getattr(cfg, "_attn_implementation", None) not in attention
     ):
         return False
     rotary = getattr(base, "rotary_emb", None)
@@ -78,22 +117,29 @@ def _supported(model) -> bool:
 
 
 class LeanStep:
-    def __init__(self, model):
+    def __init__(self, model, share: bool = False, backend: str = "torch"):
+        """share: the model's q/k/v and gate/up parameters become views of the fused weights (a target's:
+        one copy of its projections); otherwise the fused weights are copies. backend: the kernels of
+        ``static`` (``kernels.decode_step.ops``)."""
         cfg, base = model.config, model.model
         self.model = model
         self.embed = base.embed_tokens.weight
         self.layers = []
         for layer in base.layers:
             a, m = layer.self_attn, layer.mlp
+            qkv = _fused(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], 0).detach(),
+                         [a.q_proj, a.k_proj, a.v_proj] if share else [])
+            gate_up = _fused(torch.cat([m.gate_proj.weight, m.up_proj.weight], 0).detach(), [m.gate_proj, m.up_proj] if share else [])
             self.layers.append((
                 layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon,
-                torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], 0).detach(),
+                qkv,
                 a.o_proj.weight,
                 layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon,
-                torch.cat([m.gate_proj.weight, m.up_proj.weight], 0).detach(),
+                gate_up,
                 m.down_proj.weight,
                 a.layer_idx,
             ))
+        self.backend = backend
         self.norm, self.eps = base.norm.weight, base.norm.variance_epsilon
         self.head = model.lm_head.weight
         self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
@@ -144,6 +190,108 @@ class LeanStep:
         x = self._rms(x, self.norm, self.eps)
         return F.linear(x, self.head), x
 
+    @torch.no_grad()
+    def static(self, input_ids, attention_mask, position_ids, past_key_values, output_hidden_states=False, **unused):
+        """HF's forward for a compiled step (``decode.engine.compiled``), fused: the same keyword arguments
+        and output (logits, and with ``output_hidden_states`` HF's tuple: the embeddings, each layer's
+        output, the last one normed), against ``decode.engine.cache.SlotBuffers`` in their compiled mode
+        (every layer written at its write offset, a tensor; the mask [B, 1, T, capacity] spans the
+        whole buffer, additive or boolean). The write offsets advance by T, as HF's cache update does."""
+        from specdec.kernels.decode_step import ops
+
+        rms_norm, rope_write, silu_mul = ops(self.backend)
+        b, t = input_ids.shape
+        hd, nq = self.head_dim, self.heads * self.head_dim
+        g = self.heads // self.kv_heads
+        cache = past_key_values.layers
+        x = F.embedding(input_ids, self.embed)
+        freqs = position_ids[..., None].float() * self.inv_freq
+        emb = torch.cat((freqs, freqs), -1)
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        # the queries of the g heads sharing a key/value head are g * t rows of it: the mask repeats per head
+        mask = attention_mask
+        if g > 1:
+            mask = mask[:, :, None].expand(b, 1, g, t, mask.shape[-1]).reshape(b, 1, g * t, mask.shape[-1])
+        hidden = [x] if output_hidden_states else None
+        _, h = rms_norm(x, self.layers[0][0], self.layers[0][1])
+        for i, (_, _, qkv_w, o_w, ln2, eps2, gu_w, down_w, idx) in enumerate(self.layers):
+            layer = cache[idx]
+            q = rope_write(F.linear(h, qkv_w), cos, sin, layer.keys, layer.values, layer.cumulative_length,
+                           self.heads, self.kv_heads)
+            o = F.scaled_dot_product_attention(q, layer.keys, layer.values, attn_mask=mask, scale=self.scale)
+            o = o.reshape(b, self.kv_heads, g, t, hd).permute(0, 3, 1, 2, 4).reshape(b, t, nq)
+            x, h = rms_norm(x, ln2, eps2, residual=F.linear(o, o_w))
+            out = F.linear(silu_mul(F.linear(h, gu_w)), down_w)
+            last = i + 1 == len(self.layers)
+            norm_w, norm_eps = (self.norm, self.eps) if last else self.layers[i + 1][:2]
+            x, h = rms_norm(x, norm_w, norm_eps, residual=out)
+            if hidden is not None:
+                hidden.append(h if last else x)
+        torch._foreach_add_([layer.cumulative_length for layer in cache], t)
+        return CausalLMOutputWithPast(logits=F.linear(h, self.head), hidden_states=tuple(hidden) if hidden is not None else None)
+
+    def static_matches_hf(self) -> bool:
+        """``static`` and HF's forward agree on a probe (a 6-token prefill with a padded slot, then one step)
+        run in preallocated buffers as compiled steps run: the largest difference over the logits and hidden
+        states, relative to their norm, within 1e-3 in float32 (TF32 off; a GPU's kernels fuse and order
+        sums differently). A 16-bit model's own rounding would hide a slip in a small part of the sum (a random
+        model's attention is a few percent of its residual stream), so its structure is checked on a float32
+        copy of its first two layers and 256 vocabulary rows (a slip there differs by about the logits' whole
+        norm), and the model itself within 10% (its dtype's kernels: a model of many layers drifts a few
+        percent in bfloat16). ``errors`` records what was measured."""
+        self.errors = {}
+        if self.embed.dtype.itemsize < 4:
+            self.errors["float32 copy"] = LeanStep(_float_copy(self.model), backend=self.backend)._probe()
+            if self.errors["float32 copy"] > 1e-3:
+                return False
+        self.errors[str(self.embed.dtype).removeprefix("torch.")] = own = self._probe()
+        return own <= (1e-3 if self.embed.dtype.itemsize >= 4 else 0.1)
+
+    def _probe(self) -> float:
+        """The largest relative difference (norm of the difference over the norm of HF's) between ``static``'s
+        outputs and HF's on the probe; inf where their shapes differ."""
+        from specdec.decode.engine.buffers import SlotBuffers
+
+        cfg, dev, dtype = self.model.config, self.embed.device, self.embed.dtype
+        gen = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, cfg.vocab_size, (2, 6), generator=gen).to(dev)
+        visible = torch.ones(6, 6, dtype=torch.bool).tril_()[None, None].repeat(2, 1, 1, 1)
+        visible[1, :, 1:, 0] = False  # row 1's first slot is padding
+        pos = torch.arange(6)[None].repeat(2, 1).to(dev)
+        capacity = 16
+        steps = [(ids, visible, pos, 0), (ids[:, :1], torch.ones(2, 1, 1, 7, dtype=torch.bool), pos[:, -1:] + 1, 6)]
+        caches = [SlotBuffers(len(self.layers), capacity, dev, zeroed=True) for _ in range(2)]
+        empty = torch.empty(2, self.kv_heads, 0, self.head_dim, dtype=dtype, device=dev)
+        for layer in caches[1].layers:  # HF's forward allocates its buffers at the first write; compiled steps find them made
+            layer.lazy_initialization(empty, empty)
+        boolean = cfg._attn_implementation == "specdec_tree"
+        # the float32 probe at float32's own precision, whatever a job set for its matmuls
+        matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+        try:
+            worst = self._probe_steps(steps, caches, capacity, boolean, dtype)
+        finally:
+            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
+        return worst
+
+    def _probe_steps(self, steps, caches, capacity: int, boolean: bool, dtype) -> float:
+        worst = 0.0
+        with torch.no_grad():
+            for seg, vis, p, at in steps:
+                vis = F.pad(vis, (0, capacity - vis.shape[-1]), value=False).to(self.embed.device)
+                mask = vis if boolean else additive_mask(vis, dtype)
+                outs = []
+                for cache, forward in zip(caches, (self.model, self.static)):
+                    cache.at(at, compiled_step=True)
+                    outs.append(forward(input_ids=seg, attention_mask=mask, position_ids=p, past_key_values=cache,
+                                        use_cache=True, output_hidden_states=True))
+                ref, got = outs
+                if len(ref.hidden_states) != len(got.hidden_states):
+                    return float("inf")
+                pairs = [(ref.logits, got.logits)] + list(zip(ref.hidden_states, got.hidden_states))
+                worst = max([worst] + [_relative(a, b) for a, b in pairs])
+        return worst
+
     def matches_hf(self) -> bool:
         """Both forwards on a probe (a 6-token prefill with one padded slot, then one cached step) agree."""
         cfg, dev = self.model.config, self.embed.device
@@ -165,6 +313,43 @@ class LeanStep:
                         and torch.allclose(ref.hidden_states[-1], hidden, rtol=1e-4, atol=1e-4)):
                     return False
         return True
+
+
+def _fused(weight: torch.Tensor, linears: list) -> torch.Tensor:
+    """``weight`` (the rows of ``linears``' weights stacked); the linears' weights become views of it."""
+    start = 0
+    for linear in linears:
+        rows = linear.weight.shape[0]
+        linear.weight = torch.nn.Parameter(weight[start : start + rows], requires_grad=linear.weight.requires_grad)
+        start += rows
+    return weight
+
+
+def _float_copy(model):
+    """A float32 copy of ``model`` with its first two layers and its first 256 vocabulary rows, on its device."""
+    import copy
+
+    cfg = copy.deepcopy(model.config)
+    layers = min(2, cfg.num_hidden_layers)
+    cfg.num_hidden_layers, cfg.vocab_size, cfg.tie_word_embeddings, cfg.pad_token_id = layers, min(256, cfg.vocab_size), False, None
+    if getattr(cfg, "layer_types", None):
+        cfg.layer_types = cfg.layer_types[:layers]
+    with torch.device(model.model.embed_tokens.weight.device):
+        small = type(model)(cfg).float().eval()
+    with torch.no_grad():
+        small.model.embed_tokens.weight.copy_(model.model.embed_tokens.weight[: cfg.vocab_size])
+        small.lm_head.weight.copy_(model.lm_head.weight[: cfg.vocab_size])
+        small.model.norm.load_state_dict(model.model.norm.state_dict())
+        for mine, theirs in zip(small.model.layers, model.model.layers):
+            mine.load_state_dict(theirs.state_dict())
+    return small
+
+
+def _relative(ref: torch.Tensor, got: torch.Tensor) -> float:
+    if ref.shape != got.shape:
+        return float("inf")
+    ref, got = ref.double(), got.double()
+    return float((ref - got).norm() / ref.norm().clamp_min(1e-30))
 
 
 def lean_output(logits, hidden) -> SimpleNamespace:

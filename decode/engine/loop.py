@@ -221,7 +221,7 @@ class SpecEngine:
                 for i, r in zip(index, new):
                     rows[i] = _Row(max_new=r.max_new_tokens, start=time.perf_counter(), group=r.group)
                 if self._may_ride(batch, len(joining)) and state.prefix is None and not self._shared_prefix(new):
-                    state.admit(KVState(self.target, len(new), self.device, compile=self.compile))
+                    state.admit(KVState(self.target, len(new), self.device, compile=self.compile, kernels=self.kernels))
                     joining += [Joining(r, i) for i, r in zip(index, new)]
                 elif joining:
                     # a prompt with the shared prefix is prefilled on its own once the joining rows are rows
@@ -340,7 +340,7 @@ class SpecEngine:
             head, head_seg = self._prefix_state(prefix, keep_all)
             state = head.share(bsz) if self._hydragen() else head.repeat(bsz)
         else:
-            state = KVState(self.target, bsz, self.device, compile=self.compile)
+            state = KVState(self.target, bsz, self.device, compile=self.compile, kernels=self.kernels)
         # one prompt has no padding: no validity given keeps the state's mask-free causal path open
         out = state.forward(ids, valid if bsz > 1 else None, hidden=self.wants_hidden, **({} if keep_all else {"logits_to_keep": 1}))
         state.commit_prefix(width, valid)
@@ -423,7 +423,7 @@ class SpecEngine:
         if self._prefix is None or self._prefix[0] != key[0] or self._prefix[1] != keep_all:
             ids = torch.tensor([prefix], dtype=torch.long, device=self.device)
             valid = torch.ones_like(ids, dtype=torch.bool)
-            state = KVState(self.target, 1, self.device, compile=self.compile)
+            state = KVState(self.target, 1, self.device, compile=self.compile, kernels=self.kernels)
             out = state.forward(ids, None, hidden=self.wants_hidden, **({} if keep_all else {"logits_to_keep": 1}))
             state.commit_prefix(ids.shape[1], valid)
             self._prefix = (key[0], keep_all, state, Segment(ids, valid, out.logits, *self.hidden_of(out)))
