@@ -146,7 +146,7 @@ def test_cuda_compiled_steps_and_parallel_drafts_decode_as_eager_ones_do(tiny_fa
     assert engine.compile == "graphs"  # auto, on a GPU
     got = dict(engine.stream(iter(reqs), 2))
     assert [got[i].token_ids for i in range(len(reqs))] == want, drafter
-    graphed = compiled.for_model(model, "graphs")
+    graphed = compiled.for_model(model, "graphs", engine.kernels)
     assert graphed.record and graphed.recorded > 0 and graphed.replays > graphed.recorded
 
 

@@ -24,6 +24,9 @@ class ModelDrafter(Drafter):
     default_k = 4
     length_policy = LengthPolicy.before
     has_draft_probs = True
+    # its steps run compiled as the job's target's do (``--compile``); a drafter drafting in a thread of its
+    # own turns this off: two threads recording CUDA graphs at once break each other's capture
+    records = True
 
     def __init__(self, model, scheme: Scheme | str = Scheme.standard, width: int = 2):
         """scheme rsd: each of the K draft steps proposes ``width`` siblings drawn from q without
@@ -45,7 +48,7 @@ class ModelDrafter(Drafter):
 
     def begin(self, batch, seg: Segment) -> None:
         # a draft is called once per drafted token: its per-call cost is what decode.engine.lean trims
-        self.state = KVState(self.model, len(batch.seqs), batch.device, lean=True, compile=batch.compile)
+        self.state = KVState(self.model, len(batch.seqs), batch.device, lean=True, compile=batch.compile if self.records else "off")
         self.fed = [0] * len(batch.seqs)
 
     def _feed_pending(self, batch, hidden: bool = False, extra: list[list[int]] | None = None):
@@ -216,7 +219,7 @@ class ModelDrafter(Drafter):
     def admit(self, batch, seg: Segment) -> None:
         # the new prompts get a forward of their own now: fed lazily, each would widen the next round's
         # pending feed to a whole prompt for every row of the batch
-        state = KVState(self.model, len(batch.seqs), batch.device, lean=True, compile=batch.compile)
+        state = KVState(self.model, len(batch.seqs), batch.device, lean=True, compile=batch.compile if self.records else "off")
         state.forward(seg.input_ids, seg.input_valid)
         state.commit_prefix(seg.input_ids.shape[1], seg.input_valid)
         self.state.admit(state)

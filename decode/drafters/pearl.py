@@ -57,6 +57,7 @@ from specdec.decode.engine.verify import Sampling
 
 class ParallelDrafter(ModelDrafter):
     length_policy = LengthPolicy.own  # it decides each round's length itself
+    records = False  # its steps run in its own thread while the loop's thread records the target's
 
     def __init__(self, model, adaptive: bool = True, pre_verify: bool = False):
         """adaptive False: the thread runs every round and always drafts the guess and ``num_draft``
