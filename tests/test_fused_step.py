@@ -31,6 +31,13 @@ def fresh(monkeypatch):
     compiled._COMPILED.clear()
 
 
+@pytest.fixture()
+def target():
+    """A target of this module's own: the shared fixture may carry another test's attention implementation
+    (a prefix held once), which the fused forward does not take."""
+    return tiny_llama(seed=0)
+
+
 def _same(a, b):
     """Equal where each op rounds once as its reference does: float32 on a CPU. A GPU's compiler fuses a
     multiply and an add (float32: one rounding fewer) and the interpreter (no bfloat16 in numpy) truncates

@@ -163,26 +163,34 @@ class KVState(SlotBook):
         within_window = self._window is None or self.length + t <= self._window
         if self._solid and within_window and self._lean is None and self._compiled is None and not self._bool_mask:
             return self._forward_causal(input_ids, hidden, model_kwargs)
-        if input_valid is None:
-            input_valid = torch.ones_like(input_ids, dtype=torch.bool)
-        if depth is None:
-            depth = (input_valid.long().cumsum(-1) - 1).clamp_(min=0)
-        if tree_attn is None:
-            tree_attn = torch.ones(t, t, dtype=torch.bool, device=input_ids.device).tril_()[None].expand(bsz, t, t)
-        # a compiled step runs at a bucketed length: the segment is padded with holes (logits_to_keep
-        # would keep a hole's logits, so such forwards, the prefills, run eagerly)
         own = t  # the segment's own tokens; t becomes the length it runs at
         width = compiled.bucket(t) if self._compiled is not None and not model_kwargs else None
-        if width is not None and width > t:
-            pad, t = width - t, width
-            input_ids, input_valid = F.pad(input_ids, (0, pad)), F.pad(input_valid, (0, pad), value=False)
-            depth, tree_attn = F.pad(depth, (0, pad)), F.pad(tree_attn, (0, pad, 0, pad), value=False)
-        self._reserve(self.length + t, compiled_step=width is not None)
-        seg = tree_attn & input_valid[:, None, :]
-        # each token sees itself, so a padded query never has an empty softmax row
-        seg = seg | torch.eye(t, dtype=torch.bool, device=input_ids.device)[None]
-        visible = torch.cat([self.valid[:, None, :].expand(bsz, t, self.length), seg], dim=-1)[:, None]
-        positions = self.pos[:, None] + depth
+        if t == 1 and input_valid is None and tree_attn is None and depth is None:
+            # one token after the cache (plain decoding's step): it sees the row's slots and itself, at the
+            # row's next position. Built in a few launches: on a GPU each is host time in every step
+            input_valid = torch.ones(bsz, 1, dtype=torch.bool, device=input_ids.device)
+            self._reserve(self.length + 1, compiled_step=width is not None)
+            visible = torch.cat([self.valid, input_valid], dim=1)[:, None, None]
+            positions = self.pos[:, None]
+        else:
+            if input_valid is None:
+                input_valid = torch.ones_like(input_ids, dtype=torch.bool)
+            if depth is None:
+                depth = (input_valid.long().cumsum(-1) - 1).clamp_(min=0)
+            if tree_attn is None:
+                tree_attn = torch.ones(t, t, dtype=torch.bool, device=input_ids.device).tril_()[None].expand(bsz, t, t)
+            # a compiled step runs at a bucketed length: the segment is padded with holes (logits_to_keep
+            # would keep a hole's logits, so such forwards, the prefills, run eagerly)
+            if width is not None and width > t:
+                pad, t = width - t, width
+                input_ids, input_valid = F.pad(input_ids, (0, pad)), F.pad(input_valid, (0, pad), value=False)
+                depth, tree_attn = F.pad(depth, (0, pad)), F.pad(tree_attn, (0, pad, 0, pad), value=False)
+            self._reserve(self.length + t, compiled_step=width is not None)
+            seg = tree_attn & input_valid[:, None, :]
+            # each token sees itself, so a padded query never has an empty softmax row
+            seg = seg | torch.eye(t, dtype=torch.bool, device=input_ids.device)[None]
+            visible = torch.cat([self.valid[:, None, :].expand(bsz, t, self.length), seg], dim=-1)[:, None]
+            positions = self.pos[:, None] + depth
         mask = self._mask(visible)
         if self._window is not None:
             # sliding layers: a key is visible iff query_pos - key_pos < window (transformers' sliding_window_overlay)

@@ -5,7 +5,9 @@ eager forward launches hundreds of kernels per layer. ``--compile`` takes a mode
 
 - ``graphs`` (the default on a GPU: ``auto``): each step's eager kernels are recorded once as a CUDA
   graph and replayed (``Graphed``), as serving engines do; recording costs one forward per shape, so a
-  job warms up in seconds;
+  job warms up in seconds. With the Triton kernels (``--kernels auto`` on a GPU) a Llama-architecture
+  target's steps record its fused forward (``decode.engine.lean.fused_step``: a dozen kernels a layer
+  instead of HF's forty), where a probe at load finds it reproduces HF's;
 - ``inductor``: the forwards run through ``torch.compile`` (CUDA graphs on a GPU:
   ``mode="reduce-overhead"``), fused kernels for a compile of a minute or more per shape;
 - ``off`` (the default on a CPU): eager forwards.

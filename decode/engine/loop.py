@@ -524,7 +524,8 @@ class SpecEngine:
             verdict = verify_chain(
                 logits, proposal.tokens, proposal.draft_probs, sampling, batch.generator, proposal.lengths, self.kernels
             )
-            keep = 1 + int(verdict.accepted.max().item())
+            # plain decoding's round keeps its one slot: no wait on the device to learn that
+            keep = 1 + int(verdict.accepted.max().item()) if n else 1
             index = torch.arange(keep, device=self.device)[None].expand(bsz, keep)
             keep_valid = index <= verdict.accepted[:, None]
         commit_index, commit_valid = (index, keep_valid) if ride is None else ride.keep(index, keep_valid)

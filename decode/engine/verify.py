@@ -205,6 +205,11 @@ def verify_chain(
     kernels: str = "torch",
 ) -> Verdict:
     bsz, k = tokens.shape
+    if k == 0 and sampling.greedy:
+        # nothing drafted (plain decoding's round): the root's argmax, as the reference takes it, in one launch
+        # rather than the kernels' or the reference's dozen (on a GPU each is host time in every step)
+        return Verdict(accepted=torch.zeros(bsz, dtype=torch.long, device=logits.device),
+                       path=torch.zeros(bsz, 0, dtype=torch.long, device=logits.device), next_token=logits[:, 0].argmax(-1))
     u_accept = u_sample = None
     if not sampling.greedy:
         u = torch.rand(bsz, k + 1, generator=generator, device=logits.device)
