@@ -138,9 +138,16 @@ def test_the_probe_refuses_a_forward_that_differs(monkeypatch):
     monkeypatch.setattr(decode_step, "rope_write_reference", swapped)
     assert lean.fused_step(model, "torch") is None
     assert lean.fused_step(half, "torch") is None
+
+
+def test_the_fused_step_is_not_built_where_it_cannot_run():
+    assert lean.fused_step(tiny_llama(layers=1), "torch") is not None
     biased = tiny_llama(layers=1)
     biased.config.attention_bias = True
     assert lean.fused_step(biased, "torch") is None
+    spread = tiny_llama(layers=2)
+    spread.hf_device_map = {"model.layers.0": 0, "model.layers.1": 1}  # as accelerate's placement records it
+    assert lean.fused_step(spread, "torch") is None
 
 
 def test_a_fused_compiled_state_matches_the_eager_one(target):

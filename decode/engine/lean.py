@@ -16,9 +16,10 @@ arithmetic through ``fused_step``: ``LeanStep.static`` against the preallocated 
 fused into three kernels (``kernels.decode_step``: Triton on a GPU, their PyTorch references elsewhere),
 so a recorded layer is about a dozen kernels instead of HF's forty. For a target the fused matmul
 weights are the model's own (its q/k/v and gate/up parameters become views of them: no second copy of
-an 8B model's projections), and the probe is run on the same preallocated buffers, within float32's
-tolerance or, in 16-bit dtypes, within their rounding (a structural slip differs by the logits' whole
-size); a model it does not reproduce records HF's forward.
+an 8B model's projections). Its probe runs both forwards on the same preallocated buffers, in float32
+(a 16-bit model's on a float32 copy of its first two layers, where a structural slip moves the logits by
+their whole norm, then on the model itself within its dtype's drift); a model it does not reproduce, or
+one spread over several GPUs, records HF's forward.
 """
 
 from __future__ import annotations
@@ -64,7 +65,9 @@ def fused_step(model, backend: str) -> "LeanStep | None":
     step = made.get(backend)
     if backend not in made or (step is not None and step.stale()):
         step = None
-        if not any(foreign_hooks(m) for m in model.modules()) and _supported(model, None, STATIC_ROPE, FUSED_ATTENTION):
+        # one device: the fused forward moves nothing between GPUs (a --device-map model keeps HF's forward)
+        spread = len(set(getattr(model, "hf_device_map", {}).values())) > 1
+        if not spread and not any(foreign_hooks(m) for m in model.modules()) and _supported(model, None, STATIC_ROPE, FUSED_ATTENTION):
             # the model's parameters become views of the fused weights: made outside inference mode (a job's
             # first step runs inside it), so that they stay parameters with version counters
             with torch.inference_mode(False):
@@ -194,7 +197,7 @@ class LeanStep:
     def static(self, input_ids, attention_mask, position_ids, past_key_values, output_hidden_states=False, **unused):
         """HF's forward for a compiled step (``decode.engine.compiled``), fused: the same keyword arguments
         and output (logits, and with ``output_hidden_states`` HF's tuple: the embeddings, each layer's
-        output, the last one normed), against ``decode.engine.cache.SlotBuffers`` in their compiled mode
+        output, the last one normed), against ``decode.engine.buffers.SlotBuffers`` in their compiled mode
         (every layer written at its write offset, a tensor; the mask [B, 1, T, capacity] spans the
         whole buffer, additive or boolean). The write offsets advance by T, as HF's cache update does."""
         from specdec.kernels.decode_step import ops
