@@ -33,6 +33,7 @@ from transformers import DynamicCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from specdec.decode.engine.direct import foreign_hooks
+from specdec.kernels.decode_step import ops, rms_norm_reference, rotate
 from specdec.models.masks import additive_mask
 
 # past this size a model's forward is arithmetic, not per-op work, and the fused copies of its weights would cost memory
@@ -159,38 +160,36 @@ class LeanStep:
         """The model's weights were written in place since the fused copies were made (loading, merging)."""
         return any(p._version != v for p, v in zip(self._fused_from, self._versions))
 
-    @staticmethod
-    def _rms(x, w, eps):
-        x32 = x.to(torch.float32)  # as HF's LlamaRMSNorm: in float32 whatever the model's dtype
-        return w * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    def _rotary(self, position_ids, dtype):
+        """HF's rotary tables cos, sin [B, T, D] for explicit positions, in the model's dtype."""
+        freqs = position_ids[..., None].float() * self.inv_freq
+        emb = torch.cat((freqs, freqs), -1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
 
     @torch.no_grad()
     def __call__(self, input_ids, attention_mask, position_ids, past_key_values):
         """(logits [B, T, V], final normed hidden [B, T, H]) for a segment after the cache; the same
         arguments as HF's forward (a 4-D additive mask over cache + segment, explicit positions)."""
         b, t = input_ids.shape
-        hd, half = self.head_dim, self.head_dim // 2
+        hd = self.head_dim
         nq, nk = self.heads * hd, self.kv_heads * hd
         x = F.embedding(input_ids, self.embed)
-        freqs = position_ids[..., None].float() * self.inv_freq
-        emb = torch.cat((freqs, freqs), -1)
-        cos, sin = emb.cos()[:, None].to(x.dtype), emb.sin()[:, None].to(x.dtype)
+        cos, sin = (table[:, None] for table in self._rotary(position_ids, x.dtype))
         for ln1, eps1, qkv_w, o_w, ln2, eps2, gu_w, down_w, idx in self.layers:
-            qkv = F.linear(self._rms(x, ln1, eps1), qkv_w)
+            qkv = F.linear(_rms(x, ln1, eps1), qkv_w)
             q = qkv[..., :nq].view(b, t, self.heads, hd).transpose(1, 2)
             k = qkv[..., nq : nq + nk].view(b, t, self.kv_heads, hd).transpose(1, 2)
             v = qkv[..., nq + nk :].view(b, t, self.kv_heads, hd).transpose(1, 2)
-            q = q * cos + torch.cat((-q[..., half:], q[..., :half]), -1) * sin
-            k = k * cos + torch.cat((-k[..., half:], k[..., :half]), -1) * sin
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
             k, v = past_key_values.update(k, v, idx)
             if self.kv_heads != self.heads:
                 k = k.repeat_interleave(self.heads // self.kv_heads, 1)
                 v = v.repeat_interleave(self.heads // self.kv_heads, 1)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, scale=self.scale)
             x = x + F.linear(o.transpose(1, 2).reshape(b, t, nq), o_w)
-            gate, up = F.linear(self._rms(x, ln2, eps2), gu_w).split(self.inter, -1)
+            gate, up = F.linear(_rms(x, ln2, eps2), gu_w).split(self.inter, -1)
             x = x + F.linear(F.silu(gate) * up, down_w)
-        x = self._rms(x, self.norm, self.eps)
+        x = _rms(x, self.norm, self.eps)
         return F.linear(x, self.head), x
 
     @torch.no_grad()
@@ -200,17 +199,13 @@ class LeanStep:
         output, the last one normed), against ``decode.engine.buffers.SlotBuffers`` in their compiled mode
         (every layer written at its write offset, a tensor; the mask [B, 1, T, capacity] spans the
         whole buffer, additive or boolean). The write offsets advance by T, as HF's cache update does."""
-        from specdec.kernels.decode_step import ops
-
         rms_norm, rope_write, silu_mul = ops(self.backend)
         b, t = input_ids.shape
         hd, nq = self.head_dim, self.heads * self.head_dim
         g = self.heads // self.kv_heads
         cache = past_key_values.layers
         x = F.embedding(input_ids, self.embed)
-        freqs = position_ids[..., None].float() * self.inv_freq
-        emb = torch.cat((freqs, freqs), -1)
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        cos, sin = self._rotary(position_ids, x.dtype)
         # the queries of the g heads sharing a key/value head are g * t rows of it: the mask repeats per head
         mask = attention_mask
         if g > 1:
@@ -256,13 +251,9 @@ class LeanStep:
         from specdec.decode.engine.buffers import SlotBuffers
 
         cfg, dev, dtype = self.model.config, self.embed.device, self.embed.dtype
-        gen = torch.Generator().manual_seed(0)
-        ids = torch.randint(0, cfg.vocab_size, (2, 6), generator=gen).to(dev)
-        visible = torch.ones(6, 6, dtype=torch.bool).tril_()[None, None].repeat(2, 1, 1, 1)
-        visible[1, :, 1:, 0] = False  # row 1's first slot is padding
-        pos = torch.arange(6)[None].repeat(2, 1).to(dev)
         capacity = 16
-        steps = [(ids, visible, pos, 0), (ids[:, :1], torch.ones(2, 1, 1, 7, dtype=torch.bool), pos[:, -1:] + 1, 6)]
+        # each segment written from its first position's slot
+        steps = [(seg, vis, p, int(p[0, 0])) for seg, vis, p in _probe_segments(cfg.vocab_size, dev)]
         caches = [SlotBuffers(len(self.layers), capacity, dev, zeroed=True) for _ in range(2)]
         empty = torch.empty(2, self.kv_heads, 0, self.head_dim, dtype=dtype, device=dev)
         for layer in caches[1].layers:  # HF's forward allocates its buffers at the first write; compiled steps find them made
@@ -298,12 +289,7 @@ class LeanStep:
     def matches_hf(self) -> bool:
         """Both forwards on a probe (a 6-token prefill with one padded slot, then one cached step) agree."""
         cfg, dev = self.model.config, self.embed.device
-        gen = torch.Generator().manual_seed(0)
-        ids = torch.randint(0, cfg.vocab_size, (2, 6), generator=gen).to(dev)
-        visible = torch.ones(6, 6, dtype=torch.bool).tril_()[None, None].repeat(2, 1, 1, 1)
-        visible[1, :, 1:, 0] = False  # row 1's first slot is padding
-        pos = torch.arange(6)[None].repeat(2, 1).to(dev)
-        steps = [(ids, visible, pos), (ids[:, :1], torch.ones(2, 1, 1, 7, dtype=torch.bool), pos[:, -1:] + 1)]
+        steps = _probe_segments(cfg.vocab_size, dev)
         caches = [DynamicCache(), DynamicCache()]  # full layers, as KVState builds them
         dtype = self.embed.dtype
         with torch.no_grad():
@@ -316,6 +302,22 @@ class LeanStep:
                         and torch.allclose(ref.hidden_states[-1], hidden, rtol=1e-4, atol=1e-4)):
                     return False
         return True
+
+
+def _rms(x, w, eps):
+    """HF's LlamaRMSNorm (in float32 whatever the model's dtype), as the fused kernel's reference computes it."""
+    return rms_norm_reference(x, w, eps)[1]
+
+
+def _probe_segments(vocab: int, dev) -> list:
+    """The probes' (input_ids, visible, positions): a 6-token prefill of two rows, row 1's first slot padding,
+    then one cached step."""
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (2, 6), generator=gen).to(dev)
+    visible = torch.ones(6, 6, dtype=torch.bool).tril_()[None, None].repeat(2, 1, 1, 1)
+    visible[1, :, 1:, 0] = False  # row 1's first slot is padding
+    pos = torch.arange(6)[None].repeat(2, 1).to(dev)
+    return [(ids, visible, pos), (ids[:, :1], torch.ones(2, 1, 1, 7, dtype=torch.bool), pos[:, -1:] + 1)]
 
 
 def _fused(weight: torch.Tensor, linears: list) -> torch.Tensor:
