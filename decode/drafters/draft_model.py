@@ -46,9 +46,13 @@ class ModelDrafter(Drafter):
     def proposes_trees(self) -> bool:
         return self.scheme != Scheme.standard
 
+    def _new_state(self, batch) -> KVState:
+        """An empty cache for the batch's rows, its steps compiled as the job's are unless ``records`` is off."""
+        return KVState(self.model, len(batch.seqs), batch.device, lean=True, compile=batch.compile if self.records else "off")
+
     def begin(self, batch, seg: Segment) -> None:
         # a draft is called once per drafted token: its per-call cost is what decode.engine.lean trims
-        self.state = KVState(self.model, len(batch.seqs), batch.device, lean=True, compile=batch.compile if self.records else "off")
+        self.state = self._new_state(batch)
         self.fed = [0] * len(batch.seqs)
 
     def _feed_pending(self, batch, hidden: bool = False, extra: list[list[int]] | None = None):
@@ -219,7 +223,7 @@ class ModelDrafter(Drafter):
     def admit(self, batch, seg: Segment) -> None:
         # the new prompts get a forward of their own now: fed lazily, each would widen the next round's
         # pending feed to a whole prompt for every row of the batch
-        state = KVState(self.model, len(batch.seqs), batch.device, lean=True, compile=batch.compile if self.records else "off")
+        state = self._new_state(batch)
         state.forward(seg.input_ids, seg.input_valid)
         state.commit_prefix(seg.input_ids.shape[1], seg.input_valid)
         self.state.admit(state)
