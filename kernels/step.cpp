@@ -7,6 +7,8 @@
 // and the argument parsing on top of the operation itself, about half of a token's time outside the
 // matrix products. Called from here, only the operation itself remains.
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
 #include <torch/library.h>
 
 #include <cmath>
@@ -155,9 +157,192 @@ at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
   return (x * cos) + (turned * sin);
 }
 
+// e^x for x <= 0 (a score minus its row's maximum), eight at a time: Cephes' expf (range reduction by ln 2 in two
+// parts, a degree-6 polynomial, then 2^n), within 2 ulp; below -87 (masked slots among them) exactly 0
+inline __m256 exp_nonpositive(__m256 x) {
+  const __m256 tiny = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ);
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(tiny, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
+}
+
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+constexpr int64_t SMALL_ROWS = 64;  // query rows (heads of a group x positions) a key/value head's attention takes here
+
+// Attention of a few positions over a cache, for a step: softmax(q k^T * scaling + mask) v computed directly.
+// ATen's SDPA on a CPU splits the work into blocks sized for long queries; for the 4 query rows of one Gemma 3
+// 270M position over a few hundred keys it spends about 200 us a layer in setup and copies around 20 us of
+// arithmetic. Here each task (a key/value head's group of up to 4 query rows) reads its keys and values once,
+// in place, and the rows' scores, softmax and weighted values stay in registers and one small buffer.
+bool small_attention_ok(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& mask,
+                        int64_t groups) {
+  auto dense_f32 = [](const at::Tensor& t) {
+    return t.scalar_type() == at::kFloat && t.device().is_cpu() && t.dim() == 4 && t.stride(3) == 1;
+  };
+  if (at::GradMode::is_enabled() || !dense_f32(q) || !dense_f32(k) || !dense_f32(v)) return false;
+  const int64_t b = q.size(0), heads = q.size(1), t = q.size(2), d = q.size(3), kv_heads = k.size(1), s = k.size(2);
+  if (d % 8 != 0 || k.size(3) != d || v.size(3) != d || k.size(0) != b || v.size(0) != b || v.size(1) != kv_heads ||
+      v.size(2) != s || heads != kv_heads * groups || groups * t > SMALL_ROWS || s == 0)
+    return false;
+  if (!mask.has_value()) return t == 1;  // several positions without a mask: SDPA's causal flag, left to SDPA
+  const at::Tensor& m = *mask;
+  return m.device().is_cpu() && (m.scalar_type() == at::kFloat || m.scalar_type() == at::kBool) && m.dim() == 4 &&
+         (m.size(0) == b || m.size(0) == 1) && (m.size(1) == heads || m.size(1) == 1) && m.size(2) == t && m.size(3) == s;
+}
+
+constexpr int64_t KEY_CHUNK = 128;  // keys a task reads: fixed, so a row's floats depend on neither the thread count nor the width
+
+// out [B, T, heads, D] (the layout attend returns), from q [B, heads, T, D], k and v [B, kv heads, S, D]. Tasks are
+// (a key/value head's block of ROW_BLOCK query rows) x (a chunk of KEY_CHUNK keys), so even one position's 4 rows spread
+// over the threads; each task keeps its chunk's maximum, sum of exponentials and unnormalised output, and the
+// chunks are merged in key order, as split-key (flash-decoding) attention merges them.
+template <int64_t R>
+at::Tensor small_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& mask,
+                           int64_t groups, double scaling) {
+  const int64_t b = q.size(0), heads = q.size(1), t = q.size(2), d = q.size(3), kv_heads = k.size(1), s = k.size(2);
+  const int64_t rows = groups * t, blocks = (rows + R - 1) / R, chunks = (s + KEY_CHUNK - 1) / KEY_CHUNK;
+  const int64_t tasks = b * kv_heads * blocks * chunks;
+  at::Tensor out = at::empty({b, t, heads, d}, q.options());
+  std::vector<float> part_o(tasks * R * d), part_m(tasks * R), part_l(tasks * R);
+  const float* mf = nullptr;
+  const bool* mb = nullptr;
+  int64_t ms0 = 0, ms1 = 0, ms2 = 0, ms3 = 0;
+  if (mask.has_value()) {
+    const at::Tensor& m = *mask;
+    ms0 = m.size(0) == 1 ? 0 : m.stride(0);
+    ms1 = m.size(1) == 1 ? 0 : m.stride(1);
+    ms2 = m.stride(2);
+    ms3 = m.stride(3);
+    if (m.scalar_type() == at::kFloat) mf = m.data_ptr<float>();
+    else mb = m.data_ptr<bool>();
+  }
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), qs2 = q.stride(2), ks0 = k.stride(0), ks1 = k.stride(1),
+                ks2 = k.stride(2), vs0 = v.stride(0), vs1 = v.stride(1), vs2 = v.stride(2);
+  const float scale = static_cast<float>(scaling);
+  // query row r of a key/value head: head hk * groups + r / t, position r % t
+  auto head_of = [&](int64_t hk, int64_t r) { return hk * groups + r / t; };
+  at::parallel_for(0, tasks, 1, [&](int64_t task0, int64_t task1) {
+    float scores[R][KEY_CHUNK];
+    for (int64_t task = task0; task < task1; ++task) {
+      const int64_t chunk = task % chunks, blk = (task / chunks) % blocks, bh = task / (chunks * blocks);
+      const int64_t bi = bh / kv_heads, hk = bh % kv_heads, r0 = R * blk, n = std::min<int64_t>(R, rows - r0);
+      const int64_t j0 = chunk * KEY_CHUNK, len = std::min<int64_t>(KEY_CHUNK, s - j0);
+      const float* qrow[R];
+      int64_t moff[R];
+      for (int64_t i = 0; i < R; ++i) {
+        const int64_t r = r0 + std::min<int64_t>(i, n - 1), h = head_of(hk, r), ti = r % t;  // padding rows repeat the last
+        qrow[i] = qp + bi * qs0 + h * qs1 + ti * qs2;
+        moff[i] = bi * ms0 + h * ms1 + ti * ms2;
+      }
+      const float* kb = kp + bi * ks0 + hk * ks1 + j0 * ks2;
+      const float* vb = vp + bi * vs0 + hk * vs1 + j0 * vs2;
+      for (int64_t j = 0; j < len; ++j) {  // scores: each key read once for the block's rows
+        const float* kj = kb + j * ks2;
+        __m256 acc[R];
+        for (int64_t i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
+        for (int64_t c = 0; c < d; c += 8) {
+          const __m256 kv = _mm256_loadu_ps(kj + c);
+          for (int64_t i = 0; i < R; ++i) acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(qrow[i] + c), kv, acc[i]);
+        }
+        for (int64_t i = 0; i < R; ++i) {
+          float x = hsum8(acc[i]) * scale;
+          if (mf) x = x + mf[moff[i] + (j0 + j) * ms3];
+          if (mb && !mb[moff[i] + (j0 + j) * ms3]) x = -INFINITY;
+          scores[i][j] = x;
+        }
+      }
+      float* po = part_o.data() + task * R * d;
+      float* pm = part_m.data() + task * R;
+      float* pl = part_l.data() + task * R;
+      const int64_t padded = (len + 7) / 8 * 8;
+      for (int64_t i = 0; i < R; ++i) {  // the chunk's softmax numerators (padding and masked slots exactly 0)
+        float* sc = scores[i];
+        for (int64_t j = len; j < padded; ++j) sc[j] = -INFINITY;
+        float top = -INFINITY;
+        for (int64_t j = 0; j < len; ++j) top = std::max(top, sc[j]);
+        pm[i] = top;
+        if (top == -INFINITY) {
+          for (int64_t j = 0; j < padded; ++j) sc[j] = 0.0f;
+          pl[i] = 0.0f;
+          continue;
+        }
+        const __m256 mx = _mm256_set1_ps(top);
+        __m256 sum = _mm256_setzero_ps();
+        for (int64_t j = 0; j < padded; j += 8) {
+          const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(sc + j), mx));
+          _mm256_storeu_ps(sc + j, e);
+          sum = _mm256_add_ps(sum, e);
+        }
+        pl[i] = hsum8(sum);
+      }
+      for (int64_t x = 0; x < R * d; ++x) po[x] = 0.0f;
+      for (int64_t j = 0; j < len; ++j) {  // unnormalised outputs: each value row read once, in order
+        const float* vj = vb + j * vs2;
+        __m256 p[R];
+        for (int64_t i = 0; i < R; ++i) p[i] = _mm256_set1_ps(scores[i][j]);
+        for (int64_t c = 0; c < d; c += 8) {
+          const __m256 vv = _mm256_loadu_ps(vj + c);
+          for (int64_t i = 0; i < R; ++i) _mm256_storeu_ps(po + i * d + c, _mm256_fmadd_ps(p[i], vv, _mm256_loadu_ps(po + i * d + c)));
+        }
+      }
+    }
+  });
+  // merge the chunks of each row in key order: out = sum_c e^(m_c - M) o_c / sum_c e^(m_c - M) l_c
+  float* op = out.data_ptr<float>();
+  std::vector<float> w(chunks);
+  for (int64_t bh = 0; bh < b * kv_heads; ++bh) {
+    const int64_t bi = bh / kv_heads, hk = bh % kv_heads;
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t blk = r / R, i = r % R, h = head_of(hk, r), ti = r % t;
+      const int64_t first = (bh * blocks + blk) * chunks;
+      float top = -INFINITY;
+      for (int64_t c = 0; c < chunks; ++c) top = std::max(top, part_m[(first + c) * R + i]);
+      float* o = op + ((bi * t + ti) * heads + h) * d;
+      if (top == -INFINITY) {  // a row with every key masked
+        for (int64_t x = 0; x < d; ++x) o[x] = 0.0f;
+        continue;
+      }
+      float total = 0.0f;
+      for (int64_t c = 0; c < chunks; ++c) {
+        const float m = part_m[(first + c) * R + i];
+        w[c] = m == -INFINITY ? 0.0f : std::exp(m - top);
+        total = total + w[c] * part_l[(first + c) * R + i];
+      }
+      for (int64_t x = 0; x < d; ++x) {
+        float acc = 0.0f;
+        for (int64_t c = 0; c < chunks; ++c) acc = acc + w[c] * part_o[((first + c) * R + i) * d + x];
+        o[x] = acc / total;
+      }
+    }
+  }
+  return out;
+}
+
 // transformers' sdpa_attention_forward for a module with key/value groups, no dropout and no position bias
 at::Tensor attend(at::Tensor q, at::Tensor k, at::Tensor v, const std::optional<at::Tensor>& mask, int64_t groups,
-                  double scaling, bool causal) {
+                  double scaling, bool causal, bool own = false) {
+  if (own && small_attention_ok(q, k, v, mask, groups)) return groups * q.size(2) <= 4 ? small_attention<4>(q, k, v, mask, groups, scaling)
+                                                         : small_attention<8>(q, k, v, mask, groups, scaling);
   std::optional<at::Tensor> m = mask;
   bool gqa = false;
   const int64_t q_len = q.size(2);
@@ -203,7 +388,7 @@ at::Tensor decoder_layers(const at::Tensor& x_in, at::TensorList linears, const 
                           const c10::List<std::optional<at::Tensor>>& norms, at::ArrayRef<double> eps, at::TensorList keys,
                           at::TensorList values, at::TensorList rope, const c10::List<std::optional<at::Tensor>>& masks,
                           at::IntArrayRef kinds, at::IntArrayRef style_flags, int64_t head_dim, int64_t groups,
-                          double scaling, bool causal, int64_t start, int64_t offset) {
+                          double scaling, bool causal, int64_t start, int64_t offset, bool own_attention) {
   const int64_t layers = static_cast<int64_t>(kinds.size());
   TORCH_CHECK(static_cast<int64_t>(linears.size()) == LINEARS * layers && static_cast<int64_t>(biases.size()) == LINEARS * layers &&
                   static_cast<int64_t>(norms.size()) == 3 * NORMS * layers && static_cast<int64_t>(eps.size()) == NORMS * layers &&
@@ -231,7 +416,7 @@ at::Tensor decoder_layers(const at::Tensor& x_in, at::TensorList linears, const 
     keys[i].slice(2, start, end).copy_(k);
     values[i].slice(2, start, end).copy_(v);
     at::Tensor o = attend(q, keys[i].slice(2, offset, end), values[i].slice(2, offset, end), masks.get(kind), groups,
-                          scaling, causal);
+                          scaling, causal, own_attention);
     o = linear(l, 3, o.reshape({b, t, -1}).contiguous());
     x = has_norm(l, 3) ? norm(l, style, 3, o, &residual) : residual + o;
     residual = x;
@@ -247,8 +432,11 @@ at::Tensor decoder_layers(const at::Tensor& x_in, at::TensorList linears, const 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(specdec_q, m) {
+  m.def("attention(Tensor q, Tensor k, Tensor v, Tensor? mask, int groups, float scaling, bool causal) -> Tensor",
+        [](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& mask, int64_t groups,
+           double scaling, bool causal) { return attend(q, k, v, mask, groups, scaling, causal, true); });
   m.def("decoder_layers(Tensor x, Tensor[] linears, Tensor?[] biases, int[] qtypes, int[] in_features, Tensor?[] norms, "
         "float[] eps, Tensor[] keys, Tensor[] values, Tensor[] rope, Tensor?[] masks, int[] kinds, int[] style, int head_dim, "
-        "int groups, float scaling, bool causal, int start, int offset) -> Tensor",
+        "int groups, float scaling, bool causal, int start, int offset, bool own_attention) -> Tensor",
         decoder_layers);
 }

@@ -65,6 +65,8 @@ def calls(monkeypatch):
 def test_decoding_through_the_direct_step_is_the_same_text(monkeypatch, calls, quantised, drafter, bsz):
     model = _gemma(quantised=quantised)
     assert direct.direct_step(model, cache_mod.SlotBuffers) is not None
+    # a target on quantised blocks attends with the step's own attention, in both forwards; a float one keeps SDPA
+    assert model.config._attn_implementation == (direct.OWN_ATTENTION if quantised else "sdpa")
     calls.clear()  # the probe's own
     prompts = PROMPTS[:bsz]
     want = _decode(model, drafter(), prompts, False, monkeypatch)
@@ -181,3 +183,79 @@ def test_a_drafter_that_reads_hidden_states_decodes_through_the_direct_step(monk
     assert got == want == plain
     assert any(shape[1] > 1 for shape in calls)  # the verify forwards, with their hidden states
     assert len(drafts[True]) == len(drafts[False]) and all(torch.equal(a, b) for a, b in zip(drafts[True], drafts[False]))
+
+
+def _attention_reference(q, k, v, mask, groups, scaling):
+    """softmax(q k^T * scaling + mask) v in float64, each query head on its key/value head, [B, T, heads, D];
+    a row whose keys are all masked gives zeros."""
+    q, k, v = q.double(), k.double().repeat_interleave(groups, 1), v.double().repeat_interleave(groups, 1)
+    scores = q @ k.transpose(-1, -2) * scaling
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.double()
+    out = torch.nan_to_num(torch.softmax(scores, -1)) @ v
+    return out.transpose(1, 2)
+
+
+@pytest.mark.parametrize("batch, kv_heads, groups, t, keys, dim", [
+    (1, 1, 4, 1, 257, 256),  # Gemma 3 270M's one position over a few hundred keys (three key chunks)
+    (1, 1, 4, 4, 300, 256),  # a verify forward: 16 query rows, two row blocks
+    (2, 2, 2, 3, 37, 64),
+    (3, 1, 4, 1, 9, 32),
+    (1, 4, 1, 5, 20, 16),
+    (1, 1, 4, 16, 130, 32),  # the most query rows it takes: 64
+])
+@pytest.mark.parametrize("mask_kind", ["none", "additive", "bool"])
+def test_the_steps_own_attention_is_softmax_attention(batch, kv_heads, groups, t, keys, dim, mask_kind):
+    """The step's attention of a few positions (kernels/step.cpp): split-key softmax attention over keys and values
+    read in place (slices of larger buffers), with additive or boolean masks broadcast over heads, holes, and a
+    row with every key masked, within float32 rounding of the float64 reference."""
+    if mask_kind == "none" and t > 1:
+        pytest.skip("several positions without a mask are SDPA's causal case, which the operator hands to SDPA")
+    gen = torch.Generator().manual_seed(t * 100 + keys)
+    q = torch.randn(batch, kv_heads * groups, t, dim, generator=gen)
+    k = torch.randn(batch, kv_heads, keys + 7, dim, generator=gen)[:, :, 3:keys + 3]
+    v = torch.randn(batch, kv_heads, keys + 7, dim, generator=gen)[:, :, 3:keys + 3]
+    visible = torch.rand(batch, 1, t, keys, generator=gen) > 0.3
+    visible[..., -1] = True
+    if batch > 1:
+        visible[1, 0, 0] = False  # one row sees no key at all
+    mask = {"none": None, "bool": visible,
+            "additive": torch.zeros(batch, 1, t, keys).masked_fill(~visible, float("-inf"))}[mask_kind]
+    with torch.no_grad():
+        got = torch.ops.specdec_q.attention(q, k, v, mask, groups, dim ** -0.5, True)
+    want = _attention_reference(q, k, v, mask, groups, dim ** -0.5)
+    assert got.shape == (batch, t, kv_heads * groups, dim)
+    assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
+    if batch > 1 and mask is not None:
+        assert torch.all(got[1, 0, :groups] == 0)  # the row without keys (its key/value head 0's query heads)
+
+
+def test_the_steps_own_attention_is_what_both_forwards_of_a_quantised_target_run(monkeypatch):
+    """Both the decode step and transformers' forward of a target on quantised blocks call the step's attention;
+    where transformers' side would not compute it as the step does, the probe finds the floats differ and both
+    forwards keep SDPA."""
+    model = _gemma(seed=4, quantised=True)
+    seen = []
+    real = direct.step_attention
+    monkeypatch.setattr(direct, "step_attention", lambda *a, **k: seen.append(1) or real(*a, **k))
+    monkeypatch.setattr(direct, "register_attention", lambda: _register(direct.step_attention))
+    assert direct.direct_step(model, cache_mod.SlotBuffers) is not None and seen
+    skewed = _gemma(seed=5, quantised=True)  # transformers' forward on SDPA while the step attends its own way
+    monkeypatch.setattr(direct, "register_attention", lambda: _register(_plain_sdpa))
+    assert direct.direct_step(skewed, cache_mod.SlotBuffers) is not None
+    assert skewed.config._attn_implementation == "sdpa"
+
+
+def _register(function):
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(direct.OWN_ATTENTION, function)
+    AttentionMaskInterface.register(direct.OWN_ATTENTION, sdpa_mask)
+    return direct.OWN_ATTENTION
+
+
+def _plain_sdpa(*args, **kwargs):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(*args, **kwargs)

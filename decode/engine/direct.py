@@ -15,6 +15,15 @@ prefill, then steps of one and of three positions over preallocated buffers) and
 with ``torch.equal``; any difference, or a model it does not describe (another architecture, a norm
 models.norms did not route, accelerate's hooks, soft-capped attention), keeps transformers' forward,
 and so does a forward while a hook sits on a module the step skips (a riding drafter's).
+
+Attention of a few positions: ATen's SDPA on a CPU costs Gemma 3 270M about 13% of a one-token step (some
+200 us a layer of setup for a few microseconds of arithmetic over a few hundred cached keys). The step's
+own attention (``kernels/step.cpp``: split-key softmax attention, the keys and values read once in place)
+serves a target whose layers run on a GGUF file's quantised blocks: such a target already computes with
+specdec's kernels rather than transformers' float32 ones. Its transformers forward is switched to the
+same function (``OWN_ATTENTION``, registered with transformers), so both forwards still give the same
+floats and the probe still decides. A float model keeps transformers' SDPA, so its text stays
+transformers' own to the last float.
 """
 
 from __future__ import annotations
@@ -56,6 +65,7 @@ FAMILIES = {
     "Qwen3ForCausalLM": Family(("input_layernorm", "q_norm", "k_norm", None, "post_attention_layernorm", None), False, 2, "silu"),
 }
 _CACHE: "weakref.WeakKeyDictionary[torch.nn.Module, DirectStep | None]" = weakref.WeakKeyDictionary()
+OWN_ATTENTION = "specdec_step_sdpa"  # transformers' name for the step's attention (kernels/step.cpp's ``attention``)
 
 
 def direct_step(model, buffers) -> "DirectStep | None":
@@ -65,8 +75,39 @@ def direct_step(model, buffers) -> "DirectStep | None":
     if model not in _CACHE:
         family = FAMILIES.get(type(model).__name__)
         step = DirectStep(model, family) if family is not None and _supported(model, family) else None
+        if step is not None and step.blocks is not None and model.config._attn_implementation == "sdpa":
+            model.set_attn_implementation(register_attention())
+            if not step.matches_hf(buffers):  # the step's attention as transformers' own, or not at all
+                model.set_attn_implementation("sdpa")
         _CACHE[model] = step if step is not None and step.matches_hf(buffers) else None
     return _CACHE[model]
+
+
+def step_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, is_causal=None, **kwargs):
+    """transformers' SDPA attention function as the decode step computes it: the step's own ``attention``
+    operator, which takes a few positions itself and hands the rest to SDPA exactly as transformers does.
+    Anything beyond softmax(QK^T)V (dropout, soft-capping, sinks, a position bias, a paged cache) goes to
+    transformers' SDPA function."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if (dropout or kwargs.get("output_attentions") or any(kwargs.get(name) is not None
+                                                          for name in ("softcap", "s_aux", "sinks", "position_bias", "cache"))):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    groups = getattr(module, "num_key_value_groups", 1)
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    return torch.ops.specdec_q.attention(query, key, value, attention_mask, groups, float(scale), bool(causal)), None
+
+
+def register_attention() -> str:
+    """Register ``step_attention`` with transformers (masks built as for SDPA) under ``OWN_ATTENTION``."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(OWN_ATTENTION, step_attention)
+    AttentionMaskInterface.register(OWN_ATTENTION, sdpa_mask)
+    return OWN_ATTENTION
 
 
 @contextlib.contextmanager
@@ -98,7 +139,7 @@ def _layers(*args):
 def _supported(model, family: Family) -> bool:
     cfg, base = model.config, getattr(model, "model", None)
     act = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", None)
-    if (base is None or getattr(cfg, "_attn_implementation", None) != "sdpa" or act != family.act
+    if (base is None or getattr(cfg, "_attn_implementation", None) not in ("sdpa", OWN_ATTENTION) or act != family.act
             or getattr(cfg, "attn_logit_softcapping", None) is not None or getattr(cfg, "use_bidirectional_attention", False)
             or getattr(cfg, "mlp_bias", False)):
         return False
@@ -246,11 +287,12 @@ class DirectStep:
         states[0] = x
         a = 0
         per_linear, per_norm = len(LINEARS), len(self.family.norms)  # the per-layer lists' entries a layer
+        own = self.model.config._attn_implementation == OWN_ATTENTION
         for b in cuts:
             lin, nrm = slice(per_linear * a, per_linear * b), slice(per_norm * a, per_norm * b)
             x = _layers(x, linears[lin], self.biases[lin], qtypes[lin], widths[lin], norms[3 * nrm.start: 3 * nrm.stop],
                         self.eps[nrm], keys[a:b], values[a:b], rope, masks, self.kinds[a:b], self.family.style(),
-                        self.head_dim, self.groups, self.scaling, self.causal, start, offset)
+                        self.head_dim, self.groups, self.scaling, self.causal, start, offset, own)
             if b < n_layers:
                 states[b] = x
             a = b

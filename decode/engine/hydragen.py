@@ -25,6 +25,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
+from specdec.decode.engine.direct import OWN_ATTENTION
 from specdec.kernels import BACKENDS
 from specdec.kernels.prefix_attention import prefix_attention
 from specdec.models import arch
@@ -34,8 +35,9 @@ PREFIX = "specdec_hydragen_"
 # attention-function keywords that change the result beyond softmax(QK^T)V (None when unused)
 UNSUPPORTED = ("softcap", "sliding_window", "s_aux", "sinks", "position_bias")
 # eager attention differs per architecture; such models keep the copied prefix. specdec_tree is SDPA with
-# a Triton kernel for verify forwards (kernels.tree_attention), which CUDA decodes use by default
-SUPPORTED = ("sdpa", "specdec_tree")
+# a Triton kernel for verify forwards (kernels.tree_attention), which CUDA decodes use by default; OWN_ATTENTION
+# is SDPA as the CPU decode step computes it for a target on quantised blocks
+SUPPORTED = ("sdpa", "specdec_tree", OWN_ATTENTION)
 
 
 def enable(model, kernels: str | None = None) -> bool:
