@@ -184,13 +184,15 @@ inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-constexpr int64_t SMALL_ROWS = 64;  // query rows (heads of a group x positions) a key/value head's attention takes here
+// query rows (heads of a group x positions) a key/value head's attention takes here; from about 32 rows SDPA's
+// matrix products reuse each key better than these register blocks do
+constexpr int64_t SMALL_ROWS = 16;
 
 // Attention of a few positions over a cache, for a step: softmax(q k^T * scaling + mask) v computed directly.
-// ATen's SDPA on a CPU splits the work into blocks sized for long queries; for the 4 query rows of one Gemma 3
-// 270M position over a few hundred keys it spends about 200 us a layer in setup and copies around 20 us of
-// arithmetic. Here each task (a key/value head's group of up to 4 query rows) reads its keys and values once,
-// in place, and the rows' scores, softmax and weighted values stay in registers and one small buffer.
+// ATen's SDPA on a CPU splits the work into blocks sized for long queries: for the 4 query rows of one Gemma 3
+// 270M position over 257 keys it took about 230 us a layer inside the decode step (torch's profiler), where the
+// arithmetic is half a million multiply-adds; this kernel takes about 50 us on those shapes, one thread, keys in L2. Here each task reads its keys and values once, in place, for a block of query rows, and the
+// rows' scores, softmax and weighted values stay in registers and small buffers.
 bool small_attention_ok(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& mask,
                         int64_t groups) {
   auto dense_f32 = [](const at::Tensor& t) {
@@ -210,7 +212,7 @@ bool small_attention_ok(const at::Tensor& q, const at::Tensor& k, const at::Tens
 constexpr int64_t KEY_CHUNK = 128;  // keys a task reads: fixed, so a row's floats depend on neither the thread count nor the width
 
 // out [B, T, heads, D] (the layout attend returns), from q [B, heads, T, D], k and v [B, kv heads, S, D]. Tasks are
-// (a key/value head's block of ROW_BLOCK query rows) x (a chunk of KEY_CHUNK keys), so even one position's 4 rows spread
+// (a key/value head's block of R query rows: 4, or 8 for 5 to 16) x (a chunk of KEY_CHUNK keys), so even one position's 4 rows spread
 // over the threads; each task keeps its chunk's maximum, sum of exponentials and unnormalised output, and the
 // chunks are merged in key order, as split-key (flash-decoding) attention merges them.
 template <int64_t R>
@@ -295,15 +297,25 @@ at::Tensor small_attention(const at::Tensor& q, const at::Tensor& k, const at::T
         }
         pl[i] = hsum8(sum);
       }
-      for (int64_t x = 0; x < R * d; ++x) po[x] = 0.0f;
-      for (int64_t j = 0; j < len; ++j) {  // unnormalised outputs: each value row read once, in order
-        const float* vj = vb + j * vs2;
-        __m256 p[R];
-        for (int64_t i = 0; i < R; ++i) p[i] = _mm256_set1_ps(scores[i][j]);
-        for (int64_t c = 0; c < d; c += 8) {
-          const __m256 vv = _mm256_loadu_ps(vj + c);
-          for (int64_t i = 0; i < R; ++i) _mm256_storeu_ps(po + i * d + c, _mm256_fmadd_ps(p[i], vv, _mm256_loadu_ps(po + i * d + c)));
+      // unnormalised outputs, a column block at a time with the rows' sums in registers (the chunk's value rows,
+      // at most KEY_CHUNK of them, stay in L2 between the column blocks)
+      constexpr int64_t CW = R <= 4 ? 2 : 1;  // vectors of 8 columns a block
+      for (int64_t c = 0; c < d; c += 8 * CW) {
+        const int64_t vecs = std::min<int64_t>(CW, (d - c) / 8);
+        __m256 acc[R][CW];
+        for (int64_t i = 0; i < R; ++i)
+          for (int64_t u = 0; u < CW; ++u) acc[i][u] = _mm256_setzero_ps();
+        for (int64_t j = 0; j < len; ++j) {
+          const float* vj = vb + j * vs2 + c;
+          __m256 vv[CW];
+          for (int64_t u = 0; u < CW; ++u) vv[u] = u < vecs ? _mm256_loadu_ps(vj + 8 * u) : _mm256_setzero_ps();
+          for (int64_t i = 0; i < R; ++i) {
+            const __m256 p = _mm256_broadcast_ss(&scores[i][j]);
+            for (int64_t u = 0; u < CW; ++u) acc[i][u] = _mm256_fmadd_ps(p, vv[u], acc[i][u]);
+          }
         }
+        for (int64_t i = 0; i < R; ++i)
+          for (int64_t u = 0; u < vecs; ++u) _mm256_storeu_ps(po + i * d + c + 8 * u, acc[i][u]);
       }
     }
   });
