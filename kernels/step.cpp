@@ -191,8 +191,9 @@ constexpr int64_t SMALL_ROWS = 16;
 // Attention of a few positions over a cache, for a step: softmax(q k^T * scaling + mask) v computed directly.
 // ATen's SDPA on a CPU splits the work into blocks sized for long queries: for the 4 query rows of one Gemma 3
 // 270M position over 257 keys it took about 230 us a layer inside the decode step (torch's profiler), where the
-// arithmetic is half a million multiply-adds; this kernel takes about 50 us on those shapes, one thread, keys in L2. Here each task reads its keys and values once, in place, for a block of query rows, and the
-// rows' scores, softmax and weighted values stay in registers and small buffers.
+// arithmetic is half a million multiply-adds; this kernel takes about 50 us on those shapes (one thread, keys in
+// L2). Each task reads its keys and values once, in place, for a block of query rows, and the rows' scores,
+// softmax and weighted values stay in registers and small buffers.
 bool small_attention_ok(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& mask,
                         int64_t groups) {
   auto dense_f32 = [](const at::Tensor& t) {
@@ -211,10 +212,10 @@ bool small_attention_ok(const at::Tensor& q, const at::Tensor& k, const at::Tens
 
 constexpr int64_t KEY_CHUNK = 128;  // keys a task reads: fixed, so a row's floats depend on neither the thread count nor the width
 
-// out [B, T, heads, D] (the layout attend returns), from q [B, heads, T, D], k and v [B, kv heads, S, D]. Tasks are
-// (a key/value head's block of R query rows: 4, or 8 for 5 to 16) x (a chunk of KEY_CHUNK keys), so even one position's 4 rows spread
-// over the threads; each task keeps its chunk's maximum, sum of exponentials and unnormalised output, and the
-// chunks are merged in key order, as split-key (flash-decoding) attention merges them.
+// out [B, T, heads, D] (the layout attend returns), from q [B, heads, T, D], k and v [B, kv heads, S, D]. Tasks
+// are (a key/value head's block of R query rows: 4, or 8 for 5 to 16) x (a chunk of KEY_CHUNK keys), so even one
+// position's 4 rows spread over the threads; each task keeps its chunk's maximum, sum of exponentials and
+// unnormalised output, and the chunks are merged in key order, as split-key (flash-decoding) attention does.
 template <int64_t R>
 at::Tensor small_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& mask,
                            int64_t groups, double scaling) {
@@ -353,8 +354,9 @@ at::Tensor small_attention(const at::Tensor& q, const at::Tensor& k, const at::T
 // transformers' sdpa_attention_forward for a module with key/value groups, no dropout and no position bias
 at::Tensor attend(at::Tensor q, at::Tensor k, at::Tensor v, const std::optional<at::Tensor>& mask, int64_t groups,
                   double scaling, bool causal, bool own = false) {
-  if (own && small_attention_ok(q, k, v, mask, groups)) return groups * q.size(2) <= 4 ? small_attention<4>(q, k, v, mask, groups, scaling)
-                                                         : small_attention<8>(q, k, v, mask, groups, scaling);
+  if (own && small_attention_ok(q, k, v, mask, groups))
+    return groups * q.size(2) <= 4 ? small_attention<4>(q, k, v, mask, groups, scaling)
+                                   : small_attention<8>(q, k, v, mask, groups, scaling);
   std::optional<at::Tensor> m = mask;
   bool gqa = false;
   const int64_t q_len = q.size(2);

@@ -247,6 +247,38 @@ def test_the_steps_own_attention_is_what_both_forwards_of_a_quantised_target_run
     assert skewed.config._attn_implementation == "sdpa"
 
 
+def test_outside_the_engine_a_quantised_target_attends_with_transformers_sdpa(monkeypatch):
+    """The step's attention is the blocks' companion: outside the engine (the blocks off, as a user's or a
+    benchmark peer's transformers forward runs the model) a decode step's logits are SDPA's to the last float,
+    and the step's operator is not called; inside, it is."""
+    from transformers import DynamicCache
+
+    from specdec.models import head
+
+    model = _gemma(seed=6, quantised=True)
+    model._specdec_blocks.enabled = False  # as a target's blocks are outside the engine (models.blocks.install)
+    assert direct.direct_step(model, cache_mod.SlotBuffers) is not None
+    assert model.config._attn_implementation == direct.OWN_ATTENTION
+    seen = []
+    real = torch.ops.specdec_q.attention
+    monkeypatch.setattr(torch.ops.specdec_q, "attention", lambda *a: seen.append(1) or real(*a))
+    ids = torch.tensor([PROMPTS[0][:6]])
+
+    def step_logits():
+        cache = DynamicCache(config=model.config)
+        with torch.inference_mode():
+            model(input_ids=ids[:, :5], past_key_values=cache, use_cache=True)
+            return model(input_ids=ids[:, 5:], past_key_values=cache, use_cache=True).logits
+
+    outside = step_logits()
+    assert not seen
+    with head.scope(model, greedy=False):
+        step_logits()
+    assert seen
+    model.set_attn_implementation("sdpa")
+    assert torch.equal(outside, step_logits())
+
+
 def _register(function):
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask

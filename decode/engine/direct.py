@@ -22,7 +22,7 @@ own attention (``kernels/step.cpp``: split-key softmax attention, the keys and v
 serves a target whose layers run on a GGUF file's quantised blocks: such a target already computes with
 specdec's kernels rather than transformers' float32 ones. Its transformers forward is switched to the
 same function (``OWN_ATTENTION``, registered with transformers), so both forwards still give the same
-floats and the probe still decides. A float model keeps transformers' SDPA, so its text stays
+floats and the probe still decides; like the blocks, only inside the engine (outside it, transformers' SDPA). A float model keeps transformers' SDPA, so its text stays
 transformers' own to the last float.
 """
 
@@ -76,6 +76,8 @@ def direct_step(model, buffers) -> "DirectStep | None":
         family = FAMILIES.get(type(model).__name__)
         step = DirectStep(model, family) if family is not None and _supported(model, family) else None
         if step is not None and step.blocks is not None and model.config._attn_implementation == "sdpa":
+            for layer in step.base.layers:  # the switch that says when (the blocks' own: inside the engine)
+                layer.self_attn._specdec_step_attention = step.blocks
             model.set_attn_implementation(register_attention())
             if not step.matches_hf(buffers):  # the step's attention as transformers' own, or not at all
                 model.set_attn_implementation("sdpa")
@@ -86,11 +88,14 @@ def direct_step(model, buffers) -> "DirectStep | None":
 def step_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, is_causal=None, **kwargs):
     """transformers' SDPA attention function as the decode step computes it: the step's own ``attention``
     operator, which takes a few positions itself and hands the rest to SDPA exactly as transformers does.
-    Anything beyond softmax(QK^T)V (dropout, soft-capping, sinks, a position bias, a paged cache) goes to
+    Only while the model's quantised blocks are active (inside the engine; outside it the model is
+    transformers' float32 model, whose forward a user or a benchmark's peer gets, SDPA included); and
+    anything beyond softmax(QK^T)V (dropout, soft-capping, sinks, a position bias, a paged cache) goes to
     transformers' SDPA function."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    if (dropout or kwargs.get("output_attentions") or any(kwargs.get(name) is not None
+    state = getattr(module, "_specdec_step_attention", None)
+    if (state is None or not state.active or dropout or kwargs.get("output_attentions") or any(kwargs.get(name) is not None
                                                           for name in ("softcap", "s_aux", "sinks", "position_bias", "cache"))):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
@@ -287,7 +292,7 @@ class DirectStep:
         states[0] = x
         a = 0
         per_linear, per_norm = len(LINEARS), len(self.family.norms)  # the per-layer lists' entries a layer
-        own = self.model.config._attn_implementation == OWN_ATTENTION
+        own = self.model.config._attn_implementation == OWN_ATTENTION and self.blocks is not None and self.blocks.active
         for b in cuts:
             lin, nrm = slice(per_linear * a, per_linear * b), slice(per_norm * a, per_norm * b)
             x = _layers(x, linears[lin], self.biases[lin], qtypes[lin], widths[lin], norms[3 * nrm.start: 3 * nrm.stop],
