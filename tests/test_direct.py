@@ -237,12 +237,11 @@ def test_the_steps_own_attention_is_what_both_forwards_of_a_quantised_target_run
     forwards keep SDPA."""
     model = _gemma(seed=4, quantised=True)
     seen = []
-    real = direct.step_attention
-    monkeypatch.setattr(direct, "step_attention", lambda *a, **k: seen.append(1) or real(*a, **k))
-    monkeypatch.setattr(direct, "register_attention", lambda: _register(direct.step_attention))
+    real, register = direct.step_attention, direct.register_attention
+    monkeypatch.setattr(direct, "register_attention", lambda: register(lambda *a, **k: seen.append(1) or real(*a, **k)))
     assert direct.direct_step(model, cache_mod.SlotBuffers) is not None and seen
     skewed = _gemma(seed=5, quantised=True)  # transformers' forward on SDPA while the step attends its own way
-    monkeypatch.setattr(direct, "register_attention", lambda: _register(_plain_sdpa))
+    monkeypatch.setattr(direct, "register_attention", lambda: register(_plain_sdpa))
     assert direct.direct_step(skewed, cache_mod.SlotBuffers) is not None
     assert skewed.config._attn_implementation == "sdpa"
 
@@ -277,15 +276,6 @@ def test_outside_the_engine_a_quantised_target_attends_with_transformers_sdpa(mo
     assert seen
     model.set_attn_implementation("sdpa")
     assert torch.equal(outside, step_logits())
-
-
-def _register(function):
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    AttentionInterface.register(direct.OWN_ATTENTION, function)
-    AttentionMaskInterface.register(direct.OWN_ATTENTION, sdpa_mask)
-    return direct.OWN_ATTENTION
 
 
 def _plain_sdpa(*args, **kwargs):

@@ -22,8 +22,8 @@ own attention (``kernels/step.cpp``: split-key softmax attention, the keys and v
 serves a target whose layers run on a GGUF file's quantised blocks: such a target already computes with
 specdec's kernels rather than transformers' float32 ones. Its transformers forward is switched to the
 same function (``OWN_ATTENTION``, registered with transformers), so both forwards still give the same
-floats and the probe still decides; like the blocks, only inside the engine (outside it, transformers' SDPA). A float model keeps transformers' SDPA, so its text stays
-transformers' own to the last float.
+floats and the probe still decides; like the blocks, only inside the engine (outside it, transformers'
+SDPA). A float model keeps transformers' SDPA, so its text stays transformers' own to the last float.
 """
 
 from __future__ import annotations
@@ -75,14 +75,21 @@ def direct_step(model, buffers) -> "DirectStep | None":
     if model not in _CACHE:
         family = FAMILIES.get(type(model).__name__)
         step = DirectStep(model, family) if family is not None and _supported(model, family) else None
-        if step is not None and step.blocks is not None and model.config._attn_implementation == "sdpa":
-            for layer in step.base.layers:  # the switch that says when (the blocks' own: inside the engine)
-                layer.self_attn._specdec_step_attention = step.blocks
-            model.set_attn_implementation(register_attention())
-            if not step.matches_hf(buffers):  # the step's attention as transformers' own, or not at all
-                model.set_attn_implementation("sdpa")
-        _CACHE[model] = step if step is not None and step.matches_hf(buffers) else None
+        _CACHE[model] = step if step is not None and _probe(model, step, buffers) else None
     return _CACHE[model]
+
+
+def _probe(model, step: "DirectStep", buffers) -> bool:
+    """The step gives transformers' floats: with the step's own attention in both forwards where the target's
+    layers run on quantised blocks, else (or where the two would differ so) with SDPA in both."""
+    if step.blocks is not None and model.config._attn_implementation == "sdpa":
+        for layer in step.base.layers:  # the switch that says when (the blocks' own: inside the engine)
+            layer.self_attn._specdec_step_attention = step.blocks
+        model.set_attn_implementation(register_attention())
+        if step.matches_hf(buffers):
+            return True
+        model.set_attn_implementation("sdpa")
+    return step.matches_hf(buffers)
 
 
 def step_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, is_causal=None, **kwargs):
@@ -105,12 +112,12 @@ def step_attention(module, query, key, value, attention_mask, dropout: float = 0
     return torch.ops.specdec_q.attention(query, key, value, attention_mask, groups, float(scale), bool(causal)), None
 
 
-def register_attention() -> str:
-    """Register ``step_attention`` with transformers (masks built as for SDPA) under ``OWN_ATTENTION``."""
+def register_attention(function=None) -> str:
+    """Register ``function`` (``step_attention``) with transformers (masks built as for SDPA) under ``OWN_ATTENTION``."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    AttentionInterface.register(OWN_ATTENTION, step_attention)
+    AttentionInterface.register(OWN_ATTENTION, function or step_attention)
     AttentionMaskInterface.register(OWN_ATTENTION, sdpa_mask)
     return OWN_ATTENTION
 
