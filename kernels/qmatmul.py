@@ -78,3 +78,25 @@ def qmatmul(x: torch.Tensor, blocks: torch.Tensor, qtype: int, k: int) -> torch.
 def qdequant(blocks: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
     """The float32 weights [N, K] the kernel multiplies by."""
     return torch.ops.specdec_q.qdequant(blocks, qtype, k)
+
+
+def qscreen(xq: torch.Tensor, xs: torch.Tensor, blocks: torch.Tensor, k: int) -> torch.Tensor:
+    """The integer screen of a Q8_0 matrix: ``xs[m] * sum_b d_b * sum_i q_i * xq[m, i]`` for every row, [M, N]
+    float32, from 8-bit activations ``xq`` [M, K] (-127..127) and their scales ``xs`` [M]."""
+    return torch.ops.specdec_q.qscreen(xq, xs, blocks, k)
+
+
+def qrows(x: torch.Tensor, blocks: torch.Tensor, qtype: int, k: int, rows: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """``qmatmul(x, blocks, qtype, k)[pos, rows]``, bit for bit, reading only those rows."""
+    return torch.ops.specdec_q.qrows(x, blocks, qtype, k, rows, pos)
+
+
+def qquant(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A screen's inputs from float32 ``h`` [M, K]: 8-bit ``q`` [M, K], scales ``s`` [M] (h ~ s q), and the float64
+    norms [M, 3] of h - s q, s q and h."""
+    return torch.ops.specdec_q.qquant(h)
+
+
+def qcandidates(z: torch.Tensor, margin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(positions, tokens) of the entries of ``z`` [M, N] at least their row's maximum minus ``margin`` [M]."""
+    return torch.ops.specdec_q.qcandidates(z, margin)

@@ -64,6 +64,7 @@ class FastHead:
         self.screened = 0  # positions screened, and candidates recomputed: the screen's statistics
         self.candidates = 0
         self.blocks = None  # (blocks, ggml type) where the weight is a GGUF file's blocks (models.blocks)
+        self._block_max_norm: float | None = None
         self.block_state = None  # their switch (models.blocks.BlockLayers)
         linear.forward = self.forward
 
@@ -73,7 +74,9 @@ class FastHead:
         rows = x.numel() // x.shape[-1]
         noise = self.noise if self.noise is not None and self.noise.shape[0] == rows else None
         if self.blocks is not None and rows <= blocks.MAX_ROWS and not (self.block_state and self.block_state.suspended):
-            # exact logits from the blocks read fewer bytes than the half-precision screen: no screen needed
+            if (self.greedy or noise is not None) and self.blocks[1] == blocks.Q8_0 and self.linear.bias is None:
+                return self._int_screened(x, noise)
+            # exact logits from the blocks read fewer bytes than the half-precision screen
             out = blocks.matmul(x.reshape(rows, -1), self.blocks)
             if self.linear.bias is not None:
                 out = out + self.linear.bias
@@ -109,22 +112,75 @@ class FastHead:
         eps = self._rel * h.norm(dim=1) * self._max_norm + _SUBNORMAL16 * h.abs().sum(1)
         if b is not None:
             eps = eps + _U16 * b.abs().max()
+
+        def exact_at(rows, cols):
+            exact = (h[rows] * w[cols]).sum(-1)
+            return exact + b[cols] if b is not None else exact
+
+        return self._finish(x, z, eps, exact_at, noise)
+
+    def _int_screened(self, x: torch.Tensor, noise: torch.Tensor | None = None) -> torch.Tensor:
+        """The screen of a Q8_0 output layer read from its blocks (no bias): activations as 8-bit integers
+        times one scale a position (``kernels.qmatmul.qscreen``), candidates recomputed by the exact kernel."""
+        from specdec.kernels import qmatmul as kernel
+
+        found, k = self.blocks, x.shape[-1]
+        h = x.reshape(-1, k).contiguous()
+        q, scale, norms = kernel.qquant(h)  # norms: |h - s q|, |s q|, |h| in float64
+        z = kernel.qscreen(q, scale, found[0], k)
+        # the screen is exactly sum_i w_i * s * q_i up to float32 rounding, the exact logit sum_i w_i * h_i up
+        # to its own. Their distance: Cauchy-Schwarz on the residual h - s * q, plus each rounding chain
+        # (the screen: one fused multiply-add per block of 32 in a lane, 3 in the lanes' sum, 1 by the
+        # scale; the kernel: at most k) within gamma_n of its absolute sum, |w| . |s q| or |w| . |h|
+        eps = self._block_norm() * (norms[:, 0] + _gamma(k // 32 + 4) * norms[:, 1] + _gamma(k) * norms[:, 2])
+        eps = (eps * 1.01).float()
+
+        def exact_at(rows, cols):
+            return kernel.qrows(h, found[0], found[1], k, cols, rows)
+
+        return self._finish(x, z, eps, exact_at, noise, select=kernel.qcandidates)
+
+    def _block_norm(self) -> float:
+        """The largest row norm of the weights the blocks hold, computed once (in float64, upward margin
+        in the caller's bound)."""
+        if self._block_max_norm is None:
+            from specdec.kernels import qmatmul as kernel
+
+            blocks_, qtype = self.blocks
+            k = self.linear.in_features
+            self._block_max_norm = max(
+                float(kernel.qdequant(blocks_[i : i + PACK_ROWS], qtype, k).double().norm(dim=1).max())
+                for i in range(0, blocks_.shape[0], PACK_ROWS)
+            )
+        return self._block_max_norm
+
+    def _finish(self, x: torch.Tensor, z: torch.Tensor, eps: torch.Tensor, exact_at, noise: torch.Tensor | None,
+                select=None) -> torch.Tensor:
+        """Every screen's last step: tokens within 2 * eps of a position's best screened score recomputed
+        exactly (``exact_at(positions, tokens)``) over their screened values; ``select(z, margin)`` finds
+        them where given (one pass in C++), else torch's comparison."""
         if noise is not None:  # the race: the same screen on logit / T + noise
             z = z * self.scale + noise
             # each of the two float32 operations rounds by at most half a unit of the larger magnitude
             eps = eps * self.scale + 4 * _U32 * (z.abs().amax(dim=1) + noise.abs().amax(dim=1))
-        top = z.amax(dim=1)
-        rows, cols = (z >= (top - 2 * eps)[:, None]).nonzero(as_tuple=True)
-        exact = (h[rows] * w[cols]).sum(-1)
-        if b is not None:
-            exact = exact + b[cols]
+        if select is not None:
+            rows, cols = select(z, (2 * eps).float())
+        else:
+            top = z.amax(dim=1)
+            rows, cols = (z >= (top - 2 * eps)[:, None]).nonzero(as_tuple=True)
+        exact = exact_at(rows, cols)
         if noise is not None:
             exact = exact * self.scale + noise[rows, cols]
             self.raced = True
         z[rows, cols] = exact
-        self.screened += h.shape[0]
+        self.screened += z.shape[0]
         self.candidates += rows.numel()
-        return z.reshape(*x.shape[:-1], w.shape[0])
+        return z.reshape(*x.shape[:-1], z.shape[1])
+
+
+def _gamma(n: int) -> float:
+    """The classic bound on n float32 roundings in a chain: n u / (1 - n u)."""
+    return n * _U32 / (1 - n * _U32)
 
 
 def _fp16_packs(weight: torch.Tensor, bias: torch.Tensor | None) -> list:

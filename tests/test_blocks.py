@@ -106,7 +106,8 @@ def test_blocks_are_found_by_content_not_by_name(tmp_path):
 
 def test_the_output_layer_reads_its_blocks_inside_the_engine_and_is_plain_outside():
     """A 16k-vocabulary output layer (models.head's dispatcher) with Q8_0 blocks: exact logits of the same
-    weights for greedy rounds, sampling rounds and the race; outside the engine, the float32 layer."""
+    weights for sampling rounds, the exact argmax through the integer screen for greedy rounds and the race;
+    outside the engine, the float32 layer."""
     vocab, hidden = 16384, 64
     raw = random_blocks("Q8_0", vocab, hidden, seed=2, scale=0.5)
     linear = torch.nn.Linear(hidden, vocab, bias=False)
@@ -126,23 +127,26 @@ def test_the_output_layer_reads_its_blocks_inside_the_engine_and_is_plain_outsid
     assert fast is not None
     fast.blocks = (torch.from_numpy(raw), kernel.BLOCKS["Q8_0"][0])
     calls = []
-    real = kernel.qmatmul
+    real, real_screen = kernel.qmatmul, kernel.qscreen
     x = torch.randn(3, hidden)
     want = x @ linear.weight.T
     try:
-        kernel.qmatmul = lambda *a: calls.append(1) or real(*a)
+        kernel.qmatmul = lambda *a: calls.append("exact") or real(*a)
+        kernel.qscreen = lambda *a: calls.append("screen") or real_screen(*a)
         assert torch.equal(linear(x), want) and not calls  # outside the engine: nn.Linear
         for greedy in (True, False):
             with head.scope(model, greedy=greedy):
                 got = linear(x)
-            assert torch.allclose(got, want, atol=1e-5) and torch.equal(got.argmax(-1), want.argmax(-1))
+            assert torch.equal(got.argmax(-1), want.argmax(-1))
+            if not greedy:
+                assert torch.allclose(got, want, atol=1e-5)
         noise = torch.rand(3, vocab)
         with head.scope(model, greedy=False), head.racing(model, noise, 0.7) as box:
             raced = linear(x)
-        assert box["applied"] and torch.allclose(raced, want / 0.7 + noise, atol=1e-4)
-        assert len(calls) == 3
+        assert box["applied"] and torch.equal(raced.argmax(-1), (want / 0.7 + noise).argmax(-1))
+        assert calls == ["screen", "exact", "screen"]
     finally:
-        kernel.qmatmul = real
+        kernel.qmatmul, kernel.qscreen = real, real_screen
 
 
 @pytest.fixture()
@@ -323,3 +327,94 @@ def test_a_drafters_layers_on_q8_0_blocks_draft_through_the_kernel_and_the_outpu
     out = SpecEngine(target, ByteTokenizer(), DRAFTERS["eagle"](heads, target, tree="dynamic", tree_tokens=8, top_k=2)).generate(reqs)
     assert calls
     assert [r.token_ids for r in out] == [r.token_ids for r in SpecEngine(target, ByteTokenizer(), None).generate(reqs)]
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K_X", "Q6_K_X"])
+def test_a_few_rows_recomputed_are_the_kernels_own_values_bit_for_bit(qtype):
+    """``qrows`` (a screen's candidates) runs the very kernel instance ``qmatmul`` runs for each position, so
+    a recomputed logit is the one the full product holds, to the last bit, at every width."""
+    source = {"Q8_0": ("Q8_0", None), "Q4_K_X": ("Q4_K", blocks.q4_k_unpacked), "Q6_K_X": ("Q6_K", blocks.q6_k_unpacked)}[qtype]
+    raw = torch.from_numpy(random_blocks(source[0], 40, 512, seed=9))
+    if source[1] is not None:
+        raw = source[1](raw)
+    t = {**kernel.BLOCKS, **kernel.UNPACKED}[qtype][0]
+    g = torch.Generator().manual_seed(2)
+    for width in (1, 3, 8, 9, 13):
+        x = torch.randn(width, 512, generator=g)
+        full = kernel.qmatmul(x, raw, t, 512)
+        pos = torch.randint(0, width, (50,), generator=g)
+        rows = torch.randint(0, 40, (50,), generator=g)
+        assert torch.equal(kernel.qrows(x, raw, t, 512, rows, pos), full[pos, rows])
+
+
+NEAR = {11: ((3, 1), (17, 1)), 12: ((20, 1),), 13: ((25, -1),), 14: ((3, 1), (25, -1))}  # token: (index, step)
+
+
+def _near_tie_layer(vocab: int = 16384, hidden: int = 64):
+    """Q8_0 blocks of an output layer in which tokens 11-14 are token 7's row with one or two 8-bit values
+    (all in its first block) moved by one step: their logits differ from 7's by a step times activations
+    below what 8-bit activations resolve."""
+    raw = random_blocks("Q8_0", vocab, hidden, seed=2, scale=0.5)
+    for j, moves in NEAR.items():
+        raw[j] = raw[7]
+        for i, step in moves:
+            value = int(raw[j, 2 + i].astype(np.int8))
+            raw[j, 2 + i] = np.int8(max(-127, min(127, value + step))).view(np.uint8)
+    return raw
+
+
+def test_the_integer_screen_of_a_q8_0_output_layer_returns_the_exact_argmax_under_near_ties():
+    """Greedy rounds and the race on a Q8_0 output layer read by the integer screen: each position's argmax
+    is the exact kernel's, though the screen alone misranks the near-ties; sampling rounds get exact logits."""
+    from specdec.decode.engine.verify import race_noise, race_scores
+
+    vocab, hidden = 16384, 64
+    raw = _near_tie_layer(vocab, hidden)
+    linear = torch.nn.Linear(hidden, vocab, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(_dense(raw, "Q8_0", hidden))
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lm = linear
+
+        def get_output_embeddings(self):
+            return self.lm
+
+    model = Model()
+    fast = head.install(model)
+    t = kernel.BLOCKS["Q8_0"][0]
+    fast.blocks = (torch.from_numpy(raw), t)
+    g = torch.Generator().manual_seed(4)
+    w7 = linear.weight[7].detach()
+    # hidden states along token 7's row (7 and its near-copies on top), some with one outlier activation
+    h = torch.randn(120, hidden, generator=g) * 0.5 + 30 * w7 / w7.norm()
+    h[::5, 5] += 60
+    # which near-copy wins varies by row: activations of a fraction of one 8-bit step (s), rounded to 0 or
+    # 1 step by the screen, so that 11 (two moves of 0.45 s: 0.9 s, screened 0) loses to 12 (0.55 s,
+    # screened s) in the screen only
+    s = h.abs().amax(1) / 127
+    fractions = torch.tensor([0.45, 0.55, -0.3, 1.45, -0.55, 0.2])
+    h[:, [3, 17, 20, 25]] = fractions[torch.randint(0, 6, (120, 4), generator=g)] * s[:, None]
+    exact = torch.cat([kernel.qmatmul(h[i : i + 8].contiguous(), fast.blocks[0], t, hidden) for i in range(0, 120, 8)])
+    with head.scope(model, greedy=True):
+        got = torch.cat([linear(h[i : i + 8]) for i in range(0, 120, 8)])
+    assert torch.equal(got.argmax(-1), exact.argmax(-1))
+    assert set(exact.argmax(-1).tolist()) & {11, 12, 13, 14}, "the near-ties decide some rows"
+    # what the integer screen alone ranks first is wrong in some rows: the recomputation makes it exact
+    scale = h.abs().amax(1) / 127
+    screen = kernel.qscreen(torch.round(h / scale[:, None]).to(torch.int8), scale, fast.blocks[0], hidden)
+    assert not torch.equal(screen.argmax(-1), exact.argmax(-1))
+    assert fast.screened == 120 and 120 <= fast.candidates < 120 * 64
+    # the winners' returned values are the exact kernel's, bit for bit
+    idx = exact.argmax(-1)
+    assert torch.equal(got[torch.arange(120), idx], exact[torch.arange(120), idx])
+    # sampling rounds: exact logits
+    with head.scope(model, greedy=False):
+        assert torch.equal(linear(h[:5]), kernel.qmatmul(h[:5].contiguous(), fast.blocks[0], t, hidden))
+    # the race: the argmax of exact logit / T + noise
+    noise = race_noise(11, list(range(6)), torch.zeros(6, 1, dtype=torch.long), vocab, "cpu")[:, 0]
+    with head.scope(model, greedy=False), head.racing(model, noise, 0.7) as box:
+        raced = linear(h[:6])
+    assert box["applied"] and torch.equal(raced.argmax(-1), race_scores(exact[:6], noise, 0.7).argmax(-1))
