@@ -191,9 +191,12 @@ constexpr int64_t SMALL_ROWS = 16;
 // Attention of a few positions over a cache, for a step: softmax(q k^T * scaling + mask) v computed directly.
 // ATen's SDPA on a CPU splits the work into blocks sized for long queries: for the 4 query rows of one Gemma 3
 // 270M position over 257 keys it took about 230 us a layer inside the decode step (torch's profiler), where the
-// arithmetic is half a million multiply-adds; this kernel takes about 50 us on those shapes (one thread, keys in
-// L2). Each task reads its keys and values once, in place, for a block of query rows, and the rows' scores,
-// softmax and weighted values stay in registers and small buffers.
+// arithmetic is half a million multiply-adds. Here each task reads its keys and values once, in place and in
+// order, for a block of query rows, and the rows' scores, softmax and weighted values stay in registers and
+// small buffers. A step finds each layer's keys and values out of cache (the weights streamed through since),
+// so the walks are sequential and prefetched: about 100 us a layer on those shapes with the cache cold, two
+// threads, where 128-key chunks and a value walk by column blocks took about 170 (scratch measurements on a
+// 2-core EPYC, noisy host).
 bool small_attention_ok(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& mask,
                         int64_t groups) {
   auto dense_f32 = [](const at::Tensor& t) {
@@ -210,7 +213,10 @@ bool small_attention_ok(const at::Tensor& q, const at::Tensor& k, const at::Tens
          (m.size(0) == b || m.size(0) == 1) && (m.size(1) == heads || m.size(1) == 1) && m.size(2) == t && m.size(3) == s;
 }
 
-constexpr int64_t KEY_CHUNK = 128;  // keys a task reads: fixed, so a row's floats depend on neither the thread count nor the width
+constexpr int64_t PREFETCH = 8;  // key and value rows requested this many rows ahead of their use
+// keys a task reads: fixed, so a row's floats depend on neither the thread count nor the width; 64 rather than 128
+// splits a few hundred keys evenly enough over two threads (260 keys: 192 and 68 rather than 256 and 4)
+constexpr int64_t KEY_CHUNK = 64;
 
 // out [B, T, heads, D] (the layout attend returns), from q [B, heads, T, D], k and v [B, kv heads, S, D]. Tasks
 // are (a key/value head's block of R query rows: 4, or 8 for 5 to 16) x (a chunk of KEY_CHUNK keys), so even one
@@ -259,20 +265,41 @@ at::Tensor small_attention(const at::Tensor& q, const at::Tensor& k, const at::T
       }
       const float* kb = kp + bi * ks0 + hk * ks1 + j0 * ks2;
       const float* vb = vp + bi * vs0 + hk * vs1 + j0 * vs2;
-      for (int64_t j = 0; j < len; ++j) {  // scores: each key read once for the block's rows
+      // scores: each key read once for the block's rows; KP keys at a time where registers allow, so that KP * R
+      // chains of multiply-adds hide FMA's latency (each key's dot product keeps its order: the floats do not
+      // change), and the keys PREFETCH rows ahead requested early, the cache being cold at every layer
+      constexpr int64_t KP = R <= 4 ? 2 : 1;
+      for (int64_t j = 0; j < len; j += KP) {
+        const int64_t kn = std::min<int64_t>(KP, len - j);
         const float* kj = kb + j * ks2;
-        __m256 acc[R];
-        for (int64_t i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
-        for (int64_t c = 0; c < d; c += 8) {
-          const __m256 kv = _mm256_loadu_ps(kj + c);
-          for (int64_t i = 0; i < R; ++i) acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(qrow[i] + c), kv, acc[i]);
+        if (j + PREFETCH < len)
+          for (int64_t u = 0; u < KP; ++u)
+            for (int64_t c = 0; c < d; c += 16) _mm_prefetch(reinterpret_cast<const char*>(kj + (PREFETCH + u) * ks2 + c), _MM_HINT_T0);
+        __m256 acc[KP][R];
+        for (int64_t u = 0; u < KP; ++u)
+          for (int64_t i = 0; i < R; ++i) acc[u][i] = _mm256_setzero_ps();
+        if (kn == KP) {
+          for (int64_t c = 0; c < d; c += 8) {
+            __m256 kv[KP];
+            for (int64_t u = 0; u < KP; ++u) kv[u] = _mm256_loadu_ps(kj + u * ks2 + c);
+            for (int64_t i = 0; i < R; ++i) {
+              const __m256 qv = _mm256_loadu_ps(qrow[i] + c);
+              for (int64_t u = 0; u < KP; ++u) acc[u][i] = _mm256_fmadd_ps(qv, kv[u], acc[u][i]);
+            }
+          }
+        } else {
+          for (int64_t c = 0; c < d; c += 8) {
+            const __m256 kv = _mm256_loadu_ps(kj + c);
+            for (int64_t i = 0; i < R; ++i) acc[0][i] = _mm256_fmadd_ps(_mm256_loadu_ps(qrow[i] + c), kv, acc[0][i]);
+          }
         }
-        for (int64_t i = 0; i < R; ++i) {
-          float x = hsum8(acc[i]) * scale;
-          if (mf) x = x + mf[moff[i] + (j0 + j) * ms3];
-          if (mb && !mb[moff[i] + (j0 + j) * ms3]) x = -INFINITY;
-          scores[i][j] = x;
-        }
+        for (int64_t u = 0; u < kn; ++u)
+          for (int64_t i = 0; i < R; ++i) {
+            float x = hsum8(acc[u][i]) * scale;
+            if (mf) x = x + mf[moff[i] + (j0 + j + u) * ms3];
+            if (mb && !mb[moff[i] + (j0 + j + u) * ms3]) x = -INFINITY;
+            scores[i][j + u] = x;
+          }
       }
       float* po = part_o.data() + task * R * d;
       float* pm = part_m.data() + task * R;
@@ -298,25 +325,41 @@ at::Tensor small_attention(const at::Tensor& q, const at::Tensor& k, const at::T
         }
         pl[i] = hsum8(sum);
       }
-      // unnormalised outputs, a column block at a time with the rows' sums in registers (the chunk's value rows,
-      // at most KEY_CHUNK of them, stay in L2 between the column blocks)
-      constexpr int64_t CW = R <= 4 ? 2 : 1;  // vectors of 8 columns a block
-      for (int64_t c = 0; c < d; c += 8 * CW) {
-        const int64_t vecs = std::min<int64_t>(CW, (d - c) / 8);
-        __m256 acc[R][CW];
+      // unnormalised outputs: the value rows streamed in key order, 4 at a time, each output vector loaded, given
+      // their 4 products and stored (in L1). Each output element is still the sum over keys in key order. Walking
+      // the values a column block at a time instead read each row's cache lines one column block apart, a
+      // strided walk through memory that cost the kernel more than its arithmetic on a cache the size of a step's.
+      for (int64_t x = 0; x < R * d; ++x) po[x] = 0.0f;
+      for (int64_t j = 0; j < len; j += 4) {
+        const int64_t m = std::min<int64_t>(4, len - j);
+        const float* vj = vb + j * vs2;
+        if (j + PREFETCH < len)
+          for (int64_t u = 0; u < 4; ++u)
+            for (int64_t c = 0; c < d; c += 16) _mm_prefetch(reinterpret_cast<const char*>(vj + (PREFETCH + u) * vs2 + c), _MM_HINT_T0);
+        __m256 p[R][4];
         for (int64_t i = 0; i < R; ++i)
-          for (int64_t u = 0; u < CW; ++u) acc[i][u] = _mm256_setzero_ps();
-        for (int64_t j = 0; j < len; ++j) {
-          const float* vj = vb + j * vs2 + c;
-          __m256 vv[CW];
-          for (int64_t u = 0; u < CW; ++u) vv[u] = u < vecs ? _mm256_loadu_ps(vj + 8 * u) : _mm256_setzero_ps();
-          for (int64_t i = 0; i < R; ++i) {
-            const __m256 p = _mm256_broadcast_ss(&scores[i][j]);
-            for (int64_t u = 0; u < CW; ++u) acc[i][u] = _mm256_fmadd_ps(p, vv[u], acc[i][u]);
+          for (int64_t u = 0; u < 4; ++u) p[i][u] = _mm256_broadcast_ss(&scores[i][j + std::min<int64_t>(u, m - 1)]);
+        if (m == 4) {
+          for (int64_t c = 0; c < d; c += 8) {
+            const __m256 v0 = _mm256_loadu_ps(vj + c), v1 = _mm256_loadu_ps(vj + vs2 + c),
+                         v2 = _mm256_loadu_ps(vj + 2 * vs2 + c), v3 = _mm256_loadu_ps(vj + 3 * vs2 + c);
+            for (int64_t i = 0; i < R; ++i) {
+              __m256 acc = _mm256_loadu_ps(po + i * d + c);
+              acc = _mm256_fmadd_ps(p[i][0], v0, acc);
+              acc = _mm256_fmadd_ps(p[i][1], v1, acc);
+              acc = _mm256_fmadd_ps(p[i][2], v2, acc);
+              acc = _mm256_fmadd_ps(p[i][3], v3, acc);
+              _mm256_storeu_ps(po + i * d + c, acc);
+            }
           }
+        } else {
+          for (int64_t u = 0; u < m; ++u)
+            for (int64_t c = 0; c < d; c += 8) {
+              const __m256 vv = _mm256_loadu_ps(vj + u * vs2 + c);
+              for (int64_t i = 0; i < R; ++i)
+                _mm256_storeu_ps(po + i * d + c, _mm256_fmadd_ps(p[i][u], vv, _mm256_loadu_ps(po + i * d + c)));
+            }
         }
-        for (int64_t i = 0; i < R; ++i)
-          for (int64_t u = 0; u < vecs; ++u) _mm256_storeu_ps(po + i * d + c + 8 * u, acc[i][u]);
       }
     }
   });

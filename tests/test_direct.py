@@ -197,7 +197,7 @@ def _attention_reference(q, k, v, mask, groups, scaling):
 
 
 @pytest.mark.parametrize("batch, kv_heads, groups, t, keys, dim", [
-    (1, 1, 4, 1, 257, 256),  # Gemma 3 270M's one position over a few hundred keys (three key chunks)
+    (1, 1, 4, 1, 257, 256),  # Gemma 3 270M's one position over a few hundred keys (five key chunks, the last of one key)
     (1, 1, 4, 4, 300, 256),  # a verify forward: 16 query rows, two row blocks
     (2, 2, 2, 3, 37, 64),
     (3, 1, 4, 1, 9, 32),
