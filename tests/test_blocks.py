@@ -418,3 +418,41 @@ def test_the_integer_screen_of_a_q8_0_output_layer_returns_the_exact_argmax_unde
     with head.scope(model, greedy=False), head.racing(model, noise, 0.7) as box:
         raced = linear(h[:6])
     assert box["applied"] and torch.equal(raced.argmax(-1), race_scores(exact[:6], noise, 0.7).argmax(-1))
+
+
+def test_hidden_states_the_integer_screen_resolves_badly_get_every_logit_exactly(monkeypatch):
+    """One huge activation sets the 8-bit scale, so the screen's bound keeps most of the vocabulary: the forward
+    computes every logit with the exact kernel instead of recomputing thousands of rows one by one; the argmax is
+    the exact one either way."""
+    vocab, hidden = 16384, 64
+    raw = random_blocks("Q8_0", vocab, hidden, seed=6, scale=0.5)
+    raw[:, 2 + 9] = 0  # channel 9 sets the scale and adds nothing to the logits
+    linear = torch.nn.Linear(hidden, vocab, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(_dense(raw, "Q8_0", hidden))
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lm = linear
+
+        def get_output_embeddings(self):
+            return self.lm
+
+    model = Model()
+    fast = head.install(model)
+    t = kernel.BLOCKS["Q8_0"][0]
+    fast.blocks = (torch.from_numpy(raw), t)
+    g = torch.Generator().manual_seed(8)
+    # every other activation just below half an 8-bit step: all of it is the screen's rounding residual
+    h = torch.randint(0, 2, (4, hidden), generator=g).float().mul_(2).sub_(1) * 0.49 * 1000.0 / 127
+    h[:, 9] = 1000.0
+    exact = kernel.qmatmul(h, fast.blocks[0], t, hidden)
+    with head.scope(model, greedy=True):
+        got = linear(h)
+    assert fast.unscreened == 4 and fast.candidates == 0 and torch.equal(got, exact)
+    monkeypatch.setattr(head, "SCREEN_CANDIDATES", vocab)  # no fallback: every candidate recomputed one by one
+    with head.scope(model, greedy=True):
+        screened = linear(h)
+    assert fast.unscreened == 4 and fast.candidates > 4 * 512
+    assert torch.equal(screened.argmax(-1), exact.argmax(-1))
