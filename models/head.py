@@ -29,7 +29,8 @@ it is the unchanged ``nn.Linear``.
   (Cauchy-Schwarz on the activations' rounding residual, then each float32 rounding chain); tokens
   within twice that of the best are recomputed by the exact kernel, bit for bit as the full product
   holds them (``qrows``). On Gemma 3 270M's held-out text a position keeps tens to a few hundred
-  candidates (its hidden states carry a few large channels that set the scale), against 262k rows.
+  candidates (its hidden states carry a few large channels that set the scale), against 262k rows;
+  a forward whose candidates pass 1/16 of the vocabulary computes every logit exactly instead.
   The screen's integer products run on more of the core's pipes than float32 multiply-adds, so a
   forward of 4 or 8 positions reads the layer 1.2-1.5x faster than the exact kernel; one position
   is bound by the bytes either way.
@@ -47,10 +48,10 @@ from specdec.models import blocks
 MIN_VOCAB = 16384  # smaller output layers are a small part of a step: left as they are
 ONEDNN_FROM = 4  # positions from which oneDNN's matmul beats MKL's on the output layer (scripts/head-costs)
 SCREEN_UP_TO = 8  # positions up to which the fp16 screen beats exact float32 (FBGEMM fp16 is compute-bound past it)
-# candidates a position on average beyond which the integer screen's forward computes every logit exactly
-# instead: one row recomputed costs about a microsecond (its blocks fetched from memory), the screen saves
-# about a millisecond a position against the exact product from 4 positions on
-SCREEN_CANDIDATES = 512
+# the share of the vocabulary beyond which a forward's screen candidates (all positions together) are computed
+# by one exact product of every logit instead: a row recomputed alone is fetched from memory at random, the
+# product streams every row once, several times cheaper a byte
+SCREEN_CANDIDATES = 1 / 16
 PACK_ROWS = 16384  # vocabulary rows per FBGEMM pack: packing 262k rows whole takes 9 s, in pieces 3 s
 _U16 = 2.0 ** -11  # fp16 unit roundoff
 _U32 = 2.0 ** -24  # fp32 unit roundoff
@@ -179,7 +180,7 @@ class FastHead:
         """Every screen's last step: tokens within 2 * eps of a position's best screened score recomputed
         exactly (``exact_at(positions, tokens)``) over their screened values; ``select(z, margin)`` finds
         them where given (one pass in C++), else torch's comparison. Where they are more than
-        ``SCREEN_CANDIDATES`` a position on average and ``fallback`` is given, every logit is computed
+        ``SCREEN_CANDIDATES`` of the vocabulary and ``fallback`` is given, every logit is computed
         exactly by it instead (hidden states the screen resolves badly: recomputing that many rows one
         by one would cost more than the whole product)."""
         if noise is not None:  # the race: the same screen on logit / T + noise
@@ -191,7 +192,7 @@ class FastHead:
         else:
             top = z.amax(dim=1)
             rows, cols = (z >= (top - 2 * eps)[:, None]).nonzero(as_tuple=True)
-        if fallback is not None and rows.numel() > SCREEN_CANDIDATES * z.shape[0]:
+        if fallback is not None and rows.numel() > SCREEN_CANDIDATES * z.shape[1]:
             out = fallback()
             if noise is not None:
                 out = out * self.scale + noise
