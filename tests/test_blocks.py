@@ -454,5 +454,5 @@ def test_hidden_states_the_integer_screen_resolves_badly_get_every_logit_exactly
     monkeypatch.setattr(head, "SCREEN_CANDIDATES", 4.0)  # no fallback: every candidate recomputed one by one
     with head.scope(model, greedy=True):
         screened = linear(h)
-    assert fast.unscreened == 4 and fast.candidates > vocab / 16
+    assert fast.unscreened == 4 and fast.candidates > vocab / 8  # more than the fallback allows
     assert torch.equal(screened.argmax(-1), exact.argmax(-1))
