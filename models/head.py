@@ -30,7 +30,8 @@ it is the unchanged ``nn.Linear``.
   within twice that of the best are recomputed by the exact kernel, bit for bit as the full product
   holds them (``qrows``). On Gemma 3 270M's held-out text a position keeps tens to a few hundred
   candidates (its hidden states carry a few large channels that set the scale), against 262k rows;
-  a forward whose candidates pass 1/8 of the vocabulary computes every logit exactly instead.
+  a forward whose candidates pass 1/8 of the vocabulary computes every logit exactly instead, and
+  forwards of more than ``SCREEN_UP_TO`` positions use the exact product alone.
   The screen's integer products run on more of the core's pipes than float32 multiply-adds, so a
   forward of 4 or 8 positions reads the layer 1.2-1.5x faster than the exact kernel; one position
   is bound by the bytes either way.
@@ -93,7 +94,8 @@ class FastHead:
         rows = x.numel() // x.shape[-1]
         noise = self.noise if self.noise is not None and self.noise.shape[0] == rows else None
         if self.blocks is not None and rows <= blocks.MAX_ROWS and not (self.block_state and self.block_state.suspended):
-            if (self.greedy or noise is not None) and self.blocks[1] == blocks.Q8_0 and self.linear.bias is None:
+            if (self.greedy or noise is not None) and self.blocks[1] == blocks.Q8_0 and self.linear.bias is None \
+                    and rows <= SCREEN_UP_TO:
                 return self._int_screened(x, noise)
             # exact logits from the blocks read fewer bytes than the half-precision screen
             out = blocks.matmul(x.reshape(rows, -1), self.blocks)
