@@ -287,7 +287,7 @@ at::Tensor qdequant(const at::Tensor& blocks, int64_t qtype, int64_t K) {
 // (maddubs on |q| and a signed as q, then madd: each 32-bit lane holds 4 products, at most 4 * 128 * 127).
 // A logit is then s * sum over blocks of d * (lane sums), float32 from there on. Per position and block this
 // is five integer and float operations against four multiply-adds of the float32 kernel, on more of the
-// core's pipes, so from two positions on it runs 1.3-1.6x faster than the exact kernel on the same bytes.
+// core's pipes, so from four positions on it runs 1.2-1.6x faster than the exact kernel on the same bytes.
 // The caller bounds the screen's distance from the exact logits and recomputes the few that can win (qrows).
 template <int P>
 void screen_rows(const uint8_t* wq, int64_t row_bytes, const int8_t* xq, const float* xs, int64_t K, float* y,

@@ -33,7 +33,7 @@ it is the unchanged ``nn.Linear``.
   a forward whose candidates pass 1/8 of the vocabulary computes every logit exactly instead, and
   forwards of more than ``SCREEN_UP_TO`` positions use the exact product alone.
   The screen's integer products run on more of the core's pipes than float32 multiply-adds, so a
-  forward of 4 or 8 positions reads the layer 1.2-1.5x faster than the exact kernel; one position
+  forward of 4 or 8 positions reads the layer 1.2-1.6x faster than the exact kernel; one position
   is bound by the bytes either way.
 """
 
