@@ -104,13 +104,10 @@ def test_blocks_are_found_by_content_not_by_name(tmp_path):
         assert np.array_equal(found[f"layer.{t}.weight"].numpy(), raws[t])
 
 
-def test_the_output_layer_reads_its_blocks_inside_the_engine_and_is_plain_outside():
-    """A 16k-vocabulary output layer (models.head's dispatcher) with Q8_0 blocks: exact logits of the same
-    weights for sampling rounds, the exact argmax through the integer screen for greedy rounds and the race;
-    outside the engine, the float32 layer."""
-    vocab, hidden = 16384, 64
-    raw = random_blocks("Q8_0", vocab, hidden, seed=2, scale=0.5)
-    linear = torch.nn.Linear(hidden, vocab, bias=False)
+def _q8_0_output_layer(raw: np.ndarray, hidden: int):
+    """A model whose large output layer holds ``raw``'s Q8_0 weights, with models.head's dispatcher installed
+    and reading the blocks: (model, its nn.Linear, the dispatcher)."""
+    linear = torch.nn.Linear(hidden, raw.shape[0], bias=False)
     with torch.no_grad():
         linear.weight.copy_(_dense(raw, "Q8_0", hidden))
 
@@ -126,6 +123,16 @@ def test_the_output_layer_reads_its_blocks_inside_the_engine_and_is_plain_outsid
     fast = head.install(model)
     assert fast is not None
     fast.blocks = (torch.from_numpy(raw), kernel.BLOCKS["Q8_0"][0])
+    return model, linear, fast
+
+
+def test_the_output_layer_reads_its_blocks_inside_the_engine_and_is_plain_outside():
+    """A 16k-vocabulary output layer (models.head's dispatcher) with Q8_0 blocks: exact logits of the same
+    weights for sampling rounds, the exact argmax through the integer screen for greedy rounds and the race;
+    outside the engine, the float32 layer."""
+    vocab, hidden = 16384, 64
+    raw = random_blocks("Q8_0", vocab, hidden, seed=2, scale=0.5)
+    model, linear, fast = _q8_0_output_layer(raw, hidden)
     calls = []
     real, real_screen = kernel.qmatmul, kernel.qscreen
     x = torch.randn(3, hidden)
@@ -370,22 +377,8 @@ def test_the_integer_screen_of_a_q8_0_output_layer_returns_the_exact_argmax_unde
 
     vocab, hidden = 16384, 64
     raw = _near_tie_layer(vocab, hidden)
-    linear = torch.nn.Linear(hidden, vocab, bias=False)
-    with torch.no_grad():
-        linear.weight.copy_(_dense(raw, "Q8_0", hidden))
-
-    class Model(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lm = linear
-
-        def get_output_embeddings(self):
-            return self.lm
-
-    model = Model()
-    fast = head.install(model)
+    model, linear, fast = _q8_0_output_layer(raw, hidden)
     t = kernel.BLOCKS["Q8_0"][0]
-    fast.blocks = (torch.from_numpy(raw), t)
     g = torch.Generator().manual_seed(4)
     w7 = linear.weight[7].detach()
     # hidden states along token 7's row (7 and its near-copies on top), some with one outlier activation
@@ -427,22 +420,8 @@ def test_hidden_states_the_integer_screen_resolves_badly_get_every_logit_exactly
     vocab, hidden = 16384, 64
     raw = random_blocks("Q8_0", vocab, hidden, seed=6, scale=0.5)
     raw[:, 2 + 9] = 0  # channel 9 sets the scale and adds nothing to the logits
-    linear = torch.nn.Linear(hidden, vocab, bias=False)
-    with torch.no_grad():
-        linear.weight.copy_(_dense(raw, "Q8_0", hidden))
-
-    class Model(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lm = linear
-
-        def get_output_embeddings(self):
-            return self.lm
-
-    model = Model()
-    fast = head.install(model)
+    model, linear, fast = _q8_0_output_layer(raw, hidden)
     t = kernel.BLOCKS["Q8_0"][0]
-    fast.blocks = (torch.from_numpy(raw), t)
     g = torch.Generator().manual_seed(8)
     # every other activation just below half an 8-bit step: all of it is the screen's rounding residual
     h = torch.randint(0, 2, (4, hidden), generator=g).float().mul_(2).sub_(1) * 0.49 * 1000.0 / 127
