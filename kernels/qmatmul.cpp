@@ -19,6 +19,7 @@
 #include <cmath>
 #include <cstring>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -191,19 +192,26 @@ void rows_kernel(const uint8_t* wq, int64_t row_bytes, const float* x, int64_t K
   }
 }
 
+// f(std::integral_constant<int, P>) for a width P of 1..8 (more: 8), so a kernel templated on its width runs
+// with the width known at compile time
+template <typename F>
+void with_width(int P, F&& f) {
+  switch (P) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 5: return f(std::integral_constant<int, 5>{});
+    case 6: return f(std::integral_constant<int, 6>{});
+    case 7: return f(std::integral_constant<int, 7>{});
+    default: return f(std::integral_constant<int, 8>{});
+  }
+}
+
 template <int64_t T>
 void dispatch_p(int P, const uint8_t* wq, int64_t row_bytes, const float* x, int64_t K, float* y, int64_t N,
                 int64_t n0, int64_t n1) {
-  switch (P) {
-    case 1: return rows_kernel<T, 1>(wq, row_bytes, x, K, y, N, n0, n1);
-    case 2: return rows_kernel<T, 2>(wq, row_bytes, x, K, y, N, n0, n1);
-    case 3: return rows_kernel<T, 3>(wq, row_bytes, x, K, y, N, n0, n1);
-    case 4: return rows_kernel<T, 4>(wq, row_bytes, x, K, y, N, n0, n1);
-    case 5: return rows_kernel<T, 5>(wq, row_bytes, x, K, y, N, n0, n1);
-    case 6: return rows_kernel<T, 6>(wq, row_bytes, x, K, y, N, n0, n1);
-    case 7: return rows_kernel<T, 7>(wq, row_bytes, x, K, y, N, n0, n1);
-    default: return rows_kernel<T, 8>(wq, row_bytes, x, K, y, N, n0, n1);
-  }
+  with_width(P, [&](auto p) { rows_kernel<T, decltype(p)::value>(wq, row_bytes, x, K, y, N, n0, n1); });
 }
 
 // one row times one position, with A accumulators
@@ -331,16 +339,7 @@ at::Tensor qscreen(const at::Tensor& xq_in, const at::Tensor& xs_in, const at::T
       const int8_t* a = ap + m * K;
       const float* s = sp + m;
       float* ym = yp + m * N;
-      switch (P) {
-        case 1: screen_rows<1>(wq, row_bytes, a, s, K, ym, N, n0, n1); break;
-        case 2: screen_rows<2>(wq, row_bytes, a, s, K, ym, N, n0, n1); break;
-        case 3: screen_rows<3>(wq, row_bytes, a, s, K, ym, N, n0, n1); break;
-        case 4: screen_rows<4>(wq, row_bytes, a, s, K, ym, N, n0, n1); break;
-        case 5: screen_rows<5>(wq, row_bytes, a, s, K, ym, N, n0, n1); break;
-        case 6: screen_rows<6>(wq, row_bytes, a, s, K, ym, N, n0, n1); break;
-        case 7: screen_rows<7>(wq, row_bytes, a, s, K, ym, N, n0, n1); break;
-        default: screen_rows<8>(wq, row_bytes, a, s, K, ym, N, n0, n1); break;
-      }
+      with_width(P, [&](auto p) { screen_rows<decltype(p)::value>(wq, row_bytes, a, s, K, ym, N, n0, n1); });
     }
   });
   return y;
