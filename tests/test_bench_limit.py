@@ -37,7 +37,7 @@ def test_bench_limit_tiny(tmp_path):
     assert all(r["batch_size"] == 2 and r["shape"] == "tiny" and r["tokens_per_s"] > 0 and r["identical"] is True for r in job)
     assert job[0]["speedup"] == 1.0 and "12 records" in job[0]["note"]
     rows = {(r["batch_size"], r["method"]): r for r in report["rows"] if r not in job}
-    assert set(rows) == {(bs, m) for bs in (1, 2) for m in ENGINE} | {(1, "hf-generate"), (1, "hf-static-compile")}
+    assert set(rows) == {(bs, m) for bs in (1, 2) for m in ENGINE} | {(bs, "hf-generate") for bs in (1, 2)} | {(1, "hf-static-compile")}
     for (bs, method), r in rows.items():
         if method.startswith("hf-") and r.get("tokens_per_s") is None:
             assert r["note"].startswith("unavailable"), r  # transformers' compiled generate may not run here
