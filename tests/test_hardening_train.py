@@ -329,3 +329,13 @@ def test_sigkill_then_resume_keeps_the_budget(work, tmp_path):
     assert metrics["stopped"] == "budget"
     assert budget_s < final["elapsed_s"] < budget_s + 1.0  # the first part counted: one budget in all
     assert metrics["train_wall_s"] < budget_s - spent + 1.0
+
+
+def test_teacher_forwards_batch_many_blocks_on_a_gpu_and_four_on_a_cpu():
+    from specdec.train.teacher import teacher_batch
+
+    assert teacher_batch(torch.device("cpu"), 256, 19, 640, 16383) == 4
+    # Gemma 3 270M's pass over 256-token blocks with a 16k draft vocabulary: 29 MB a block, 68 blocks in 2 GB
+    assert teacher_batch(torch.device("cuda"), 256, 19, 640, 16383) == 68
+    assert teacher_batch(torch.device("cuda"), 4096, 33, 4096, 128256) == 4  # never fewer than a CPU's
+    assert teacher_batch(torch.device("cuda"), 8, 3, 16, 32) == 256  # nor more than 256
