@@ -403,6 +403,39 @@ def test_self_distill_writes_the_targets_greedy_continuations(workdir, tmp_path)
     assert self_distill(workdir / "target", prompts, tmp_path / "none.jsonl", budget_s=0) == 0
 
 
+def test_a_pretrained_recipes_self_distillation_mixes_code_and_prose_prompts_and_is_kept(workdir, tmp_path):
+    """A pretrained target's recipe writes the target's continuations of code prompts cut from its training
+    text and of prose chunks' first thirds, shuffled together; a second run keeps the file; a spent budget
+    writes nothing."""
+    import inspect
+    import textwrap
+
+    from specdec.train.recipe import pretrained_self_distill
+
+    src = inspect.getsource(textwrap)
+    code = tmp_path / "train.jsonl"
+    code.write_text("".join(json.dumps({"prompt": src[i : i + 2000]}) + "\n" for i in range(0, len(src), 2000)))
+    prose_texts = [" ".join(corpus(6, seed=s)) for s in range(4)]
+    prose = tmp_path / "prose.jsonl"
+    prose.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in prose_texts))
+    spec = {"prompts": 8, "prose_fraction": 0.25, "max_new_tokens": 6, "batch_size": 4}
+    out = tmp_path / "regen.jsonl"
+    res = pretrained_self_distill(workdir / "target", code, prose, out, spec, 600, 0, False, None)
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert res["records"] == res["prompts"] == len(records) > 2  # at most six code prompts (the anchors it finds) and two prose
+    prompts = [r["prompt"] for r in records]
+    prose_prompts = [t[: len(t) // 3] for t in prose_texts[:2]]
+    assert sorted(p for p in prompts if p in prose_prompts) == sorted(prose_prompts)
+    assert all(p in src for p in prompts if p not in prose_prompts)  # the others are prefixes cut from the code
+    assert prompts[:2] != prose_prompts and prompts[-2:] != prose_prompts  # shuffled, not appended
+    assert all(r["completion"] for r in records)
+    before = out.read_text()
+    assert pretrained_self_distill(workdir / "target", code, prose, out, spec, 600, 0, False, None) == \
+        {"cached": True, "records": len(records), "file": str(out)}
+    assert out.read_text() == before
+    assert pretrained_self_distill(workdir / "target", code, prose, out, spec, 0, 0, True, None)["records"] == 0
+
+
 def test_acceptance_labelling_stops_at_its_deadline(draft_model):
     from specdec.train.trainers.acceptance_labels import build_features
 

@@ -218,14 +218,22 @@ def run_pretrained(cfg: RecipeConfig, corpus, fam: Path, want: set, force: bool,
     if "drafters" not in want:
         return out
     plan = {k: v for k, v in (cfg.drafters or {}).items() if k in PRETRAINED_DRAFTERS}
-    unknown = set(cfg.drafters or {}) - set(PRETRAINED_DRAFTERS) - {"draft_vocab", "teacher_topk"}
+    unknown = set(cfg.drafters or {}) - set(PRETRAINED_DRAFTERS) - {"draft_vocab", "teacher_topk", "self_distill"}
     if unknown:
         raise UsageError(f"recipe {cfg.name}: unknown drafters {sorted(unknown)} (known: {', '.join(PRETRAINED_DRAFTERS)})")
+    sd_spec = cfg.drafters.get("self_distill")
+    sd_share = float(sd_spec.get("share", 0.2)) if sd_spec else 0.0
+    files = [data, prose]
+    if sd_spec:
+        sd_s = sd_share * cfg.shares.get("drafters", 1.0) * budget_s
+        out["self_distill"] = pretrained_self_distill(target, data, prose, fam / "data" / "regen.jsonl", sd_spec, sd_s, cfg.seed,
+                                                      force, console)
+        if out["self_distill"]["records"]:
+            files = [fam / "data" / "regen.jsonl", data, prose]
     vocab = int(cfg.drafters.get("draft_vocab", 16384))
     topk = int(cfg.drafters.get("teacher_topk", 32))
     shares = {k: float(v.get("share", 1.0 / len(plan))) for k, v in plan.items()}
     cache = fam / "data" / "teacher.safetensors"  # one teacher pass serves every drafter
-    files = [data, prose]
     results = {}
     for name, spec in plan.items():
         dest = fam / name
@@ -233,7 +241,7 @@ def run_pretrained(cfg: RecipeConfig, corpus, fam: Path, want: set, force: bool,
             log(console, f"[dim]{name}: cached in {dest}[/dim]")
             results[name] = {"cached": True}
             continue
-        minutes = shares[name] * cfg.shares.get("drafters", 1.0) * budget_s / 60
+        minutes = shares[name] * (1.0 - sd_share) * cfg.shares.get("drafters", 1.0) * budget_s / 60
         # the budget decides when a drafter stops: the step cap is only a safety net
         train = config_from_dict({"seq_len": 256, "heldout": 0.02, "seed": cfg.seed, "checkpoint_every": 100, "steps": 100000,
                                   "budget_minutes": minutes, "clock_schedule": True, "progress": console is not None,
@@ -261,6 +269,29 @@ def run_pretrained(cfg: RecipeConfig, corpus, fam: Path, want: set, force: bool,
         log(console, f"{name}: {summary}")
     out["drafters"] = results
     return out
+
+
+def pretrained_self_distill(target: Path, code: Path, prose: Path, out: Path, spec: dict, budget_s: float, seed: int,
+                            force: bool, console) -> dict:
+    """The target's own greedy continuations (``train.data.self_distill``, the `specdec decode` job) of prompts
+    cut from the recipe's training text, written to ``out`` within ``budget_s``: code prompts cut as the
+    held-out ones are (at function headers, docstrings and literals) and each prose chunk's first third,
+    shuffled together so that a budget that runs out keeps the mix. The recipe's ``drafters.self_distill``:
+    ``share`` (of the drafters' time), ``prompts``, ``prose_fraction``, ``max_new_tokens``, ``batch_size``.
+    The drafters then train on these beside the text: what the target says, not what the corpus says."""
+    if out.exists() and not force:
+        return {"cached": True, "records": sum(1 for line in out.read_text().split("\n") if line.strip()), "file": str(out)}
+    n = int(spec.get("prompts", 2048))
+    n_prose = int(n * float(spec.get("prose_fraction", 0.25)))
+    prose_texts = load_texts([prose]) if prose.exists() and n_prose else []
+    prompts = cut_code_prompts(target, load_texts([code]), n - min(n_prose, len(prose_texts)), seed)
+    prompts += [t[: max(1, len(t) // 3)] for t in prose_texts[:n_prose]]
+    random.Random(seed).shuffle(prompts)
+    log(console, f"self-distillation: the target's continuations of {len(prompts)} prompts for up to {budget_s:.0f} s")
+    t0 = time.perf_counter()
+    written = self_distill(target, prompts, out, budget_s, max_new_tokens=int(spec.get("max_new_tokens", 128)),
+                           batch_size=int(spec.get("batch_size", 32)))
+    return {"records": written, "prompts": len(prompts), "seconds": round(time.perf_counter() - t0, 1), "file": str(out)}
 
 
 def write_pretrained_prompts(corpus, prose_held: list[str], target: Path, out: Path, n: int) -> Path:
