@@ -434,6 +434,8 @@ def test_a_pretrained_recipes_self_distillation_mixes_code_and_prose_prompts_and
         {"cached": True, "records": len(records), "file": str(out)}
     assert out.read_text() == before
     assert pretrained_self_distill(workdir / "target", code, prose, out, spec, 0, 0, True, None)["records"] == 0
+    # a spent budget leaves no file (a later run tries again), nor a partial one
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["prose.jsonl", "train.jsonl"]
 
 
 def test_acceptance_labelling_stops_at_its_deadline(draft_model):

@@ -187,6 +187,7 @@ def run_recipe(name: str | os.PathLike, budget_minutes: float | None = None, for
 
 # drafters a pretrained target's recipe may train (their recipe section names the trainer's options)
 PRETRAINED_DRAFTERS = ("eagle3", "draft", "medusa", "clover")
+SELF_DISTILL_KEYS = {"share", "prompts", "prose_fraction", "max_new_tokens", "batch_size"}  # pretrained_self_distill's
 
 
 def run_pretrained(cfg: RecipeConfig, corpus, fam: Path, want: set, force: bool, console, placement, budget_s: float) -> dict:
@@ -222,6 +223,9 @@ def run_pretrained(cfg: RecipeConfig, corpus, fam: Path, want: set, force: bool,
     if unknown:
         raise UsageError(f"recipe {cfg.name}: unknown drafters {sorted(unknown)} (known: {', '.join(PRETRAINED_DRAFTERS)})")
     sd_spec = cfg.drafters.get("self_distill")
+    if sd_spec and set(sd_spec) - SELF_DISTILL_KEYS:
+        raise UsageError(f"recipe {cfg.name}: unknown self_distill keys {sorted(set(sd_spec) - SELF_DISTILL_KEYS)} "
+                         f"(known: {', '.join(sorted(SELF_DISTILL_KEYS))})")
     sd_share = float(sd_spec.get("share", 0.2)) if sd_spec else 0.0
     files = [data, prose]
     if sd_spec:
@@ -289,8 +293,14 @@ def pretrained_self_distill(target: Path, code: Path, prose: Path, out: Path, sp
     random.Random(seed).shuffle(prompts)
     log(console, f"self-distillation: the target's continuations of {len(prompts)} prompts for up to {budget_s:.0f} s")
     t0 = time.perf_counter()
-    written = self_distill(target, prompts, out, budget_s, max_new_tokens=int(spec.get("max_new_tokens", 128)),
+    partial = out.with_name(f".{out.name}.partial")  # a killed run leaves no file a later run would take as done
+    written = self_distill(target, prompts, partial, budget_s, max_new_tokens=int(spec.get("max_new_tokens", 128)),
                            batch_size=int(spec.get("batch_size", 32)))
+    if written:
+        os.replace(partial, out)
+    else:  # nothing decoded in time: no file, so that a later run tries again
+        partial.unlink(missing_ok=True)
+        out.unlink(missing_ok=True)
     return {"records": written, "prompts": len(prompts), "seconds": round(time.perf_counter() - t0, 1), "file": str(out)}
 
 
