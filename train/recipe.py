@@ -222,18 +222,18 @@ def run_pretrained(cfg: RecipeConfig, corpus, fam: Path, want: set, force: bool,
     unknown = set(cfg.drafters or {}) - set(PRETRAINED_DRAFTERS) - {"draft_vocab", "teacher_topk", "self_distill"}
     if unknown:
         raise UsageError(f"recipe {cfg.name}: unknown drafters {sorted(unknown)} (known: {', '.join(PRETRAINED_DRAFTERS)})")
+    files, sd_share = [data, prose], 0.0
     sd_spec = cfg.drafters.get("self_distill")
-    if sd_spec and set(sd_spec) - SELF_DISTILL_KEYS:
-        raise UsageError(f"recipe {cfg.name}: unknown self_distill keys {sorted(set(sd_spec) - SELF_DISTILL_KEYS)} "
-                         f"(known: {', '.join(sorted(SELF_DISTILL_KEYS))})")
-    sd_share = float(sd_spec.get("share", 0.2)) if sd_spec else 0.0
-    files = [data, prose]
     if sd_spec:
-        sd_s = sd_share * cfg.shares.get("drafters", 1.0) * budget_s
-        out["self_distill"] = pretrained_self_distill(target, data, prose, fam / "data" / "regen.jsonl", sd_spec, sd_s, cfg.seed,
-                                                      force, console)
+        if set(sd_spec) - SELF_DISTILL_KEYS:
+            raise UsageError(f"recipe {cfg.name}: unknown self_distill keys {sorted(set(sd_spec) - SELF_DISTILL_KEYS)} "
+                             f"(known: {', '.join(sorted(SELF_DISTILL_KEYS))})")
+        sd_share = float(sd_spec.get("share", 0.2))
+        regen = fam / "data" / "regen.jsonl"
+        out["self_distill"] = pretrained_self_distill(target, data, prose, regen, sd_spec,
+                                                      sd_share * cfg.shares.get("drafters", 1.0) * budget_s, cfg.seed, force, console)
         if out["self_distill"]["records"]:
-            files = [fam / "data" / "regen.jsonl", data, prose]
+            files = [regen, data, prose]
     vocab = int(cfg.drafters.get("draft_vocab", 16384))
     topk = int(cfg.drafters.get("teacher_topk", 32))
     shares = {k: float(v.get("share", 1.0 / len(plan))) for k, v in plan.items()}
