@@ -15,6 +15,7 @@ from specdec.decode.drafters.draft_model import ModelDrafter
 from specdec.decode.drafters.model_free import NgramDrafter, RecycleDrafter
 from specdec.decode.drafters.base import NoDrafter
 from specdec.decode.drafters.self_speculation import layer_skip_view, middle_layers, parse_layerskip
+from specdec.decode.drafters.trimmed import TrimmedDrafter
 from specdec.decode.engine.loop import SpecEngine
 from specdec.decode.engine.types import GenRequest
 from specdec.models import arch
@@ -56,7 +57,7 @@ CONFIGS = {
 ARCHS = list(CONFIGS)
 # each target's draft: another architecture (and model type), same vocabulary
 DRAFT_OF = {name: ARCHS[(i + 2) % len(ARCHS)] for i, name in enumerate(ARCHS)}
-DRAFTERS = ["ar", "ngram", "recycle", "layerskip", "draft"]
+DRAFTERS = ["ar", "ngram", "recycle", "layerskip", "trimmed", "draft"]
 
 
 def build(name: str, seed: int = 0, attn: str | None = None):
@@ -126,6 +127,8 @@ def make_drafter(kind: str, name: str, zoo: _Zoo):
         return RecycleDrafter()
     if kind == "layerskip":
         return ModelDrafter(layer_skip_view(target, middle_layers(target.config.num_hidden_layers)))
+    if kind == "trimmed":  # half the vocabulary and the text's tokens: drafts the set misses are rejected
+        return TrimmedDrafter(target, torch.arange(0, VOCAB, 2))
     return ModelDrafter(zoo.model(DRAFT_OF[name]))
 
 

@@ -20,6 +20,7 @@ from specdec.decode.drafters.base import Drafter, NoDrafter
 from specdec.decode.drafters.draft_model import ModelDrafter
 from specdec.decode.drafters.model_free import NgramDrafter, RecycleDrafter
 from specdec.decode.drafters.self_speculation import layer_skip_view
+from specdec.decode.drafters.trimmed import TrimmedDrafter
 from specdec.decode.engine.loop import SpecEngine
 from specdec.decode.drafters.heads import DRAFTERS
 from specdec.decode.engine.types import GenRequest
@@ -69,13 +70,14 @@ def make_drafter(name, target, draft_model):
         "ngram": NgramDrafter,
         "recycle": RecycleDrafter,
         "layerskip": lambda: ModelDrafter(layer_skip_view(target, [1])),
+        "trimmed": lambda: TrimmedDrafter(target, torch.arange(0, target.config.vocab_size, 2), NgramDrafter()),
         "draft": lambda: ModelDrafter(draft_model),
         "adaptive": lambda: AdaptiveDrafter(draft_model, _acceptance_head(draft_model.config.hidden_size), stop_threshold=0.7,
                                             min_draft=1, max_draft=6),
     }[name]()
 
 
-NAMES = ["ar", "ngram", "recycle", "layerskip", "draft", "adaptive", "medusa", "clover", "eagle-static", "eagle-dynamic"]
+NAMES = ["ar", "ngram", "recycle", "layerskip", "trimmed", "draft", "adaptive", "medusa", "clover", "eagle-static", "eagle-dynamic"]
 
 
 @pytest.mark.parametrize("name", NAMES)

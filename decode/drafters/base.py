@@ -49,6 +49,10 @@ class Proposal:
     rest: Callable[[], Proposal] | None = None
     # chain only: each row's drafter-given class for decode.engine.length (n-gram: the match length; default 0)
     classes: list[int] | None = None
+    # chain only, from a drafter that drafts with the target's own layers in the target's cache
+    # (``decode.drafters.trimmed``): [B, N+1, H] the target's last hidden states at the root and each draft, whose
+    # N + 1 slots it committed there; verification then runs the output layer on them instead of a forward
+    states: torch.Tensor | None = None
 
     @property
     def is_tree(self) -> bool:
@@ -81,6 +85,7 @@ class Drafter:
     # -- what it needs from the engine
     needs_hidden = False  # the target's last hidden states in every segment (Medusa, Clover, EAGLE)
     hidden_layers: tuple[int, ...] | None = None  # extra hidden-state layers the drafter reads (EAGLE-3)
+    drafts_in_target = False  # it drafts with the target's layers in the target's cache (``Proposal.states``)
     needs_prefill_logits = False  # every prompt token's logits in begin/admit segments (else the last one's)
     # -- what its proposals hold
     default_k = 4  # drafted tokens (or tree nodes) per round when the user fixes no --num-draft

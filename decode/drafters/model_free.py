@@ -41,6 +41,10 @@ class NgramDrafter(Drafter):
                     return draft, n
         return [], 0
 
+    def continuation(self, seq: list[int], k: int) -> list[int]:
+        """What the lookup drafts after ``seq``: up to ``k`` tokens (none without a match)."""
+        return self._lookup(seq, k)[0]
+
     def admit(self, batch, seg: Segment) -> None:
         pass  # drafts come from each row's own text
 

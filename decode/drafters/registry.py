@@ -1,6 +1,6 @@
 """The registry of drafter kinds: which drafter a spec names, what builds it, and what it takes.
 
-A drafter spec is a name that needs no artifact (``ar``, ``ngram``, ``recycle``, ``layerskip[:i,j]``,
+A drafter spec is a name that needs no artifact (``ar``, ``ngram``, ``recycle``, ``layerskip[:i,j]``, ``trimmed``,
 ``retrieval:INDEX``: ``NAMED_DRAFTERS``), a default family member (``draft``, ``medusa``, ...), an artifact
 folder or a hub id (``ORG/NAME``) of a draft model; an artifact's ``config.json`` says its kind
 (``specdec_kind`` or ``kind``), and ``DRAFTER_KINDS`` maps the kind to its factory. The CLI never branches
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from specdec.decode.drafters import aded, base, copying, draft_model, long_draft, model_free, retrieval, stand, suffix
+from specdec.decode.drafters import aded, base, copying, draft_model, long_draft, model_free, retrieval, stand, suffix, trimmed
 from specdec.decode.drafters import self_speculation as swift
 from specdec.decode.drafters.adaptive import build_adaptive
 from specdec.decode.drafters.heads import build_head_drafter
@@ -77,6 +77,14 @@ class Factory:
 
 def _given(drafting: DraftingOptions, name: str) -> bool:
     return getattr(drafting, name) != getattr(DraftingOptions(), name)
+
+
+def _trimmed(spec: str, target, tokenizer, options: DecodeOptions):
+    lookup = options.drafting.lookup
+    if lookup not in (None, "ngram"):
+        raise UsageError(f"the trimmed drafter feeds n-gram lookup's guesses only: --lookup ngram, not {lookup}")
+    found = NAMED_DRAFTERS[lookup](lookup, target, tokenizer, options) if lookup else None
+    return trimmed.build_trimmed(spec, target, tokenizer, found)
 
 
 def _layerskip(spec: str, target, tokenizer, options: DecodeOptions):
@@ -150,6 +158,8 @@ NAMED_DRAFTERS: dict[str, Factory] = {
                      frozenset({"max_ngram"}), "the ngram drafter", model_free=True),
     "recycle": Factory(lambda spec, target, tokenizer, options: model_free.RecycleDrafter(), label="the recycle drafter", model_free=True),
     "layerskip": Factory(_layerskip, label="layerskip", check=swift.check_layerskip_spec),
+    "trimmed": Factory(_trimmed, frozenset({"lookup", "max_ngram"}), "the trimmed drafter",
+                       check=trimmed.check_trimmed_spec),
     "copy": Factory(lambda spec, target, tokenizer, options: copying.CopyDrafter(), label="the copy drafter", model_free=True),
     "input-copy": Factory(lambda spec, target, tokenizer, options: copying.InputCopyDrafter(), label="the input-copy drafter",
                           model_free=True),

@@ -67,6 +67,8 @@ class Batch:
     groups: list[int | None] = field(default_factory=list)  # each active row's ``GenRequest.group``
     references: list[list[int] | None] = field(default_factory=list)  # each active row's ``GenRequest.reference``
     keys: list[int] = field(default_factory=list)  # each active row's race identity (``GenRequest.key``)
+    # the target's cache, for a drafter that drafts with the target's own layers in it (``Drafter.drafts_in_target``)
+    target_state: object = None
 
 
 @dataclass
@@ -249,6 +251,9 @@ class SpecEngine:
         if batch.rows:
             room = self.max_context - max(map(len, batch.seqs))
             batch.num_draft = self.num_draft if room > self.num_draft + 1 else 0
+            if self.drafter.drafts_in_target:
+                # its forwards write the target's cache: not while joining rows' prompts ride the verify forward
+                batch.target_state, batch.num_draft = state, 0 if joining else batch.num_draft
             if self.length is not None and self.drafter.length_policy is LengthPolicy.before and batch.num_draft:
                 batch.num_draft = max(self.length.lengths([0] * len(batch.rows), [batch.num_draft] * len(batch.rows)))
             start = time.perf_counter()
@@ -262,6 +267,8 @@ class SpecEngine:
                     proposal = self._trim(proposal)
         if proposal is not None and proposal.rest is not None:
             seg, verdict, proposal = split.verify(self, state, batch, proposal)
+        elif proposal is not None and proposal.states is not None:
+            seg, verdict = self._verify_states(state, batch, proposal)
         else:
             seg, verdict = self._verify(state, batch, proposal, joining)
         if batch.rows:
@@ -535,6 +542,25 @@ class SpecEngine:
             state.commit_prefix(commit_index.shape[1], commit_valid)
         seg = Segment(input_ids, valid, logits, last_hidden, layers, keep_index=index, keep_valid=keep_valid,
                       ride_logits=ride_logits, ride_hidden=ride_hidden)
+        return seg, verdict
+
+    def _verify_states(self, state: KVState, batch: Batch, proposal: Proposal) -> tuple[Segment, Verdict]:
+        """Verification of a chain whose root and drafts the drafter already fed through the target's layers in
+        its cache (``Proposal.states``, N + 1 slots committed): the output layer on those states gives the
+        logits a verify forward would, and the cache keeps each row's root and accepted drafts."""
+        bsz, n = proposal.tokens.shape
+        logits = self.target.get_output_embeddings()(proposal.states)
+        cap = getattr(self.target.config.get_text_config(), "final_logit_softcapping", None)
+        if cap is not None:  # as the model's forward applies it after the output layer
+            logits = torch.tanh(logits / cap) * cap
+        verdict = verify_chain(logits, proposal.tokens, proposal.draft_probs, batch.sampling, batch.generator, None, self.kernels)
+        accepted = verdict.accepted.tolist()
+        state.rollback(n + 1, [1 + a for a in accepted])
+        keep = 1 + max(accepted)
+        index = torch.arange(keep, device=self.device)[None].expand(bsz, keep)
+        input_ids = torch.cat([batch.root[:, None], proposal.tokens], dim=1)
+        seg = Segment(input_ids, torch.ones_like(input_ids, dtype=torch.bool), logits, None,
+                      keep_index=index, keep_valid=index <= verdict.accepted[:, None])
         return seg, verdict
 
     @property
