@@ -90,8 +90,9 @@ def family_of(source: str | os.PathLike) -> str | None:
 
 
 def family_winner(source: str | os.PathLike) -> dict | None:
-    """For a family's target: {"family", "method" (a spec), "summary"} from the family's ``fastest.json``,
-    when it names a drafter that needs nothing (``ngram``) or a member the family holds; else None."""
+    """For a family's target: {"family", "method" (a spec), "summary", "when"} from the family's ``fastest.json``,
+    when it names a drafter that needs nothing (``ngram``) or a member the family holds; else None. ``when``:
+    the decode options it was measured under (``batch_size``, ``temperature``), where it is the fastest."""
     family = family_of(source)
     if family is None:
         return None
@@ -99,12 +100,13 @@ def family_winner(source: str | os.PathLike) -> dict | None:
     if not (fam / WINNER_FILE).is_file():
         return None
     info = json.loads((fam / WINNER_FILE).read_text())
-    method = str(info["method"])
-    if method in FAMILY_MEMBERS:
-        if not (fam / method).is_dir():
+    method = str(info["method"])  # a method spec: a drafter and the options it was measured with (``NAME+key=value``)
+    head, plus, rest = method.partition("+")
+    if head in FAMILY_MEMBERS:
+        if not (fam / head).is_dir():
             return None
-        method = f"{family}/{method}"
-    return {"family": family, "method": method, "summary": str(info.get("summary", ""))}
+        method = f"{family}/{head}{plus}{rest}"
+    return {"family": family, "method": method, "summary": str(info.get("summary", "")), "when": dict(info.get("when") or {})}
 
 
 def resolve_member(name_or_dir: str | os.PathLike, family: str | None = None) -> Path:

@@ -51,6 +51,48 @@ def test_auto_takes_the_family_winner_when_it_ships(tmp_path, tiny_family, monke
     assert [c for c, _ in auto] == [c for c, _ in plain]
 
 
+def test_a_winner_measured_with_options_brings_them_where_it_was_measured(tmp_path, tiny_family, monkeypatch):
+    """``trimmed+lookup=ngram`` in ``fastest.json``: auto decodes with the trimmed drafter and n-gram lookup under
+    the conditions it was measured at, and ``ngram`` elsewhere, saying why."""
+    home = tmp_path / "home"
+    family = home / "tiny-stdlib"
+    family.mkdir(parents=True)
+    shutil.copytree(tiny_family / "target", family / "target")
+    monkeypatch.setenv("SPECDEC_HOME", str(home))
+    winner = {"method": "trimmed+lookup=ngram", "summary": "measured here", "when": {"batch_size": 8, "temperature": 0.0}}
+    (family / WINNER_FILE).write_text(json.dumps(winner))
+    work = tmp_path / "work"
+    work.mkdir()
+    from specdec.decode.drafters import trimmed
+
+    built = []
+    real = trimmed.build_trimmed
+    monkeypatch.setattr(trimmed, "build_trimmed", lambda *a: built.append(a[-1]) or real(*a))
+    said, auto = _decode(work, "tiny-stdlib")
+    assert "drafter: trimmed+lookup=ngram (auto: the fastest lossless method measured for tiny-stdlib" in said
+    assert type(built[-1]).__name__ == "NgramDrafter"
+    _, plain = _decode(work, "tiny-stdlib", "--drafter", "ar")
+    assert [c for c, _ in auto] == [c for c, _ in plain]
+    # measured at batch 8, greedy: at another batch size or temperature, auto is ngram and says why
+    said, _ = _decode(work, "tiny-stdlib", "--batch-size", "2")
+    assert "drafter: ngram (auto: trimmed+lookup=ngram is the fastest measured for tiny-stdlib at batch_size 8, " \
+           "temperature 0.0, not at batch_size 2)" in said
+
+
+def test_the_users_own_options_win_over_the_winners(monkeypatch):
+    from specdec.decode.jobs.validate import resolve_auto
+    from specdec.decode.options import DecodeOptions
+    from specdec.models import artifacts
+
+    winner = {"family": "f", "method": "trimmed+lookup=ngram+k=5", "summary": "s", "when": {}}
+    monkeypatch.setattr(artifacts, "family_winner", lambda source: winner)
+    chosen, _, said = resolve_auto("f", DecodeOptions())
+    assert (chosen.drafting.drafter, chosen.drafting.lookup, chosen.drafting.num_draft) == ("trimmed", "ngram", 5)
+    chosen, _, said = resolve_auto("f", DecodeOptions(num_draft=3))
+    assert (chosen.drafting.drafter, chosen.drafting.lookup, chosen.drafting.num_draft) == ("trimmed", "ngram", 3)
+    assert said.startswith("drafter: trimmed+lookup=ngram+k=5 (auto:")
+
+
 def test_auto_takes_plain_decoding_where_the_options_need_it(tmp_path, tiny_family):
     said, out = _decode(tmp_path, tiny_family / "target", "--beams", "2")
     assert "drafter: ar (auto: the other options take plain decoding)" in said
@@ -65,3 +107,5 @@ def test_the_default_family_winner_is_its_report_fastest_lossless_method():
     doc = runpy.run_path(str(ROOT / "scripts" / "benchmarks-doc"), run_name="benchmarks_doc")
     best = doc["headline"](Path(info["report"]).stem, report)
     assert best["method"] == info["method"], (best, info)
+    # the conditions it is the winner under are the report's own
+    assert info["when"] and info["when"] == {k: report["config"][k] for k in info["when"]}

@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 
 from specdec.decode.drafters.registry import DrafterChoice, check_drafter_options
-from specdec.decode.options import AUTO, PIECES, SCHEDULES, DecodeOptions, field_refusal, flag
+from specdec.decode.options import AUTO, OPTION_ALIASES, PIECES, SCHEDULES, DecodeOptions, field_refusal, flag, parse_method
 from specdec.models.artifacts import artifact_kind, read_config
 from specdec.models.errors import UsageError
 from specdec.models.loading import Placement, check_weights, resolve_source
@@ -228,16 +228,24 @@ def resolve_auto(source: str, options: DecodeOptions) -> tuple[DecodeOptions, Dr
     from specdec.models.artifacts import family_winner
 
     winner = family_winner(source)
-    if winner is not None:
+    values = options.values()
+    differ = [f"{k} {values[k]}" for k, v in (winner or {}).get("when", {}).items() if values.get(k) != v]
+    if winner is not None and not differ:
         spec, why = winner["method"], f"the fastest lossless method measured for {winner['family']} ({winner['summary']})"
+    elif winner is not None:
+        measured = ", ".join(f"{k} {v}" for k, v in winner["when"].items())
+        spec, why = "ngram", f"{winner['method']} is the fastest measured for {winner['family']} at {measured}, not at {', '.join(differ)}"
     else:
         spec, why = "ngram", "no faster drafter ships for this target; n-gram lookup needs none"
     refusal = None
     for candidate, reason in ((spec, why), ("ar", "the other options take plain decoding")):
-        chosen = options.with_overrides({"drafter": candidate})
+        head, overrides = parse_method(candidate)  # a measured method's options (``trimmed+lookup=ngram``) come with it
+        mine = {name for piece in PIECES for name in options.given(piece)}
+        kept = {k: v for k, v in overrides.items() if OPTION_ALIASES.get(k, k).replace("-", "_") not in mine}
         try:
+            chosen = options.with_overrides({**kept, "drafter": head})
             validate_options(chosen)
-            drafter = check_drafter_options(candidate, chosen)
+            drafter = check_drafter_options(head, chosen)
             check_drafter_traits(drafter, chosen)
         except UsageError as exc:
             refusal = exc
