@@ -31,9 +31,9 @@ $(STAMP): $(CORE)
 venv: $(STAMP)
 
 ## Decode examples/demo.jsonl with the default model, Gemma 3 270M (converted from its package once): plain
-## decoding, then the fastest lossless method measured on it (benchmarks/), prompt lookup (`ngram`); print a
-## completion of each kind and the speedup (DEMO_DRAFTER=eagle3 tries a shipped drafter).
-DEMO_DRAFTER ?= ngram
+## decoding, then `--drafter auto`, the fastest lossless method measured on it (families/gemma3-270m/fastest.json);
+## print a completion of each kind and the speedup (DEMO_DRAFTER=eagle3 tries a shipped drafter).
+DEMO_DRAFTER ?= auto
 DEMO_ARGS ?= --in examples/demo.jsonl --max-new-tokens 64 --batch-size 1 --overwrite
 demo: $(CORE)
 	mkdir -p out
