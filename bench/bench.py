@@ -200,7 +200,8 @@ def _bench_causal(cfg: BenchConfig, plan: BenchPlan, records: list, console) -> 
         estimate = prepared[spec].kv_estimate_bytes
         entry.update(peak_mib=peaks[spec].mib(), kv_estimate_mib=None if estimate is None else round(estimate / (1 << 20), 3))
         # transformers' own runs report no forward counts; the model reads a prompt's stats as one row's
-        if not is_peer(spec) and _one_row_per_prompt(plan.methods[spec].options, prepared[spec]):
+        # a drafter drafting with the target's layers (Factory.in_target) runs forwards the count of verifications misses
+        if not is_peer(spec) and _one_row_per_prompt(plan.methods[spec].options, prepared[spec]) and not _in_target(spec):
             entry.update(roofline(runs[spec].stats, lens, base.scheduling.batch_size, statistics.median(runs[spec].walls), peak, model,
                                   prepared[spec].draft_model, blocks=plan.methods[spec].options.placement.weights != "float32"))
     nominal = nominal_bandwidth(device)
@@ -598,9 +599,14 @@ def _positions(stats, idx):
     return drafted, accepted
 
 
+def _in_target(spec: str) -> bool:
+    named = named_factory(parse_method(spec)[0])
+    return named is not None and named.in_target
+
+
 def _ideal(spec, run: Run, entry: dict, costs, draft_model) -> dict:
     tau = entry.get("tau")
-    if is_peer(spec) or not tau or run.rounds == 0:
+    if is_peer(spec) or not tau or run.rounds == 0 or _in_target(spec):
         return {"ideal_speedup": None, "efficiency": None} if spec != "ar" else {"ideal_speedup": 1.0, "efficiency": entry["speedup"]}
     rounds = sum(s.get("target_calls", 0) for s in run.stats) - len(run.stats)  # minus prefills
     drafted = sum(s.get("drafted_tokens", 0) for s in run.stats)

@@ -200,6 +200,18 @@ def test_model_free_drafters_are_charged_no_drafting_and_the_others_their_propos
         assert _draft_cost_per_round(spec, run, None, None, 3.0) == 0.5, spec
 
 
+def test_a_drafter_drafting_in_the_targets_cache_gets_no_ideal_speedup():
+    """trimmed's rounds verify with the output layer alone: the model of a round as one verify forward of the
+    chain's width would call it more than 100% efficient, so the report leaves the ideal out."""
+    from specdec.bench.bench import _ideal
+    from specdec.bench.timing import Run
+
+    run = Run(outputs=[[]], stats=[{"target_calls": 5, "drafted_tokens": 28}], walls=[1.0], rounds=4, propose_s=2.0)
+    assert _ideal("trimmed+lookup=ngram", run, {"tau": 7.0, "speedup": 1.9}, lambda w, m=None: 1.0, None) == \
+        {"ideal_speedup": None, "efficiency": None}
+    assert _ideal("layerskip:1", run, {"tau": 7.0, "speedup": 1.9}, lambda w, m=None: 1.0, None)["ideal_speedup"] is not None
+
+
 def test_compiled_methods_warm_up_on_the_shortest_and_the_longest_prompts():
     from specdec.bench.bench import spread_by_length
 

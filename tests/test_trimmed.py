@@ -118,3 +118,16 @@ def test_a_spec_names_a_draft_vocabulary_or_is_refused(tmp_path):
     trimmed.check_trimmed_spec(f"trimmed:{tmp_path}")
     drafter = trimmed.build_trimmed(f"trimmed:{tmp_path}", tiny_llama(seed=0), None)
     assert sorted(drafter.head.ids.tolist()) == [0, 4, 8, 15]
+
+
+def test_the_factory_refuses_a_lookup_it_cannot_feed_and_a_target_off_the_cpu():
+    from specdec.decode.drafters.registry import NAMED_DRAFTERS
+    from specdec.decode.options import DecodeOptions
+    from specdec.models.errors import UsageError
+
+    model = tiny_llama(seed=0)
+    with pytest.raises(UsageError, match="--lookup ngram, not suffix"):
+        NAMED_DRAFTERS["trimmed"]("trimmed", model, None, DecodeOptions(lookup="suffix"))
+    with pytest.raises(UsageError, match="drafts on a CPU"):
+        NAMED_DRAFTERS["trimmed"]("trimmed", model.to("meta"), None, DecodeOptions())
+    assert NAMED_DRAFTERS["trimmed"]("trimmed", tiny_llama(seed=0), None, DecodeOptions(lookup="ngram")).lookup is not None

@@ -8,7 +8,8 @@ on names.
 
 Each factory also declares the method's traits, which validation (``decode.jobs.validate``) and the bench
 read instead of lists of names: ``model_free`` (drafting runs no model), ``approximate`` (the output may
-differ from the target's own decoding) and ``several_at_greedy`` (its --num-samples outputs differ at T = 0).
+differ from the target's own decoding), ``several_at_greedy`` (its --num-samples outputs differ at T = 0) and
+``in_target`` (it drafts with the target's own layers in the target's cache).
 
 Each factory declares the drafting options it takes (``Factory.takes``, ``DraftingOptions`` field names;
 ``num_draft`` goes to every drafter). A draft model is built in one of several modes, each a factory
@@ -57,6 +58,9 @@ class Factory:
     # greedily, batches by --batch-size, and its records say "approximate": true
     approximate: bool = False
     several_at_greedy: bool = False  # its --num-samples outputs differ at T = 0 (superposed decoding's k best drafts)
+    # drafts with the target's own layers in the target's cache (``trimmed``): its rounds verify with the output layer
+    # alone, so the bench's model of a round (one verify forward of the chain's width) does not describe it
+    in_target: bool = False
     # a draft model's mode that takes the whole sorted (S2D) draft and the target, choosing depths itself, rather
     # than the sub-model of the target's depth
     whole_sorted_draft: bool = False
@@ -83,6 +87,10 @@ def _trimmed(spec: str, target, tokenizer, options: DecodeOptions):
     lookup = options.drafting.lookup
     if lookup not in (None, "ngram"):
         raise UsageError(f"the trimmed drafter feeds n-gram lookup's guesses only: --lookup ngram, not {lookup}")
+    if input_device(target).type != "cpu":
+        # a GPU reads a wide output layer about as fast as a narrow one: the draft would cost what a step costs
+        raise UsageError("the trimmed drafter drafts on a CPU, where the output layer is a large share of a step; "
+                         f"this target is on {input_device(target)}")
     found = NAMED_DRAFTERS[lookup](lookup, target, tokenizer, options) if lookup else None
     return trimmed.build_trimmed(spec, target, tokenizer, found)
 
@@ -159,7 +167,7 @@ NAMED_DRAFTERS: dict[str, Factory] = {
     "recycle": Factory(lambda spec, target, tokenizer, options: model_free.RecycleDrafter(), label="the recycle drafter", model_free=True),
     "layerskip": Factory(_layerskip, label="layerskip", check=swift.check_layerskip_spec),
     "trimmed": Factory(_trimmed, frozenset({"lookup", "max_ngram"}), "the trimmed drafter",
-                       check=trimmed.check_trimmed_spec),
+                       check=trimmed.check_trimmed_spec, in_target=True),
     "copy": Factory(lambda spec, target, tokenizer, options: copying.CopyDrafter(), label="the copy drafter", model_free=True),
     "input-copy": Factory(lambda spec, target, tokenizer, options: copying.InputCopyDrafter(), label="the input-copy drafter",
                           model_free=True),
