@@ -60,6 +60,14 @@ def text_config(config):
     return get(decoder=True) if get is not None else config
 
 
+def output_logits(model, states: torch.Tensor) -> torch.Tensor:
+    """The logits of final (normed) hidden states: the output layer, then the soft-capping the config asks for
+    (Gemma 2), as the model's forward applies them."""
+    logits = model.get_output_embeddings()(states)
+    cap = getattr(text_config(model.config), "final_logit_softcapping", None)
+    return torch.tanh(logits / cap) * cap if cap is not None else logits
+
+
 def model_type(config) -> str:
     return getattr(text_config(config), "model_type", None) or "unknown"
 

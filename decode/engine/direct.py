@@ -311,10 +311,7 @@ class DirectStep:
         for layer in layers:
             layer.end = start + t
         x = self.base.norm(x)
-        logits = self.model.lm_head(x)
-        cap = getattr(self.model.config, "final_logit_softcapping", None)
-        if cap is not None:
-            logits = torch.tanh(logits / cap) * cap
+        logits = arch.output_logits(self.model, x)
         if not hidden:
             return CausalLMOutputWithPast(logits=logits)
         return CausalLMOutputWithPast(logits=logits, hidden_states=(*states, x))

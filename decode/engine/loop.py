@@ -45,7 +45,7 @@ from specdec.decode.engine.types import GenRequest, GenResult, Scheme
 from specdec.decode.engine.verify import (
     Sampling, Verdict, race_noise, race_scores, verify_chain, verify_tree, verify_tree_drafted,
 )
-from specdec.models import head, threads
+from specdec.models import arch, head, threads
 from specdec.models.errors import SpecdecError
 
 
@@ -549,10 +549,7 @@ class SpecEngine:
         its cache (``Proposal.states``, N + 1 slots committed): the output layer on those states gives the
         logits a verify forward would, and the cache keeps each row's root and accepted drafts."""
         bsz, n = proposal.tokens.shape
-        logits = self.target.get_output_embeddings()(proposal.states)
-        cap = getattr(self.target.config.get_text_config(), "final_logit_softcapping", None)
-        if cap is not None:  # as the model's forward applies it after the output layer
-            logits = torch.tanh(logits / cap) * cap
+        logits = arch.output_logits(self.target, proposal.states)
         verdict = verify_chain(logits, proposal.tokens, proposal.draft_probs, batch.sampling, batch.generator, None, self.kernels)
         accepted = verdict.accepted.tolist()
         state.rollback(n + 1, [1 + a for a in accepted])
