@@ -600,8 +600,13 @@ def _positions(stats, idx):
 
 
 def _in_target(spec: str) -> bool:
-    named = named_factory(parse_method(spec)[0])
+    named = _named(spec)
     return named is not None and named.in_target
+
+
+def _named(spec: str):
+    """The registry's factory of a spec's drafter, where a name selects it (``ngram+max-ngram=2``: ngram's)."""
+    return named_factory(parse_method(spec)[0])
 
 
 def _ideal(spec, run: Run, entry: dict, costs, draft_model) -> dict:
@@ -629,7 +634,7 @@ def _draft_cost_per_round(spec, run: Run, costs, draft_model, drafts_per_round: 
     (``drafts_per_round``: per row, as the verify width is; a batch's rows share each draft forward),
     measured propose time for neural heads, zero for model-free drafters (``Factory.model_free``: their
     host time is implementation overhead)."""
-    named = named_factory(parse_method(spec)[0])
+    named = _named(spec)
     if named is not None and named.model_free:
         return 0.0
     if draft_model is not None:

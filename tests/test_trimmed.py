@@ -131,3 +131,23 @@ def test_the_factory_refuses_a_lookup_it_cannot_feed_and_a_target_off_the_cpu():
     with pytest.raises(UsageError, match="drafts on a CPU"):
         NAMED_DRAFTERS["trimmed"]("trimmed", model.to("meta"), None, DecodeOptions())
     assert NAMED_DRAFTERS["trimmed"]("trimmed", tiny_llama(seed=0), None, DecodeOptions(lookup="ngram")).lookup is not None
+
+
+def test_on_a_gguf_targets_blocks_the_sets_layer_is_the_kernels_rows_at_any_width():
+    """A Q8_0 output layer: the set's logits are the blocks kernel's own for those rows, for a few positions and
+    for more than one kernel call takes (``blocks.MAX_ROWS``)."""
+    from test_blocks import _q8_0_output_layer
+
+    from gguf_files import random_blocks
+    from specdec.models import blocks
+
+    vocab, hidden = 16384, 64
+    raw = random_blocks("Q8_0", vocab, hidden, seed=4, scale=0.5)
+    _, linear, fast = _q8_0_output_layer(raw, hidden)
+    head = TrimmedHead(linear, fast, torch.tensor([5, 700, 16000]))
+    for rows in (3, blocks.MAX_ROWS + 5):
+        h = torch.randn(rows, hidden)
+        exact = blocks.matmul(h, fast.blocks)[:, [5, 700, 16000]]
+        out = head(h)
+        assert torch.equal(out[:, [5, 700, 16000]], exact)
+        assert torch.isinf(out).sum() == rows * (vocab - 3)

@@ -43,7 +43,7 @@ class TrimmedHead(torch.nn.Module):
         super().__init__()
         object.__setattr__(self, "linear", linear)  # the target's layer, not a submodule: its weights stay the target's
         self.vocab = linear.out_features
-        self.found = getattr(fast, "blocks", None) if fast is not None else None  # (blocks, qtype) of a GGUF target
+        self.found = getattr(fast, "blocks", None)  # (blocks, qtype) of a GGUF target (fast: its models.head.FastHead)
         self.ids = torch.empty(0, dtype=torch.long)
         self.member = torch.zeros(self.vocab, dtype=torch.bool)
         self.rows = None
@@ -69,11 +69,12 @@ class TrimmedHead(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.reshape(-1, x.shape[-1])
-        if self.found is not None and h.dtype == torch.float32 and h.shape[0] <= qblocks.MAX_ROWS:
-            part = qblocks.matmul(h.contiguous(), (self.rows, self.found[1]))
+        if self.found is not None:  # the set's blocks, at most MAX_ROWS positions a call (a GGUF target's states are float32)
+            h = h.float().contiguous()
+            part = torch.cat([qblocks.matmul(h[i : i + qblocks.MAX_ROWS], (self.rows, self.found[1]))
+                              for i in range(0, h.shape[0], qblocks.MAX_ROWS)]).to(x.dtype)
         else:
-            w = self.rows if self.found is None else self.linear.weight.detach().index_select(0, self.ids)
-            part = torch.nn.functional.linear(h, w.to(h.dtype))
+            part = torch.nn.functional.linear(h, self.rows.to(h.dtype))
         if self.bias is not None:
             part = part + self.bias.to(part.dtype)
         out = torch.full((h.shape[0], self.vocab), float("-inf"), dtype=part.dtype, device=part.device)

@@ -238,9 +238,9 @@ def resolve_auto(source: str, options: DecodeOptions) -> tuple[DecodeOptions, Dr
     else:
         spec, why = "ngram", "no faster drafter ships for this target; n-gram lookup needs none"
     refusal = None
+    mine = {name for piece in PIECES for name in options.given(piece)}  # the user's own options win over a winner's
     for candidate, reason in ((spec, why), ("ar", "the other options take plain decoding")):
         head, overrides = parse_method(candidate)  # a measured method's options (``trimmed+lookup=ngram``) come with it
-        mine = {name for piece in PIECES for name in options.given(piece)}
         kept = {k: v for k, v in overrides.items() if OPTION_ALIASES.get(k, k).replace("-", "_") not in mine}
         try:
             chosen = options.with_overrides({**kept, "drafter": head})
