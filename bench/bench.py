@@ -138,10 +138,14 @@ def plan_bench(cfg: BenchConfig, default_target: Callable[[], str] | None = None
     if "ar" not in specs:
         specs.insert(0, "ar")
     methods = {}
+    probed = False
     for spec in specs:
         if is_peer(spec):
             if llamacpp.is_llamacpp(spec):
-                llamacpp.gguf_file(source, spec)  # a target that is no GGUF file is refused before anything loads
+                path = llamacpp.gguf_file(source, spec)  # a target that is no GGUF file is refused before anything loads
+                if not probed:  # and a llama.cpp build that crashes here, before any method is measured
+                    llamacpp.probe(spec, path)
+                    probed = True
             methods[spec] = Method(spec, base)
             continue
         if spec not in parsed:  # a default method

@@ -9,10 +9,13 @@ from the model's float32 greedy text that specdec reproduces; the report's ``ide
 from __future__ import annotations
 
 import importlib.util
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
-from specdec.models.errors import UsageError
+from specdec.models.errors import SpecdecError, UsageError
 
 PEERS = ("llamacpp", "llamacpp-lookup")
 LOOKUP_TOKENS = 10  # prompt-lookup draft length, as hf-lookup's
@@ -26,6 +29,44 @@ def check_installed(spec: str) -> None:
     if importlib.util.find_spec("llama_cpp") is None:
         raise UsageError(f"{spec} needs llama-cpp-python: pip install 'specdec[peers]' (it builds llama.cpp from source, "
                          "several minutes)")
+
+
+# what the probe's child runs: load the file and decode two tokens, as a bench pass does
+PROBE = """
+import sys
+from llama_cpp import Llama
+llm = Llama(model_path=sys.argv[1], n_ctx=64, n_threads=int(sys.argv[2]), n_threads_batch=int(sys.argv[2]), verbose=False)
+for i, _ in enumerate(llm.generate([llm.token_bos()], temp=0.0, top_k=1, reset=True)):
+    if i == 1:
+        break
+"""
+# a build of llama.cpp for the CPU it was built on (GGML_NATIVE) can use AMX tiles, which a virtual machine may
+# not allow: its first matrix product then dies of a protection fault
+REBUILD = ('CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON -DGGML_AMX_TILE=OFF '
+           '-DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" pip install --force-reinstall --no-deps --no-cache-dir llama-cpp-python')
+
+
+def probe(spec: str, path: Path, threads: int = 1, timeout: float = 300) -> None:
+    """llama.cpp decodes two tokens of ``path`` in a child process: a build that crashes on this machine
+    would otherwise take the whole bench down with it, every method measured before it lost. A
+    ``SpecdecError`` (one line, naming the signal and a rebuild) where the child dies."""
+    try:
+        done = subprocess.run([sys.executable, "-c", PROBE, str(path), str(max(1, threads))], capture_output=True,
+                              text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise SpecdecError(f"{spec}: llama.cpp did not decode two tokens of {path.name} in {timeout:.0f} s") from None
+    if done.returncode == 0:
+        return
+    if done.returncode < 0:
+        try:
+            what = signal.Signals(-done.returncode).name
+        except ValueError:
+            what = f"signal {-done.returncode}"
+        raise SpecdecError(f"{spec}: llama.cpp crashed ({what}) decoding {path.name} on this machine; its build does not "
+                           f"run on this CPU (on a virtual machine, often AMX instructions it does not allow): rebuild it "
+                           f"without them, e.g. {REBUILD}")
+    last = (done.stderr.strip().splitlines() or ["no message"])[-1]
+    raise SpecdecError(f"{spec}: llama.cpp failed decoding {path.name} (exit {done.returncode}): {last}")
 
 
 def gguf_file(source: str, spec: str) -> Path:

@@ -108,6 +108,35 @@ def test_an_unknown_method_or_drafter_is_a_usage_error_before_anything_loads(tin
     assert not (tmp_path / "o.jsonl").exists()
 
 
+def test_a_llamacpp_build_that_crashes_here_is_one_error_line_before_any_model_loads(tiny_family, prompts, monkeypatch,
+                                                                                       tmp_path):
+    """llama.cpp runs inside the bench's process: a build that dies on this CPU (AMX on a virtual machine that
+    does not allow it) would take every method measured before it down too. A child process decodes two
+    tokens first; its death is one error line (exit 1) naming the signal and a rebuild, before anything loads."""
+    import importlib.util
+    from pathlib import Path
+
+    from specdec.bench import llamacpp
+    from specdec.models import loading
+
+    monkeypatch.setattr(loading, "load_causal_lm", lambda *a, **k: pytest.fail("a model was loaded"))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "llama_cpp" else real(name, *a))
+    monkeypatch.setattr(llamacpp, "gguf_file", lambda source, spec: tmp_path / "model.gguf")
+    monkeypatch.setattr(llamacpp, "PROBE", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")
+    res = invoke(["bench", "--in", prompts, "--target", tiny_family / "target", "--methods", "ar,ngram,llamacpp"])
+    assert res.exit_code == 1, res.output
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: llamacpp: llama.cpp crashed (SIGSEGV)"), res.stderr
+    assert "GGML_AMX_TILE=OFF" in lines[0] and "Traceback" not in res.output
+    # a child that fails without a signal: its last line; one that decodes: nothing to say
+    monkeypatch.setattr(llamacpp, "PROBE", "raise SystemExit('no such file')")
+    with pytest.raises(llamacpp.SpecdecError, match="exit 1.*no such file"):
+        llamacpp.probe("llamacpp", Path("model.gguf"))
+    monkeypatch.setattr(llamacpp, "PROBE", "import sys; assert sys.argv[1:] == ['model.gguf', '1']")
+    llamacpp.probe("llamacpp", Path("model.gguf"))
+
+
 @pytest.mark.parametrize("args,needle", [
     (["--drafter", "ngram", "--pre-verify"], "--pre-verify applies to draft models with --parallel"),
     (["--drafter", "ngram", "--verify", "rsd"], "--verify applies to draft models"),
