@@ -11,6 +11,8 @@
 // Speed: a decode step of a small model reads every weight once per forward; the blocks are 4.5-8.5
 // bits a weight instead of 32, and one dequantised register serves every position of the forward
 // (up to 8 positions at a time), so a forward of 4 or 8 positions costs little more than one.
+// On a CPU with AVX-512 (checked at run time: the build stays the portable AVX2 one) the float32 products and the
+// output layer's integer screen take 512-bit paths (rows_kernel512, screen_rows_vnni) of the same arithmetic.
 // Each row walk asks for the bytes PF_DIST ahead of the block it reads (software prefetch): the
 // hardware's own stream prefetcher alone left one thread waiting on memory most of the time, at a
 // third of the bandwidth a plain float32 sum reaches on the same bytes out of cache.
@@ -18,6 +20,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <immintrin.h>
+#include <atomic>
 #include <cstdint>
 #include <cmath>
 #include <cstring>
@@ -201,6 +204,86 @@ void rows_kernel(const uint8_t* wq, int64_t row_bytes, const float* x, int64_t K
   }
 }
 
+// The same products with AVX-512 where the CPU has it: each group's four dequantised registers (the AVX2 code
+// above, the very same float32 weights) joined in pairs, so a position's 32 products take two 512-bit
+// multiply-adds instead of four 256-bit ones; from four positions on the float32 multiply-adds, not the bytes,
+// bound a forward. Only the accumulation order differs from the AVX2 path (16 lanes, A512 accumulators).
+constexpr int accumulators512(int P) { return P <= 4 ? 2 : 1; }
+
+__attribute__((target("avx512f"))) inline __m512 join(__m256 lo, __m256 hi) {
+  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)), _mm256_castps_pd(hi), 1));
+}
+
+// a group's 32 weights as two 512-bit registers: Q8_0 and Q6_K_X widen their signed bytes sixteen at a time
+// (the same products d * q as group32's); the other formats join group32's four registers
+template <int64_t T>
+__attribute__((target("avx512f"))) inline void group32x2(const uint8_t* blk, int g, __m512 w[2]) {
+  if constexpr (T == Q8_0 || T == Q6_K_X) {
+    const int8_t* qs = reinterpret_cast<const int8_t*>(blk + (T == Q8_0 ? 2 : 8));
+    __m512 d0, d1;
+    if constexpr (T == Q8_0) {
+      d0 = d1 = _mm512_set1_ps(fp16(blk));
+    } else {
+      float f[2];
+      std::memcpy(f, blk, 8);
+      d0 = _mm512_set1_ps(f[0]);
+      d1 = _mm512_set1_ps(f[1]);
+    }
+    w[0] = _mm512_mul_ps(d0, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)))));
+    w[1] = _mm512_mul_ps(d1, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16)))));
+  } else {
+    __m256 v[4];
+    group32<T>(blk, g, v);
+    w[0] = join(v[0], v[1]);
+    w[1] = join(v[2], v[3]);
+  }
+}
+
+template <int64_t T, int P, int A = accumulators512(P)>
+__attribute__((target("avx512f")))
+void rows_kernel512(const uint8_t* wq, int64_t row_bytes, const float* x, int64_t K, float* y, int64_t N,
+                    int64_t n0, int64_t n1) {
+  const int bw = block_weights(T), bb = block_bytes(T);
+  const int groups = bw / 32;
+  const int64_t nblocks = K / bw;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = wq + n * row_bytes;
+    __m512 acc[P][A];
+    for (int p = 0; p < P; ++p)
+      for (int a = 0; a < A; ++a) acc[p][a] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nblocks; ++b) {
+      const uint8_t* blk = row + b * bb;
+      _mm_prefetch(reinterpret_cast<const char*>(blk + PF_DIST), _MM_HINT_T0);
+      for (int g = 0; g < groups; ++g) {
+        __m512 w[2];
+        group32x2<T>(blk, g, w);
+        const __m512 w01 = w[0], w23 = w[1];
+        const int64_t k0 = b * bw + g * 32;
+        for (int p = 0; p < P; ++p) {
+          const float* xp = x + p * K + k0;
+          acc[p][0] = _mm512_fmadd_ps(w01, _mm512_loadu_ps(xp), acc[p][0]);
+          acc[p][1 % A] = _mm512_fmadd_ps(w23, _mm512_loadu_ps(xp + 16), acc[p][1 % A]);
+        }
+      }
+    }
+    for (int p = 0; p < P; ++p) {
+      __m512 s = acc[p][0];
+      for (int a = 1; a < A; ++a) s = _mm512_add_ps(s, acc[p][a]);
+      y[p * N + n] = _mm512_reduce_add_ps(s);
+    }
+  }
+}
+
+bool has_avx512() {
+  static const bool yes = __builtin_cpu_supports("avx512f");
+  return yes;
+}
+
+// which instruction set the float32 products and the screen run with: 0 the fastest this CPU has, 1 AVX2 (tests
+// hold the paths against each other; the screen's candidates are recomputed by the path that made the products)
+std::atomic<int> forced_isa{0};
+bool use512() { return forced_isa.load() != 1 && has_avx512(); }
+
 // f(std::integral_constant<int, P>) for a width P of 1..8 (more: 8), so a kernel templated on its width runs
 // with the width known at compile time
 template <typename F>
@@ -220,13 +303,20 @@ void with_width(int P, F&& f) {
 template <int64_t T>
 void dispatch_p(int P, const uint8_t* wq, int64_t row_bytes, const float* x, int64_t K, float* y, int64_t N,
                 int64_t n0, int64_t n1) {
-  with_width(P, [&](auto p) { rows_kernel<T, decltype(p)::value>(wq, row_bytes, x, K, y, N, n0, n1); });
+  if (use512())
+    with_width(P, [&](auto p) { rows_kernel512<T, decltype(p)::value>(wq, row_bytes, x, K, y, N, n0, n1); });
+  else
+    with_width(P, [&](auto p) { rows_kernel<T, decltype(p)::value>(wq, row_bytes, x, K, y, N, n0, n1); });
 }
 
-// one row times one position, with A accumulators
+// one row times one position, with the accumulators qmatmul gives a position in a group of P
 template <int64_t T>
-void one_row(int A, const uint8_t* row, int64_t row_bytes, const float* x, int64_t K, float* y) {
-  switch (A) {
+void one_row(int P, const uint8_t* row, int64_t row_bytes, const float* x, int64_t K, float* y) {
+  if (use512()) {
+    if (accumulators512(P) == 2) return rows_kernel512<T, 1, 2>(row, row_bytes, x, K, y, 1, 0, 1);
+    return rows_kernel512<T, 1, 1>(row, row_bytes, x, K, y, 1, 0, 1);
+  }
+  switch (accumulators(P)) {
     case 4: return rows_kernel<T, 1, 4>(row, row_bytes, x, K, y, 1, 0, 1);
     case 2: return rows_kernel<T, 1, 2>(row, row_bytes, x, K, y, 1, 0, 1);
     default: return rows_kernel<T, 1, 1>(row, row_bytes, x, K, y, 1, 0, 1);
@@ -331,8 +421,52 @@ void screen_rows(const uint8_t* wq, int64_t row_bytes, const int8_t* xq, const f
   }
 }
 
-// xq [M, K] int8 (each in -127..127), xs [M] float32, Q8_0 blocks [N, row_bytes] -> screen [M, N] float32
-at::Tensor qscreen(const at::Tensor& xq_in, const at::Tensor& xs_in, const at::Tensor& blocks, int64_t K) {
+// The same screen with AVX-512 VNNI, two blocks a 512-bit register: vpdpbusd multiplies unsigned by signed bytes
+// and sums each four products into a 32-bit lane in one instruction, without the 16-bit step maddubs saturates.
+// The weights go in as unsigned bytes q + 128 (one xor a block pair, shared by every position); each lane then
+// starts from -128 times the sum of its four activations (``corr``, once a call), so it ends holding the very
+// integer sum of q * a that the AVX2 screen's lane holds. Per block pair and position this is one vpdpbusd,
+// one conversion and one multiply-add, against ten operations of the AVX2 screen; the float chain of a lane is
+// shorter (half the blocks), within the same bound (models.head: g_b covers any order of at most K/32 + 4).
+template <int P>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+void screen_rows_vnni(const uint8_t* wq, int64_t row_bytes, const int8_t* xq, const int32_t* corr, const float* xs,
+                      int64_t K, float* y, int64_t N, int64_t n0, int64_t n1) {
+  const int64_t pairs = K / 64;
+  const __m512i flip = _mm512_set1_epi8(char(0x80));
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = wq + n * row_bytes;
+    __m512 acc[P];
+    for (int p = 0; p < P; ++p) acc[p] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < pairs; ++b) {
+      const uint8_t* blk = row + b * 68;
+      _mm_prefetch(reinterpret_cast<const char*>(blk + PF_DIST), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(blk + PF_DIST + 64), _MM_HINT_T0);
+      const __m256i q0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
+      const __m256i q1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 36));
+      const __m512i u = _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(q0), q1, 1), flip);
+      const __m512 d = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(_mm256_set1_ps(fp16(blk)))),
+                                                           _mm256_castps_pd(_mm256_set1_ps(fp16(blk + 34))), 1));
+      for (int p = 0; p < P; ++p) {
+        const __m512i a = _mm512_loadu_si512(xq + p * K + b * 64);
+        const __m512i c = _mm512_loadu_si512(corr + p * (K / 4) + b * 16);
+        acc[p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(c, u, a)), d, acc[p]);
+      }
+    }
+    for (int p = 0; p < P; ++p) y[p * N + n] = _mm512_reduce_add_ps(acc[p]) * xs[p];
+  }
+}
+
+bool has_vnni512() {
+  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+  return yes;
+}
+
+// xq [M, K] int8 (each in -127..127), xs [M] float32, Q8_0 blocks [N, row_bytes] -> screen [M, N] float32.
+// isa: 0 the fastest this CPU runs (AVX-512 VNNI where it has it and K is a whole number of block pairs), 1 AVX2,
+// 2 AVX-512 VNNI (an error where the CPU lacks it): tests hold the two against each other
+at::Tensor qscreen_isa(const at::Tensor& xq_in, const at::Tensor& xs_in, const at::Tensor& blocks, int64_t K, int64_t isa) {
   check(blocks, Q8_0, K);
   TORCH_CHECK(xq_in.scalar_type() == at::kChar && xq_in.dim() == 2 && xq_in.size(1) == K, "qscreen: xq must be int8 [M, K]");
   TORCH_CHECK(xs_in.scalar_type() == at::kFloat && xs_in.dim() == 1 && xs_in.size(0) == xq_in.size(0), "qscreen: xs must be float32 [M]");
@@ -343,6 +477,24 @@ at::Tensor qscreen(const at::Tensor& xq_in, const at::Tensor& xs_in, const at::T
   const int8_t* ap = xq.data_ptr<int8_t>();
   const float* sp = xs.data_ptr<float>();
   float* yp = y.data_ptr<float>();
+  TORCH_CHECK(isa >= 0 && isa <= 2, "qscreen: isa is 0 (auto), 1 (AVX2) or 2 (AVX-512 VNNI)");
+  TORCH_CHECK(isa != 2 || (has_vnni512() && K % 64 == 0), "qscreen: AVX-512 VNNI needs the CPU's support and K a multiple of 64");
+  const bool vnni = isa == 2 || (isa == 0 && forced_isa.load() != 1 && has_vnni512() && K % 64 == 0);
+  if (vnni) {
+    // each 4-activation lane's start: -128 times its activations' sum (the unsigned weights' offset taken back)
+    std::vector<int32_t> corr(M * (K / 4));
+    for (int64_t i = 0; i < M * (K / 4); ++i)
+      corr[i] = -128 * (int32_t(ap[4 * i]) + ap[4 * i + 1] + ap[4 * i + 2] + ap[4 * i + 3]);
+    at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+      for (int64_t m = 0; m < M; m += 8) {
+        const int P = int(std::min<int64_t>(8, M - m));
+        with_width(P, [&](auto p) {
+          screen_rows_vnni<decltype(p)::value>(wq, row_bytes, ap + m * K, corr.data() + m * (K / 4), sp + m, K, yp + m * N, N, n0, n1);
+        });
+      }
+    });
+    return y;
+  }
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
     for (int64_t m = 0; m < M; m += 8) {
       const int P = int(std::min<int64_t>(8, M - m));
@@ -354,6 +506,18 @@ at::Tensor qscreen(const at::Tensor& xq_in, const at::Tensor& xs_in, const at::T
   });
   return y;
 }
+
+at::Tensor qscreen(const at::Tensor& xq, const at::Tensor& xs, const at::Tensor& blocks, int64_t K) {
+  return qscreen_isa(xq, xs, blocks, K, 0);
+}
+
+// 0: every kernel takes the fastest path this CPU has; 1: AVX2 only. The previous setting.
+int64_t set_isa(int64_t isa) {
+  TORCH_CHECK(isa == 0 || isa == 1, "set_isa: 0 (the fastest here) or 1 (AVX2)");
+  return forced_isa.exchange(int(isa));
+}
+
+bool isa512() { return use512(); }
 
 // The screen's inputs, one pass a position: q = round(h / s) in -127..127 with s = max |h| / 127 (1 where h
 // is 0), and, in float64, |h - s q|, |s q| and |h| (the norms of the screen's error bound, models.head)
@@ -458,16 +622,16 @@ at::Tensor qrows(const at::Tensor& x_in, const at::Tensor& blocks, int64_t qtype
   at::parallel_for(0, C, 16, [&](int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1; ++c) {
       const int64_t m = pp[c] / 8 * 8;  // the group of positions qmatmul runs this one in, and so its accumulators
-      const int A = accumulators(int(std::min<int64_t>(8, M - m)));
+      const int P = int(std::min<int64_t>(8, M - m));
       const uint8_t* row = wq + rp[c] * row_bytes;
       const float* x1 = xp + pp[c] * K;
       switch (qtype) {
-        case Q8_0: one_row<Q8_0>(A, row, row_bytes, x1, K, op + c); break;
-        case Q5_0: one_row<Q5_0>(A, row, row_bytes, x1, K, op + c); break;
-        case Q4_K: one_row<Q4_K>(A, row, row_bytes, x1, K, op + c); break;
-        case Q4_K_X: one_row<Q4_K_X>(A, row, row_bytes, x1, K, op + c); break;
-        case Q6_K_X: one_row<Q6_K_X>(A, row, row_bytes, x1, K, op + c); break;
-        default: one_row<Q6_K>(A, row, row_bytes, x1, K, op + c); break;
+        case Q8_0: one_row<Q8_0>(P, row, row_bytes, x1, K, op + c); break;
+        case Q5_0: one_row<Q5_0>(P, row, row_bytes, x1, K, op + c); break;
+        case Q4_K: one_row<Q4_K>(P, row, row_bytes, x1, K, op + c); break;
+        case Q4_K_X: one_row<Q4_K_X>(P, row, row_bytes, x1, K, op + c); break;
+        case Q6_K_X: one_row<Q6_K_X>(P, row, row_bytes, x1, K, op + c); break;
+        default: one_row<Q6_K>(P, row, row_bytes, x1, K, op + c); break;
       }
     }
   });
@@ -485,6 +649,10 @@ TORCH_LIBRARY(specdec_q, m) {
   m.def("qmatmul(Tensor x, Tensor blocks, int qtype, int K) -> Tensor", qmatmul);
   m.def("qdequant(Tensor blocks, int qtype, int K) -> Tensor", qdequant);
   m.def("qscreen(Tensor xq, Tensor xs, Tensor blocks, int K) -> Tensor", qscreen);
+  m.def("qscreen_isa(Tensor xq, Tensor xs, Tensor blocks, int K, int isa) -> Tensor", qscreen_isa);
+  m.def("has_vnni512() -> bool", has_vnni512);
+  m.def("set_isa(int isa) -> int", set_isa);
+  m.def("isa512() -> bool", isa512);
   m.def("qquant(Tensor h) -> (Tensor, Tensor, Tensor)", qquant);
   m.def("qcandidates(Tensor z, Tensor margin) -> (Tensor, Tensor)", qcandidates);
   m.def("qrows(Tensor x, Tensor blocks, int qtype, int K, Tensor rows, Tensor pos) -> Tensor", qrows);

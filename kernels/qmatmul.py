@@ -86,6 +86,27 @@ def qscreen(xq: torch.Tensor, xs: torch.Tensor, blocks: torch.Tensor, k: int) ->
     return torch.ops.specdec_q.qscreen(xq, xs, blocks, k)
 
 
+def qscreen_isa(xq: torch.Tensor, xs: torch.Tensor, blocks: torch.Tensor, k: int, isa: int) -> torch.Tensor:
+    """``qscreen`` by one instruction set: 1 AVX2, 2 AVX-512 VNNI (where ``has_vnni512()``), 0 the fastest here."""
+    return torch.ops.specdec_q.qscreen_isa(xq, xs, blocks, k, isa)
+
+
+def set_isa(isa: int) -> int:
+    """Every kernel's instruction set from now on: 0 the fastest this CPU has (AVX-512 products, the AVX-512
+    VNNI screen), 1 AVX2 alone; the previous setting. Tests hold the paths against each other."""
+    return int(torch.ops.specdec_q.set_isa(isa))
+
+
+def isa512() -> bool:
+    """The float32 products run with AVX-512 now."""
+    return bool(torch.ops.specdec_q.isa512())
+
+
+def has_vnni512() -> bool:
+    """This CPU runs the screen's AVX-512 VNNI path."""
+    return torch.ops.specdec_q.has_vnni512()
+
+
 def qrows(x: torch.Tensor, blocks: torch.Tensor, qtype: int, k: int, rows: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     """``qmatmul(x, blocks, qtype, k)[pos, rows]``, bit for bit, reading only those rows."""
     return torch.ops.specdec_q.qrows(x, blocks, qtype, k, rows, pos)

@@ -22,6 +22,15 @@ TYPES = ["Q8_0", "Q5_0", "Q4_K", "Q6_K"]
 PROMPTS = ["def add(a, b):\n", "class Point:\n    def __init__(self, x, y):\n", "for i in range(10):\n"]
 
 
+@pytest.fixture(params=["fastest", "avx2"])
+def isa(request):
+    """The kernels' instruction set: the fastest this CPU has (AVX-512 products and the AVX-512 VNNI screen
+    where it has them), then AVX2 alone, so that a machine with AVX-512 tests both paths."""
+    before = kernel.set_isa(0 if request.param == "fastest" else 1)
+    yield request.param
+    kernel.set_isa(before)
+
+
 def _dense(raw: np.ndarray, qtype: str, k: int) -> torch.Tensor:
     import gguf
 
@@ -38,7 +47,7 @@ def test_the_kernels_weights_are_ggufs_dequantisation_bit_for_bit(qtype):
 
 
 @pytest.mark.parametrize("qtype", TYPES)
-def test_the_kernels_products_are_float32_matmuls_of_those_weights(qtype):
+def test_the_kernels_products_are_float32_matmuls_of_those_weights(qtype, isa):
     raw = torch.from_numpy(random_blocks(qtype, 70, 512, seed=5))
     ref = _dense(raw.numpy(), qtype, 512)
     g = torch.Generator().manual_seed(0)
@@ -52,7 +61,7 @@ def test_the_kernels_products_are_float32_matmuls_of_those_weights(qtype):
 
 
 @pytest.mark.parametrize("qtype", TYPES)
-def test_a_positions_product_does_not_depend_on_the_forwards_width(qtype):
+def test_a_positions_product_does_not_depend_on_the_forwards_width(qtype, isa):
     """Bit for bit: each chunk of 8 positions of a wide forward (a verify forward of a tree) gets what a
     forward of that chunk alone gets, so a position's logits do not depend on how many rode with it."""
     raw = torch.from_numpy(random_blocks(qtype, 33, 512, seed=7))
@@ -66,7 +75,7 @@ def test_a_positions_product_does_not_depend_on_the_forwards_width(qtype):
 
 
 @pytest.mark.parametrize("qtype, unpack", [("Q4_K", blocks.q4_k_unpacked), ("Q6_K", blocks.q6_k_unpacked)])
-def test_unpacked_k_quants_are_the_same_weights_and_the_same_products(qtype, unpack):
+def test_unpacked_k_quants_are_the_same_weights_and_the_same_products(qtype, unpack, isa):
     """The layouts the K-quant blocks are unpacked into at load rebuild the same float32 weights, and the kernel
     runs the same products in the same order on them: every output bit for bit as from the file's blocks."""
     raw = torch.from_numpy(random_blocks(qtype, 37, 768, seed=11))
@@ -186,7 +195,7 @@ def test_a_quantised_gguf_target_keeps_its_blocks_and_routes_every_matrix(quanti
 
 
 @pytest.mark.parametrize("drafter,batch", [("ar", 1), ("ngram", 3), ("ar", 3)])
-def test_decoding_through_the_blocks_is_generates_text(quantised_target, tmp_path, drafter, batch):
+def test_decoding_through_the_blocks_is_generates_text(quantised_target, tmp_path, drafter, batch, isa):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path, folder = quantised_target
@@ -337,7 +346,7 @@ def test_a_drafters_layers_on_q8_0_blocks_draft_through_the_kernel_and_the_outpu
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K_X", "Q6_K_X"])
-def test_a_few_rows_recomputed_are_the_kernels_own_values_bit_for_bit(qtype):
+def test_a_few_rows_recomputed_are_the_kernels_own_values_bit_for_bit(qtype, isa):
     """``qrows`` (a screen's candidates) runs the very kernel instance ``qmatmul`` runs for each position, so
     a recomputed logit is the one the full product holds, to the last bit, at every width."""
     source = {"Q8_0": ("Q8_0", None), "Q4_K_X": ("Q4_K", blocks.q4_k_unpacked), "Q6_K_X": ("Q6_K", blocks.q6_k_unpacked)}[qtype]
@@ -370,7 +379,7 @@ def _near_tie_layer(vocab: int = 16384, hidden: int = 64):
     return raw
 
 
-def test_the_integer_screen_of_a_q8_0_output_layer_returns_the_exact_argmax_under_near_ties():
+def test_the_integer_screen_of_a_q8_0_output_layer_returns_the_exact_argmax_under_near_ties(isa):
     """Greedy rounds and the race on a Q8_0 output layer read by the integer screen: each position's argmax
     is the exact kernel's, though the screen alone misranks the near-ties; sampling rounds get exact logits."""
     from specdec.decode.engine.verify import race_noise, race_scores
@@ -411,6 +420,36 @@ def test_the_integer_screen_of_a_q8_0_output_layer_returns_the_exact_argmax_unde
     with head.scope(model, greedy=False), head.racing(model, noise, 0.7) as box:
         raced = linear(h[:6])
     assert box["applied"] and torch.equal(raced.argmax(-1), race_scores(exact[:6], noise, 0.7).argmax(-1))
+
+
+@pytest.mark.skipif(not blocks.kernel_ready() or not kernel.has_vnni512(), reason="the screen's AVX-512 VNNI path needs a CPU with it")
+@pytest.mark.parametrize("positions", [1, 3, 8, 11])
+def test_the_screens_avx512_vnni_path_is_the_avx2_screen_up_to_float_rounding(positions):
+    """Both paths sum the same integers (q * a, exactly) and scale them in float32; each is within the float
+    rounding bound the head's screen allows (models.head: g_b for K/32 + 4 roundings) of the exact value in
+    float64. A lane that kept vpdpbusd's unsigned offset (128 times its activations) would miss by far more."""
+    k, rows = 640, 3000
+    raw = random_blocks("Q8_0", rows, k, seed=5, scale=0.5)
+    g = torch.Generator().manual_seed(6)
+    xq = torch.randint(-127, 128, (positions, k), generator=g, dtype=torch.int8)
+    xq[:, :7] = 127  # extremes: the 16-bit step of the AVX2 path is at its largest there
+    xq[:, 7:13] = -127
+    xs = torch.rand(positions, generator=g) + 0.1
+    b = torch.from_numpy(raw)
+    d = torch.from_numpy(np.ascontiguousarray(raw.reshape(rows, k // 32, 34)[:, :, 0:2]).view(np.float16)
+                         .reshape(rows, k // 32).astype(np.float64))
+    q = torch.from_numpy(np.ascontiguousarray(raw.reshape(rows, k // 32, 34)[:, :, 2:]).view(np.int8).astype(np.int64))
+    ints = torch.einsum("rbi,pbi->prb", q, xq.long().reshape(positions, k // 32, 32))  # [P, rows, blocks], exact
+    exact = xs.double()[:, None] * (ints.double() * d[None]).sum(-1)
+    bound = head._gamma(k // 32 + 4) * xs.double()[:, None] * (ints.double().abs() * d.abs()[None]).sum(-1) + 1e-30
+    avx2 = kernel.qscreen_isa(xq, xs, b, k, 1).double()
+    vnni = kernel.qscreen_isa(xq, xs, b, k, 2).double()
+    assert ((avx2 - exact).abs() <= bound).all() and ((vnni - exact).abs() <= bound).all()
+    assert torch.equal(kernel.qscreen(xq, xs, b, k), kernel.qscreen_isa(xq, xs, b, k, 2))  # the default here
+    offset = 128 * xq.long().reshape(positions, k // 32, 32).sum(-1).double()  # what a forgotten correction adds
+    assert ((xs.double()[:, None] * (offset[:, None, :] * d[None]).sum(-1)).abs() > 100 * bound).float().mean() > 0.9
+    with pytest.raises(RuntimeError, match="multiple of 64"):
+        kernel.qscreen_isa(xq[:, :608].contiguous(), xs, torch.from_numpy(random_blocks("Q8_0", 8, 608, seed=1)), 608, 2)
 
 
 def test_hidden_states_the_integer_screen_resolves_badly_get_every_logit_exactly(monkeypatch):
