@@ -214,8 +214,8 @@ __attribute__((target("avx512f"))) inline __m512 join(__m256 lo, __m256 hi) {
   return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)), _mm256_castps_pd(hi), 1));
 }
 
-// a group's 32 weights as two 512-bit registers: Q8_0 and Q6_K_X widen their signed bytes sixteen at a time
-// (the same products d * q as group32's); the other formats join group32's four registers
+// a group's 32 weights as two 512-bit registers: Q8_0 and Q6_K_X widen their signed bytes sixteen at a time and
+// Q4_K_X its nibbles (the same products d * q, and fmsub, as group32's); the other formats join group32's registers
 template <int64_t T>
 __attribute__((target("avx512f"))) inline void group32x2(const uint8_t* blk, int g, __m512 w[2]) {
   if constexpr (T == Q8_0 || T == Q6_K_X) {
@@ -231,6 +231,14 @@ __attribute__((target("avx512f"))) inline void group32x2(const uint8_t* blk, int
     }
     w[0] = _mm512_mul_ps(d0, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)))));
     w[1] = _mm512_mul_ps(d1, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16)))));
+  } else if constexpr (T == Q4_K_X) {  // 16 bytes: weights 0..15 in the low nibbles, 16..31 in the high ones
+    float f[2];
+    std::memcpy(f, blk, 8);
+    const __m512 ds = _mm512_set1_ps(f[0]), dm = _mm512_set1_ps(f[1]);
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 8));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    w[0] = _mm512_fmsub_ps(ds, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, mask))), dm);
+    w[1] = _mm512_fmsub_ps(ds, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), mask))), dm);
   } else {
     __m256 v[4];
     group32<T>(blk, g, v);
