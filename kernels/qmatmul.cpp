@@ -162,12 +162,13 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// A independent accumulators per position: FMA's latency would otherwise chain every product of a row
 // how far ahead of a row walk's block its prefetch reaches: 2 KiB, the best of 1, 2 and 4 KiB on a
 // 50 MB Q8_0 matrix out of cache (the distance covers memory's latency at the kernel's pace)
 #ifndef PF_DIST
 #define PF_DIST 2048
 #endif
+
+// A independent accumulators per position: FMA's latency would otherwise chain every product of a row
 constexpr int accumulators(int P) { return P <= 2 ? 4 : (P <= 4 ? 2 : 1); }
 
 // rows [n0, n1) of y for P (1..8) positions starting at x (row stride K). A position's sums depend on A
@@ -204,10 +205,10 @@ void rows_kernel(const uint8_t* wq, int64_t row_bytes, const float* x, int64_t K
   }
 }
 
-// The same products with AVX-512 where the CPU has it: each group's four dequantised registers (the AVX2 code
-// above, the very same float32 weights) joined in pairs, so a position's 32 products take two 512-bit
-// multiply-adds instead of four 256-bit ones; from four positions on the float32 multiply-adds, not the bytes,
-// bound a forward. Only the accumulation order differs from the AVX2 path (16 lanes, A512 accumulators).
+// The same products with AVX-512 where the CPU has it: each group's 32 weights in two 512-bit registers
+// (group32x2: the very same float32 weights as group32's), so a position's 32 products take two 512-bit
+// multiply-adds instead of four 256-bit ones, and a group is rebuilt in fewer operations. Only the accumulation
+// order differs from the AVX2 path (16 lanes, A512 accumulators); qrows follows the path qmatmul takes.
 constexpr int accumulators512(int P) { return P <= 4 ? 2 : 1; }
 
 __attribute__((target("avx512f"))) inline __m512 join(__m256 lo, __m256 hi) {
