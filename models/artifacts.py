@@ -90,9 +90,11 @@ def family_of(source: str | os.PathLike) -> str | None:
 
 
 def family_winner(source: str | os.PathLike) -> dict | None:
-    """For a family's target: {"family", "method" (a spec), "summary", "when"} from the family's ``fastest.json``,
-    when it names a drafter that needs nothing (``ngram``) or a member the family holds; else None. ``when``:
-    the decode options it was measured under (``batch_size``, ``temperature``), where it is the fastest."""
+    """For a family's target: {"family", "method" (a spec), "summary", "when", "otherwise"} from the family's
+    ``fastest.json``, when it names a drafter that needs nothing (``ngram``) or a member the family holds; else None.
+    ``when``: the decode options it was measured under (``batch_size``, ``temperature``), where it is the fastest;
+    ``otherwise``: rules of the same form ({"method", "summary", "when"}) for other conditions, the first whose
+    ``when`` holds deciding there."""
     family = family_of(source)
     if family is None:
         return None
@@ -100,13 +102,28 @@ def family_winner(source: str | os.PathLike) -> dict | None:
     if not (fam / WINNER_FILE).is_file():
         return None
     info = json.loads((fam / WINNER_FILE).read_text())
-    method = str(info["method"])  # a method spec: a drafter and the options it was measured with (``NAME+key=value``)
+    method = _shipped_method(family, str(info["method"]))
+    if method is None:
+        return None
+    # where the winner was not measured: other conditions' fastest methods (``ar`` where no drafter paid there)
+    otherwise = []
+    for rule in info.get("otherwise") or []:
+        found = _shipped_method(family, str(rule["method"]))
+        if found is not None:
+            otherwise.append({"method": found, "summary": str(rule.get("summary", "")), "when": dict(rule.get("when") or {})})
+    return {"family": family, "method": method, "summary": str(info.get("summary", "")), "when": dict(info.get("when") or {}),
+            "otherwise": otherwise}
+
+
+def _shipped_method(family: str, method: str) -> str | None:
+    """A method spec (a drafter and the options it was measured with, ``NAME+key=value``) as a decode names it:
+    a family member's under the family (None where the family does not hold it), any other as it is."""
     head, plus, rest = method.partition("+")
     if head in FAMILY_MEMBERS:
-        if not (fam / head).is_dir():
+        if not (family_dir(family) / head).is_dir():
             return None
-        method = f"{family}/{head}{plus}{rest}"
-    return {"family": family, "method": method, "summary": str(info.get("summary", "")), "when": dict(info.get("when") or {})}
+        return f"{family}/{head}{plus}{rest}"
+    return method
 
 
 def resolve_member(name_or_dir: str | os.PathLike, family: str | None = None) -> Path:

@@ -79,6 +79,32 @@ def test_a_winner_measured_with_options_brings_them_where_it_was_measured(tmp_pa
            "temperature 0.0, not at batch_size 2)" in said
 
 
+def test_auto_follows_the_otherwise_rule_whose_conditions_hold(tmp_path, tiny_family, monkeypatch):
+    """Where the winner was not measured, the first ``otherwise`` rule whose conditions hold decides (plain
+    decoding where no drafter paid at that batch size); where none holds, ``ngram``."""
+    home = tmp_path / "home"
+    family = home / "tiny-stdlib"
+    family.mkdir(parents=True)
+    shutil.copytree(tiny_family / "target", family / "target")
+    monkeypatch.setenv("SPECDEC_HOME", str(home))
+    winner = {"method": "trimmed+lookup=ngram", "summary": "measured here", "when": {"batch_size": 1, "temperature": 0.0},
+              "otherwise": [{"method": "draft", "summary": "not shipped", "when": {"batch_size": 3}},  # skipped: absent
+                            {"method": "ar", "summary": "nothing paid", "when": {"batch_size": 3, "temperature": 0.0}}]}
+    (family / WINNER_FILE).write_text(json.dumps(winner))
+    work = tmp_path / "work"
+    work.mkdir()
+    said, out = _decode(work, "tiny-stdlib", "--batch-size", "3")
+    assert "drafter: ar (auto: the fastest lossless method measured for tiny-stdlib at batch_size 3, temperature 0.0 " \
+           "(nothing paid))" in said
+    assert all(s.get("drafted_tokens", 0) == 0 for _, s in out)
+    said, _ = _decode(work, "tiny-stdlib", "--batch-size", "3", "--temperature", "0.5")
+    assert "drafter: ngram (auto: trimmed+lookup=ngram is the fastest measured" in said
+    shutil.copytree(tiny_family / "draft", family / "draft")
+    said, _ = _decode(work, "tiny-stdlib", "--batch-size", "3")
+    assert "drafter: tiny-stdlib/draft (auto: the fastest lossless method measured for tiny-stdlib at batch_size 3 " \
+           "(not shipped))" in said
+
+
 def test_the_users_own_options_win_over_the_winners(monkeypatch):
     from specdec.decode.jobs.validate import resolve_auto
     from specdec.decode.options import DecodeOptions
@@ -109,3 +135,8 @@ def test_the_default_family_winner_is_its_report_fastest_lossless_method():
     assert best["method"] == info["method"], (best, info)
     # the conditions it is the winner under are the report's own
     assert info["when"] and info["when"] == {k: report["config"][k] for k in info["when"]}
+    # and so for each rule of other conditions: the fastest of its own report, under that report's conditions
+    for rule in info.get("otherwise", []):
+        report = json.loads((ROOT / rule["report"]).read_text())
+        assert doc["headline"](Path(rule["report"]).stem, report)["method"] == rule["method"], rule
+        assert rule["when"] and rule["when"] == {k: report["config"][k] for k in rule["when"]}

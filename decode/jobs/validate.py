@@ -222,7 +222,8 @@ def plan_decode(target: str | None, options: DecodeOptions, default_target: Call
 
 def resolve_auto(source: str, options: DecodeOptions) -> tuple[DecodeOptions, DrafterChoice, str]:
     """``--drafter auto``: the fastest lossless method measured for the target's family (its
-    ``fastest.json``, when the drafter it names ships), else ``ngram``; ``ar`` where the other options
+    ``fastest.json``, when the drafter it names ships, under the conditions it was measured at; elsewhere the
+    first of its ``otherwise`` rules whose conditions hold), else ``ngram``; ``ar`` where the other options
     rule the candidate out (beams, an approximate mode's options, ...). The options with the choice, the
     choice, and the line that says why."""
     from specdec.models.artifacts import family_winner
@@ -232,6 +233,10 @@ def resolve_auto(source: str, options: DecodeOptions) -> tuple[DecodeOptions, Dr
     differ = [f"{k} {values[k]}" for k, v in (winner or {}).get("when", {}).items() if values.get(k) != v]
     if winner is not None and not differ:
         spec, why = winner["method"], f"the fastest lossless method measured for {winner['family']} ({winner['summary']})"
+    elif winner is not None and (rule := next((r for r in winner.get("otherwise", [])
+                                               if all(values.get(k) == v for k, v in r["when"].items())), None)):
+        measured = ", ".join(f"{k} {v}" for k, v in rule["when"].items())
+        spec, why = rule["method"], f"the fastest lossless method measured for {winner['family']} at {measured} ({rule['summary']})"
     elif winner is not None:
         measured = ", ".join(f"{k} {v}" for k, v in winner["when"].items())
         spec, why = "ngram", f"{winner['method']} is the fastest measured for {winner['family']} at {measured}, not at {', '.join(differ)}"
