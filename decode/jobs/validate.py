@@ -230,16 +230,15 @@ def resolve_auto(source: str, options: DecodeOptions) -> tuple[DecodeOptions, Dr
 
     winner = family_winner(source)
     values = options.values()
-    differ = [f"{k} {values[k]}" for k, v in (winner or {}).get("when", {}).items() if values.get(k) != v]
+    differ = _unmet((winner or {}).get("when", {}), values)
     if winner is not None and not differ:
         spec, why = winner["method"], f"the fastest lossless method measured for {winner['family']} ({winner['summary']})"
-    elif winner is not None and (rule := next((r for r in winner.get("otherwise", [])
-                                               if all(values.get(k) == v for k, v in r["when"].items())), None)):
-        measured = ", ".join(f"{k} {v}" for k, v in rule["when"].items())
-        spec, why = rule["method"], f"the fastest lossless method measured for {winner['family']} at {measured} ({rule['summary']})"
+    elif winner is not None and (rule := next((r for r in winner["otherwise"] if not _unmet(r["when"], values)), None)):
+        spec, why = rule["method"], (f"the fastest lossless method measured for {winner['family']} at {_listed_values(rule['when'])} "
+                                     f"({rule['summary']})")
     elif winner is not None:
-        measured = ", ".join(f"{k} {v}" for k, v in winner["when"].items())
-        spec, why = "ngram", f"{winner['method']} is the fastest measured for {winner['family']} at {measured}, not at {', '.join(differ)}"
+        spec, why = "ngram", (f"{winner['method']} is the fastest measured for {winner['family']} at {_listed_values(winner['when'])}, "
+                              f"not at {', '.join(differ)}")
     else:
         spec, why = "ngram", "no faster drafter ships for this target; n-gram lookup needs none"
     refusal = None
@@ -257,6 +256,15 @@ def resolve_auto(source: str, options: DecodeOptions) -> tuple[DecodeOptions, Dr
             continue
         return chosen, drafter, f"drafter: {candidate} (auto: {reason})"
     raise refusal  # plain decoding's own refusal: the options need a drafter named with --drafter
+
+
+def _unmet(when: dict, values: dict) -> list[str]:
+    """The decode options (``name value``) that differ from the conditions a method was measured at."""
+    return [f"{k} {values.get(k)}" for k, v in when.items() if values.get(k) != v]
+
+
+def _listed_values(when: dict) -> str:
+    return ", ".join(f"{k} {v}" for k, v in when.items())
 
 
 def _listed(flags: list[str]) -> str:
