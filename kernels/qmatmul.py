@@ -91,6 +91,18 @@ def qscreen_isa(xq: torch.Tensor, xs: torch.Tensor, blocks: torch.Tensor, k: int
     return torch.ops.specdec_q.qscreen_isa(xq, xs, blocks, k, isa)
 
 
+def qscreen16(xq: torch.Tensor, xs: torch.Tensor, u: torch.Tensor, k: int) -> torch.Tensor:
+    """``qscreen`` of a Q8_0 matrix laid out by ``qpack16`` ([M, rows rounded up to 16]), up to float32 rounding:
+    the same integers, 16 rows a register (AVX-512 VNNI: ``has_vnni512()``)."""
+    return torch.ops.specdec_q.qscreen16(xq, xs, u, k)
+
+
+def qpack16(blocks: torch.Tensor, k: int) -> torch.Tensor:
+    """A Q8_0 matrix's blocks [N, row bytes] as ``qscreen16`` reads them, [ceil(N / 16), 17 k] bytes: per 16 rows
+    and block of 32 columns, their 16 scales, then 8 times the 16 rows' next four weights (each q + 128)."""
+    return torch.ops.specdec_q.qpack16(blocks, k)
+
+
 def set_isa(isa: int) -> int:
     """Every kernel's instruction set from now on: 0 the fastest this CPU has (AVX-512 products, the AVX-512
     VNNI screen), 1 AVX2 alone; the previous setting. Tests hold the paths against each other."""

@@ -143,12 +143,13 @@ def test_the_output_layer_reads_its_blocks_inside_the_engine_and_is_plain_outsid
     raw = random_blocks("Q8_0", vocab, hidden, seed=2, scale=0.5)
     model, linear, fast = _q8_0_output_layer(raw, hidden)
     calls = []
-    real, real_screen = kernel.qmatmul, kernel.qscreen
+    real, real_screen, real_rows16 = kernel.qmatmul, kernel.qscreen, kernel.qscreen16
     x = torch.randn(3, hidden)
     want = x @ linear.weight.T
     try:
         kernel.qmatmul = lambda *a: calls.append("exact") or real(*a)
         kernel.qscreen = lambda *a: calls.append("screen") or real_screen(*a)
+        kernel.qscreen16 = lambda *a: calls.append("screen") or real_rows16(*a)
         assert torch.equal(linear(x), want) and not calls  # outside the engine: nn.Linear
         for greedy in (True, False):
             with head.scope(model, greedy=greedy):
@@ -162,7 +163,7 @@ def test_the_output_layer_reads_its_blocks_inside_the_engine_and_is_plain_outsid
         assert box["applied"] and torch.equal(raced.argmax(-1), (want / 0.7 + noise).argmax(-1))
         assert calls == ["screen", "exact", "screen"]
     finally:
-        kernel.qmatmul, kernel.qscreen = real, real_screen
+        kernel.qmatmul, kernel.qscreen, kernel.qscreen16 = real, real_screen, real_rows16
 
 
 @pytest.fixture()
@@ -409,6 +410,8 @@ def test_the_integer_screen_of_a_q8_0_output_layer_returns_the_exact_argmax_unde
     screen = kernel.qscreen(torch.round(h / scale[:, None]).to(torch.int8), scale, fast.blocks[0], hidden)
     assert not torch.equal(screen.argmax(-1), exact.argmax(-1))
     assert fast.screened == 120 and 120 <= fast.candidates < 120 * 64
+    # on a CPU with AVX-512 VNNI the fastest path reads the blocks interleaved 16 rows at a time
+    assert (fast._screen16 is not None) == (kernel.isa512() and kernel.has_vnni512())
     # the winners' returned values are the exact kernel's, bit for bit
     idx = exact.argmax(-1)
     assert torch.equal(got[torch.arange(120), idx], exact[torch.arange(120), idx])
@@ -427,7 +430,8 @@ def test_the_integer_screen_of_a_q8_0_output_layer_returns_the_exact_argmax_unde
 def test_the_screens_avx512_vnni_path_is_the_avx2_screen_up_to_float_rounding(positions):
     """Both paths sum the same integers (q * a, exactly) and scale them in float32; each is within the float
     rounding bound the head's screen allows (models.head: g_b for K/32 + 4 roundings) of the exact value in
-    float64. A lane that kept vpdpbusd's unsigned offset (128 times its activations) would miss by far more."""
+    float64, and so are the blocks interleaved 16 rows a register (qpack16, qscreen16). A lane that kept
+    vpdpbusd's unsigned offset (128 times its activations) would miss by far more."""
     k, rows = 640, 3000
     raw = random_blocks("Q8_0", rows, k, seed=5, scale=0.5)
     g = torch.Generator().manual_seed(6)
@@ -445,6 +449,10 @@ def test_the_screens_avx512_vnni_path_is_the_avx2_screen_up_to_float_rounding(po
     avx2 = kernel.qscreen_isa(xq, xs, b, k, 1).double()
     vnni = kernel.qscreen_isa(xq, xs, b, k, 2).double()
     assert ((avx2 - exact).abs() <= bound).all() and ((vnni - exact).abs() <= bound).all()
+    # the blocks interleaved 16 rows at a time (3000 rows: the last group padded with zero rows)
+    packed = kernel.qscreen16(xq, xs, kernel.qpack16(b, k), k).double()
+    assert packed.shape == (positions, 3008) and (packed[:, rows:] == 0).all()
+    assert ((packed[:, :rows] - exact).abs() <= bound).all()
     assert torch.equal(kernel.qscreen(xq, xs, b, k), kernel.qscreen_isa(xq, xs, b, k, 2))  # the default here
     offset = 128 * xq.long().reshape(positions, k // 32, 32).sum(-1).double()  # what a forgotten correction adds
     assert ((xs.double()[:, None] * (offset[:, None, :] * d[None]).sum(-1)).abs() > 100 * bound).float().mean() > 0.9
