@@ -30,10 +30,11 @@
 
 namespace {
 
-// ggml's type ids, and two layouts of specdec's own (ids far from ggml's): Q4_K and Q6_K blocks unpacked at
+// ggml's type ids, and layouts of specdec's own (ids far from ggml's): Q4_K and Q6_K blocks unpacked at
 // load (models.blocks) into groups of 32 weights whose scales are already float32, so that a group costs
-// no scalar decoding of packed 6-bit scales; each rebuilds the very same float32 weights in the same order
-enum QType : int64_t { Q8_0 = 8, Q5_0 = 6, Q4_K = 12, Q6_K = 14, Q4_K_X = 1012, Q6_K_X = 1014 };
+// no scalar decoding of packed 6-bit scales; each rebuilds the very same float32 weights in the same order.
+// Q8_0_R16: Q8_0 blocks of 16 rows interleaved (rows16_kernel), [N / 16, 17 K] bytes, the file's bytes reordered
+enum QType : int64_t { Q8_0 = 8, Q5_0 = 6, Q4_K = 12, Q6_K = 14, Q4_K_X = 1012, Q6_K_X = 1014, Q8_0_R16 = 1008 };
 
 inline float fp16(const uint8_t* p) {
   uint16_t h;
@@ -283,6 +284,82 @@ void rows_kernel512(const uint8_t* wq, int64_t row_bytes, const float* x, int64_
   }
 }
 
+// Q8_0 blocks of 16 rows interleaved (models.blocks.q8_0_rows16, at load): per group of 16 rows and block of 32
+// columns, the rows' 16 half-precision scales (32 bytes), then column by column the 16 rows' signed bytes (32 x 16
+// bytes). A column's 16 weights are rebuilt in one register as the very float32 values group32 rebuilds (d * q), and
+// each position's multiply-add takes them with its activation broadcast, so a row's sum is one lane from its first
+// product to its last: a block's 16 scales take one conversion where rows_kernel512 rebuilds each row's (four
+// operations), and no row's register is reduced at the end. A chains of multiply-adds a position (accumulators(P),
+// the AVX2 kernel's: each chain must wait out FMA's latency between its products).
+#ifndef R16_PF_DIST
+#define R16_PF_DIST 4096
+#endif
+template <int P, int A = accumulators(P)>
+__attribute__((target("avx512f")))
+void rows16_kernel512(const uint8_t* u, const float* x, int64_t K, float* y, int64_t N, int64_t g0, int64_t g1) {
+  const int64_t nb = K / 32;
+  for (int64_t g = g0; g < g1; ++g) {
+    const uint8_t* wg = u + g * 17 * K;
+    __m512 acc[P][A];
+    for (int p = 0; p < P; ++p)
+      for (int a = 0; a < A; ++a) acc[p][a] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = wg + b * 544;
+      for (int l = 0; l < 9; ++l) _mm_prefetch(reinterpret_cast<const char*>(blk + R16_PF_DIST + 64 * l), _MM_HINT_T1);
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
+      const float* xb = x + 32 * b;
+      for (int c0 = 0; c0 < 32; c0 += 4) {  // four columns (a cache line of weights) a step, unrolled: acc stays in registers
+#pragma GCC unroll 4
+        for (int c = c0; c < c0 + 4; ++c) {
+          const __m512 w = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 32 + 16 * c)))));
+#pragma GCC unroll 8
+          for (int p = 0; p < P; ++p) acc[p][c % A] = _mm512_fmadd_ps(w, _mm512_set1_ps(xb[p * K + c]), acc[p][c % A]);
+        }
+      }
+    }
+    for (int p = 0; p < P; ++p) {
+      __m512 s = acc[p][0];
+      for (int a = 1; a < A; ++a) s = _mm512_add_ps(s, acc[p][a]);
+      _mm512_storeu_ps(y + p * N + 16 * g, s);
+    }
+  }
+}
+
+// the same with AVX2: the group's rows 0..7, then 8..15, one 256-bit lane a row (the second pass finds the group's
+// bytes in cache); the same products in the same order a lane as rows16_kernel512's
+template <int P, int A = accumulators(P)>
+void rows16_kernel(const uint8_t* u, const float* x, int64_t K, float* y, int64_t N, int64_t g0, int64_t g1) {
+  const int64_t nb = K / 32;
+  for (int64_t g = g0; g < g1; ++g) {
+    const uint8_t* wg = u + g * 17 * K;
+    for (int half = 0; half < 2; ++half) {
+      __m256 acc[P][A];
+      for (int p = 0; p < P; ++p)
+        for (int a = 0; a < A; ++a) acc[p][a] = _mm256_setzero_ps();
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* blk = wg + b * 544;
+        if (half == 0)
+          for (int l = 0; l < 9; ++l) _mm_prefetch(reinterpret_cast<const char*>(blk + R16_PF_DIST + 64 * l), _MM_HINT_T1);
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 * half)));
+        const float* xb = x + 32 * b;
+        for (int c0 = 0; c0 < 32; c0 += 4) {
+#pragma GCC unroll 4
+          for (int c = c0; c < c0 + 4; ++c) {
+            const __m256 w = _mm256_mul_ps(d, cvt8_epi8(reinterpret_cast<const int8_t*>(blk + 32 + 16 * c + 8 * half)));
+#pragma GCC unroll 8
+            for (int p = 0; p < P; ++p) acc[p][c % A] = _mm256_fmadd_ps(w, _mm256_set1_ps(xb[p * K + c]), acc[p][c % A]);
+          }
+        }
+      }
+      for (int p = 0; p < P; ++p) {
+        __m256 s = acc[p][0];
+        for (int a = 1; a < A; ++a) s = _mm256_add_ps(s, acc[p][a]);
+        _mm256_storeu_ps(y + p * N + 16 * g + 8 * half, s);
+      }
+    }
+  }
+}
+
 bool has_avx512() {
   static const bool yes = __builtin_cpu_supports("avx512f");
   return yes;
@@ -335,6 +412,10 @@ void one_row(int P, const uint8_t* row, int64_t row_bytes, const float* x, int64
 void check(const at::Tensor& blocks, int64_t qtype, int64_t K) {
   TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous(),
               "qmatmul: blocks must be a contiguous uint8 [N, row_bytes] CPU tensor");
+  if (qtype == Q8_0_R16) {
+    TORCH_CHECK(K % 32 == 0 && blocks.size(1) == 17 * K, "qmatmul: Q8_0 rows interleaved by 16 are [N / 16, 17 K] bytes");
+    return;
+  }
   TORCH_CHECK(block_bytes(qtype) > 0, "qmatmul: unsupported block type ", qtype);
   TORCH_CHECK(K % block_weights(qtype) == 0 && blocks.size(1) == K / block_weights(qtype) * block_bytes(qtype),
               "qmatmul: row of ", blocks.size(1), " bytes does not hold ", K, " weights of type ", qtype);
@@ -345,11 +426,27 @@ at::Tensor qmatmul(const at::Tensor& x_in, const at::Tensor& blocks, int64_t qty
   check(blocks, qtype, K);
   TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.dim() == 2 && x_in.size(1) == K, "qmatmul: x must be float32 [M, K]");
   const at::Tensor x = x_in.contiguous();
-  const int64_t M = x.size(0), N = blocks.size(0), row_bytes = blocks.size(1);
+  const bool r16 = qtype == Q8_0_R16;
+  const int64_t M = x.size(0), N = r16 ? 16 * blocks.size(0) : blocks.size(0), row_bytes = blocks.size(1);
   at::Tensor y = at::empty({M, N}, x.options());
   const uint8_t* wq = blocks.data_ptr<uint8_t>();
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
+  if (r16) {  // groups of 16 rows over the threads
+    const bool wide = use512();
+    at::parallel_for(0, N / 16, 4, [&](int64_t g0, int64_t g1) {
+      for (int64_t m = 0; m < M; m += 8) {
+        const int P = int(std::min<int64_t>(8, M - m));
+        with_width(P, [&](auto p) {
+          if (wide)
+            rows16_kernel512<decltype(p)::value>(wq, xp + m * K, K, yp + m * N, N, g0, g1);
+          else
+            rows16_kernel<decltype(p)::value>(wq, xp + m * K, K, yp + m * N, N, g0, g1);
+        });
+      }
+    });
+    return y;
+  }
   // rows split over the intra-op threads; a grain that leaves each thread many rows of contiguous blocks
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
     for (int64_t m = 0; m < M; m += 8) {
@@ -372,6 +469,20 @@ at::Tensor qmatmul(const at::Tensor& x_in, const at::Tensor& blocks, int64_t qty
 // the float32 weights the kernel computes with, [N, K]: tests hold them against gguf's dequantisation
 at::Tensor qdequant(const at::Tensor& blocks, int64_t qtype, int64_t K) {
   check(blocks, qtype, K);
+  if (qtype == Q8_0_R16) {  // d * q, row 16 g + r of column 32 b + c
+    const int64_t G = blocks.size(0);
+    at::Tensor w = at::empty({16 * G, K}, at::TensorOptions().dtype(at::kFloat));
+    const uint8_t* u = blocks.data_ptr<uint8_t>();
+    float* out = w.data_ptr<float>();
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t b = 0; b < K / 32; ++b) {
+        const uint8_t* blk = u + g * 17 * K + b * 544;
+        for (int r = 0; r < 16; ++r)
+          for (int c = 0; c < 32; ++c)
+            out[(16 * g + r) * K + 32 * b + c] = fp16(blk + 2 * r) * float(int8_t(blk[32 + 16 * c + r]));
+      }
+    return w;
+  }
   const int64_t N = blocks.size(0), row_bytes = blocks.size(1);
   const int bw = block_weights(qtype), bb = block_bytes(qtype);
   at::Tensor w = at::empty({N, K}, at::TensorOptions().dtype(at::kFloat));
@@ -721,6 +832,7 @@ std::tuple<at::Tensor, at::Tensor> qcandidates(const at::Tensor& z_in, const at:
 at::Tensor qrows(const at::Tensor& x_in, const at::Tensor& blocks, int64_t qtype, int64_t K, const at::Tensor& rows_in,
                  const at::Tensor& pos_in) {
   check(blocks, qtype, K);
+  TORCH_CHECK(qtype != Q8_0_R16, "qrows: reads rows of a matrix in file order (an output layer's), not interleaved ones");
   TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.dim() == 2 && x_in.size(1) == K, "qrows: x must be float32 [M, K]");
   TORCH_CHECK(rows_in.scalar_type() == at::kLong && pos_in.scalar_type() == at::kLong && rows_in.dim() == 1 &&
               pos_in.sizes() == rows_in.sizes(), "qrows: rows and pos must be int64 [C]");

@@ -109,7 +109,7 @@ def write(gguf_path: Path, folder: Path, weights: dict[str, torch.Tensor]) -> in
 
 
 Q5_0, Q8_0, Q4_K, Q6_K = (kernel.BLOCKS[t][0] for t in ("Q5_0", "Q8_0", "Q4_K", "Q6_K"))
-Q4_K_X, Q6_K_X = kernel.UNPACKED["Q4_K_X"][0], kernel.UNPACKED["Q6_K_X"][0]
+Q4_K_X, Q6_K_X, Q8_0_R16 = kernel.UNPACKED["Q4_K_X"][0], kernel.UNPACKED["Q6_K_X"][0], kernel.UNPACKED["Q8_0_R16"][0]
 FILE_TYPES = {v[0] for v in kernel.BLOCKS.values()}  # the ggml types a file's tensors may have (the others are specdec's own)
 
 
@@ -162,6 +162,18 @@ def q6_k_unpacked(blocks: torch.Tensor) -> torch.Tensor:
     floats = (d[:, None] * sc).reshape(-1, 8, 2).contiguous()  # scales 2g and 2g + 1: the group's two halves
     out = torch.cat([floats.view(torch.uint8), q], -1)  # [n, 8, 40]
     return out.reshape(rows, -1).contiguous()
+
+
+def q8_0_rows16(blocks: torch.Tensor) -> torch.Tensor:
+    """Q8_0 blocks [N, row bytes] (N a multiple of 16) with 16 rows interleaved, as the kernel's ``Q8_0_R16`` reads
+    them: per 16 rows and block of 32 columns, the 16 rows' scales, then column by column the 16 rows' bytes. The
+    same bytes in another order, [N / 16, 17 K]: a column of 16 rows is one register of weights, so each row's
+    products stay in one lane (no reduction a row), and a block's 16 scales are converted at once."""
+    n = blocks.shape[0]
+    b = blocks.reshape(n // 16, 16, -1, 34)  # [G, row, block, bytes]
+    scales = b[..., :2].permute(0, 2, 1, 3).reshape(n // 16, -1, 32)  # [G, block, 16 x 2 bytes]
+    cols = b[..., 2:].permute(0, 2, 3, 1).reshape(n // 16, -1, 512)  # [G, block, 32 columns x 16 rows]
+    return torch.cat([scales, cols], -1).reshape(n // 16, -1).contiguous()
 
 
 def q5_0_as_q8_0(blocks: torch.Tensor) -> torch.Tensor:
@@ -258,6 +270,8 @@ def install(model, source: str | os.PathLike) -> BlockLayers | None:
         if head is not None and head.linear is module:
             head.blocks, head.block_state = found, state  # the output layer's own dispatcher reads them (models.head)
             continue
+        if found[1] == Q8_0 and found[0].shape[0] % 16 == 0:  # read 16 rows at a time (the output layer's rows stay in order)
+            found = (q8_0_rows16(found[0]), Q8_0_R16)
         _route(module, found[0], found[1], state)
     model._specdec_blocks = state
     return state
