@@ -13,6 +13,8 @@
 // (up to 8 positions at a time), so a forward of 4 or 8 positions costs little more than one.
 // On a CPU with AVX-512 (checked at run time: the build stays the portable AVX2 one) the float32 products and the
 // output layer's integer screen take 512-bit paths (rows_kernel512, screen_rows_vnni) of the same arithmetic.
+// Q8_0 matrices of a decode step and the output layer's screen read their blocks 16 rows interleaved (rows16_kernel*,
+// screen16_vnni): one register holds a column of 16 rows, so a row's sum is one lane and is never reduced.
 // Each row walk asks for the bytes PF_DIST ahead of the block it reads (software prefetch): the
 // hardware's own stream prefetcher alone left one thread waiting on memory most of the time, at a
 // third of the bandwidth a plain float32 sum reaches on the same bytes out of cache.
