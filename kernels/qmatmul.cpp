@@ -13,8 +13,9 @@
 // (up to 8 positions at a time), so a forward of 4 or 8 positions costs little more than one.
 // On a CPU with AVX-512 (checked at run time: the build stays the portable AVX2 one) the float32 products and the
 // output layer's integer screen take 512-bit paths (rows_kernel512, screen_rows_vnni) of the same arithmetic.
-// Q8_0 matrices of a decode step and the output layer's screen read their blocks 16 rows interleaved (rows16_kernel*,
-// screen16_vnni): one register holds a column of 16 rows, so a row's sum is one lane and is never reduced.
+// Q8_0 and Q5_0 matrices of a decode step and the output layer's screen read their blocks 16 rows interleaved
+// (rows16_kernel*, rows16_q5_kernel*, screen16_vnni): one register holds a column of 16 rows, so a row's sum is one
+// lane and is never reduced.
 // Each row walk asks for the bytes PF_DIST ahead of the block it reads (software prefetch): the
 // hardware's own stream prefetcher alone left one thread waiting on memory most of the time, at a
 // third of the bandwidth a plain float32 sum reaches on the same bytes out of cache.
@@ -35,8 +36,9 @@ namespace {
 // ggml's type ids, and layouts of specdec's own (ids far from ggml's): Q4_K and Q6_K blocks unpacked at
 // load (models.blocks) into groups of 32 weights whose scales are already float32, so that a group costs
 // no scalar decoding of packed 6-bit scales; each rebuilds the very same float32 weights in the same order.
-// Q8_0_R16: Q8_0 blocks of 16 rows interleaved (rows16_kernel), [N / 16, 17 K] bytes, the file's bytes reordered
-enum QType : int64_t { Q8_0 = 8, Q5_0 = 6, Q4_K = 12, Q6_K = 14, Q4_K_X = 1012, Q6_K_X = 1014, Q8_0_R16 = 1008 };
+// Q8_0_R16: Q8_0 blocks of 16 rows interleaved (rows16_kernel), [N / 16, 17 K] bytes, the file's bytes reordered;
+// Q5_0_R16: Q5_0 blocks the same way (rows16_q5_kernel), [N / 16, 11 K] bytes
+enum QType : int64_t { Q8_0 = 8, Q5_0 = 6, Q4_K = 12, Q6_K = 14, Q4_K_X = 1012, Q6_K_X = 1014, Q8_0_R16 = 1008, Q5_0_R16 = 1006 };
 
 inline float fp16(const uint8_t* p) {
   uint16_t h;
@@ -362,6 +364,97 @@ void rows16_kernel(const uint8_t* u, const float* x, int64_t K, float* y, int64_
   }
 }
 
+// Q5_0 blocks of 16 rows interleaved (models.blocks.q5_0_rows16, at load), 352 bytes per 16 rows and block of 32
+// columns where Q8_0_R16 takes 544: the 16 rows' half-precision scales (32 bytes); for each column c, its 16 rows'
+// fifth bits as a 16-bit mask (bit r: row r, 64 bytes); then for each column pair (c, c + 16) the 16 rows' bytes as
+// the file holds them (column c in the low nibble, c + 16 in the high one, 256 bytes). A column's weights d (q - 16)
+// are rebuilt exactly as d * nibble - 16 d (one rounding of a representable value: none) plus 16 d in the lanes
+// whose fifth bit is set: two more operations a column than Q8_0_R16, for a third fewer bytes.
+template <int P, int A = accumulators(P)>
+__attribute__((target("avx512f,avx512bw")))
+void rows16_q5_kernel512(const uint8_t* u, const float* x, int64_t K, float* y, int64_t N, int64_t g0, int64_t g1) {
+  const int64_t nb = K / 32;
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  for (int64_t g = g0; g < g1; ++g) {
+    const uint8_t* wg = u + g * 11 * K;
+    __m512 acc[P][A];
+    for (int p = 0; p < P; ++p)
+      for (int a = 0; a < A; ++a) acc[p][a] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = wg + b * 352;
+      for (int l = 0; l < 6; ++l) _mm_prefetch(reinterpret_cast<const char*>(blk + R16_PF_DIST + 64 * l), _MM_HINT_T1);
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
+      const __m512 d16 = _mm512_mul_ps(d, _mm512_set1_ps(16.f));
+      uint16_t fifth[32];
+      std::memcpy(fifth, blk + 32, 64);
+      const float* xb = x + 32 * b;
+#pragma GCC unroll 2
+      for (int c0 = 0; c0 < 16; c0 += 2) {
+#pragma GCC unroll 2
+        for (int c = c0; c < c0 + 2; ++c) {
+          const __m128i pair = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 96 + 16 * c));
+          const __m128i nib[2] = {_mm_and_si128(pair, low4), _mm_and_si128(_mm_srli_epi16(pair, 4), low4)};
+#pragma GCC unroll 2
+          for (int h = 0; h < 2; ++h) {
+            const int col = c + 16 * h;
+            __m512 w = _mm512_fmsub_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(nib[h])), d16);
+            w = _mm512_mask_add_ps(w, _cvtu32_mask16(fifth[col]), w, d16);
+#pragma GCC unroll 8
+            for (int p = 0; p < P; ++p) acc[p][col % A] = _mm512_fmadd_ps(w, _mm512_set1_ps(xb[p * K + col]), acc[p][col % A]);
+          }
+        }
+      }
+    }
+    for (int p = 0; p < P; ++p) {
+      __m512 s = acc[p][0];
+      for (int a = 1; a < A; ++a) s = _mm512_add_ps(s, acc[p][a]);
+      _mm512_storeu_ps(y + p * N + 16 * g, s);
+    }
+  }
+}
+
+// the same with AVX2: rows 0..7, then 8..15, in the same order a lane as rows16_q5_kernel512
+template <int P, int A = accumulators(P)>
+void rows16_q5_kernel(const uint8_t* u, const float* x, int64_t K, float* y, int64_t N, int64_t g0, int64_t g1) {
+  const int64_t nb = K / 32;
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  const __m256i bits = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  for (int64_t g = g0; g < g1; ++g) {
+    const uint8_t* wg = u + g * 11 * K;
+    for (int half = 0; half < 2; ++half) {
+      __m256 acc[P][A];
+      for (int p = 0; p < P; ++p)
+        for (int a = 0; a < A; ++a) acc[p][a] = _mm256_setzero_ps();
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* blk = wg + b * 352;
+        if (half == 0)
+          for (int l = 0; l < 6; ++l) _mm_prefetch(reinterpret_cast<const char*>(blk + R16_PF_DIST + 64 * l), _MM_HINT_T1);
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 * half)));
+        const __m256 d16 = _mm256_mul_ps(d, _mm256_set1_ps(16.f));
+        uint16_t fifth[32];
+        std::memcpy(fifth, blk + 32, 64);
+        const float* xb = x + 32 * b;
+        for (int c = 0; c < 16; ++c) {
+          const __m128i pair = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 96 + 16 * c + 8 * half));
+          const __m128i nib[2] = {_mm_and_si128(pair, low4), _mm_and_si128(_mm_srli_epi16(pair, 4), low4)};
+          for (int h = 0; h < 2; ++h) {
+            const int col = c + 16 * h;
+            __m256 w = _mm256_fmsub_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(nib[h])), d16);
+            const __m256i set = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(fifth[col] >> (8 * half)), bits), bits);
+            w = _mm256_add_ps(w, _mm256_and_ps(_mm256_castsi256_ps(set), d16));
+            for (int p = 0; p < P; ++p) acc[p][col % A] = _mm256_fmadd_ps(w, _mm256_set1_ps(xb[p * K + col]), acc[p][col % A]);
+          }
+        }
+      }
+      for (int p = 0; p < P; ++p) {
+        __m256 s = acc[p][0];
+        for (int a = 1; a < A; ++a) s = _mm256_add_ps(s, acc[p][a]);
+        _mm256_storeu_ps(y + p * N + 16 * g + 8 * half, s);
+      }
+    }
+  }
+}
+
 bool has_avx512() {
   static const bool yes = __builtin_cpu_supports("avx512f");
   return yes;
@@ -414,8 +507,9 @@ void one_row(int P, const uint8_t* row, int64_t row_bytes, const float* x, int64
 void check(const at::Tensor& blocks, int64_t qtype, int64_t K) {
   TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous(),
               "qmatmul: blocks must be a contiguous uint8 [N, row_bytes] CPU tensor");
-  if (qtype == Q8_0_R16) {
-    TORCH_CHECK(K % 32 == 0 && blocks.size(1) == 17 * K, "qmatmul: Q8_0 rows interleaved by 16 are [N / 16, 17 K] bytes");
+  if (qtype == Q8_0_R16 || qtype == Q5_0_R16) {
+    TORCH_CHECK(K % 32 == 0 && blocks.size(1) == (qtype == Q8_0_R16 ? 17 : 11) * K,
+                "qmatmul: rows interleaved by 16 are [N / 16, 17 K] (Q8_0) or [N / 16, 11 K] (Q5_0) bytes");
     return;
   }
   TORCH_CHECK(block_bytes(qtype) > 0, "qmatmul: unsupported block type ", qtype);
@@ -428,7 +522,7 @@ at::Tensor qmatmul(const at::Tensor& x_in, const at::Tensor& blocks, int64_t qty
   check(blocks, qtype, K);
   TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.dim() == 2 && x_in.size(1) == K, "qmatmul: x must be float32 [M, K]");
   const at::Tensor x = x_in.contiguous();
-  const bool r16 = qtype == Q8_0_R16;
+  const bool r16 = qtype == Q8_0_R16 || qtype == Q5_0_R16;
   const int64_t M = x.size(0), N = r16 ? 16 * blocks.size(0) : blocks.size(0), row_bytes = blocks.size(1);
   at::Tensor y = at::empty({M, N}, x.options());
   const uint8_t* wq = blocks.data_ptr<uint8_t>();
@@ -440,10 +534,17 @@ at::Tensor qmatmul(const at::Tensor& x_in, const at::Tensor& blocks, int64_t qty
       for (int64_t m = 0; m < M; m += 8) {
         const int P = int(std::min<int64_t>(8, M - m));
         with_width(P, [&](auto p) {
-          if (wide)
-            rows16_kernel512<decltype(p)::value>(wq, xp + m * K, K, yp + m * N, N, g0, g1);
-          else
-            rows16_kernel<decltype(p)::value>(wq, xp + m * K, K, yp + m * N, N, g0, g1);
+          constexpr int W = decltype(p)::value;
+          if (qtype == Q5_0_R16) {
+            if (wide)
+              rows16_q5_kernel512<W>(wq, xp + m * K, K, yp + m * N, N, g0, g1);
+            else
+              rows16_q5_kernel<W>(wq, xp + m * K, K, yp + m * N, N, g0, g1);
+          } else if (wide) {
+            rows16_kernel512<W>(wq, xp + m * K, K, yp + m * N, N, g0, g1);
+          } else {
+            rows16_kernel<W>(wq, xp + m * K, K, yp + m * N, N, g0, g1);
+          }
         });
       }
     });
@@ -482,6 +583,25 @@ at::Tensor qdequant(const at::Tensor& blocks, int64_t qtype, int64_t K) {
         for (int r = 0; r < 16; ++r)
           for (int c = 0; c < 32; ++c)
             out[(16 * g + r) * K + 32 * b + c] = fp16(blk + 2 * r) * float(int8_t(blk[32 + 16 * c + r]));
+      }
+    return w;
+  }
+  if (qtype == Q5_0_R16) {  // d * (q - 16), q the nibble plus 16 times the fifth bit
+    const int64_t G = blocks.size(0);
+    at::Tensor w = at::empty({16 * G, K}, at::TensorOptions().dtype(at::kFloat));
+    const uint8_t* u = blocks.data_ptr<uint8_t>();
+    float* out = w.data_ptr<float>();
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t b = 0; b < K / 32; ++b) {
+        const uint8_t* blk = u + g * 11 * K + b * 352;
+        for (int r = 0; r < 16; ++r)
+          for (int c = 0; c < 32; ++c) {
+            uint16_t fifth;
+            std::memcpy(&fifth, blk + 32 + 2 * c, 2);
+            const int nib = (blk[96 + 16 * (c % 16) + r] >> (4 * (c / 16))) & 0x0F;
+            const int q = nib | (((fifth >> r) & 1) << 4);
+            out[(16 * g + r) * K + 32 * b + c] = fp16(blk + 2 * r) * float(q - 16);
+          }
       }
     return w;
   }
@@ -837,7 +957,7 @@ std::tuple<at::Tensor, at::Tensor> qcandidates(const at::Tensor& z_in, const at:
 at::Tensor qrows(const at::Tensor& x_in, const at::Tensor& blocks, int64_t qtype, int64_t K, const at::Tensor& rows_in,
                  const at::Tensor& pos_in) {
   check(blocks, qtype, K);
-  TORCH_CHECK(qtype != Q8_0_R16, "qrows: reads rows of a matrix in file order (an output layer's), not interleaved ones");
+  TORCH_CHECK(qtype != Q8_0_R16 && qtype != Q5_0_R16, "qrows: reads rows of a matrix in file order (an output layer's), not interleaved ones");
   TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.dim() == 2 && x_in.size(1) == K, "qrows: x must be float32 [M, K]");
   TORCH_CHECK(rows_in.scalar_type() == at::kLong && pos_in.scalar_type() == at::kLong && rows_in.dim() == 1 &&
               pos_in.sizes() == rows_in.sizes(), "qrows: rows and pos must be int64 [C]");

@@ -19,8 +19,9 @@ import torch
 # ggml's type ids of the block formats the kernel reads, and (weights, bytes) per block
 BLOCKS = {"Q8_0": (8, 32, 34), "Q5_0": (6, 32, 22), "Q4_K": (12, 256, 144), "Q6_K": (14, 256, 210)}
 # specdec's own layouts of the K-quant blocks, unpacked at load (models.blocks): groups of 32 weights with float32 scales
-# and Q8_0 blocks of 16 rows interleaved (``Q8_0_R16``: [N / 16, 17 K] bytes, 34 a row's 32 weights as in Q8_0)
-UNPACKED = {"Q4_K_X": (1012, 32, 24), "Q6_K_X": (1014, 32, 40), "Q8_0_R16": (1008, 32, 34)}
+# and Q8_0 and Q5_0 blocks of 16 rows interleaved (``Q8_0_R16``: [N / 16, 17 K] bytes, ``Q5_0_R16``: [N / 16, 11 K],
+# as many bytes as the file's blocks)
+UNPACKED = {"Q4_K_X": (1012, 32, 24), "Q6_K_X": (1014, 32, 40), "Q8_0_R16": (1008, 32, 34), "Q5_0_R16": (1006, 32, 22)}
 QTYPES = {v[0]: k for k, v in {**BLOCKS, **UNPACKED}.items()}
 SOURCES = (Path(__file__).with_name("qmatmul.cpp"), Path(__file__).with_name("step.cpp"))  # step.cpp: a decode step's layers in one call
 

@@ -109,7 +109,8 @@ def write(gguf_path: Path, folder: Path, weights: dict[str, torch.Tensor]) -> in
 
 
 Q5_0, Q8_0, Q4_K, Q6_K = (kernel.BLOCKS[t][0] for t in ("Q5_0", "Q8_0", "Q4_K", "Q6_K"))
-Q4_K_X, Q6_K_X, Q8_0_R16 = kernel.UNPACKED["Q4_K_X"][0], kernel.UNPACKED["Q6_K_X"][0], kernel.UNPACKED["Q8_0_R16"][0]
+Q4_K_X, Q6_K_X = kernel.UNPACKED["Q4_K_X"][0], kernel.UNPACKED["Q6_K_X"][0]
+Q8_0_R16, Q5_0_R16 = kernel.UNPACKED["Q8_0_R16"][0], kernel.UNPACKED["Q5_0_R16"][0]
 FILE_TYPES = {v[0] for v in kernel.BLOCKS.values()}  # the ggml types a file's tensors may have (the others are specdec's own)
 
 
@@ -176,10 +177,26 @@ def q8_0_rows16(blocks: torch.Tensor) -> torch.Tensor:
     return torch.cat([scales, cols], -1).reshape(n // 16, -1).contiguous()
 
 
+def q5_0_rows16(blocks: torch.Tensor) -> torch.Tensor:
+    """Q5_0 blocks [N, row bytes] (N a multiple of 16) with 16 rows interleaved, as the kernel's ``Q5_0_R16`` reads
+    them: per 16 rows and block of 32 columns, the 16 rows' scales, each column's 16 fifth bits as a 16-bit mask, then
+    each column pair's 16 bytes of nibbles as the file holds them. The same 22 bytes a row's 32 weights, [N / 16, 11 K]."""
+    n = blocks.shape[0]
+    b = blocks.reshape(n // 16, 16, -1, 22)  # [G, row, block, bytes]
+    scales = b[..., :2].permute(0, 2, 1, 3).reshape(n // 16, -1, 32)  # [G, block, 16 x 2 bytes]
+    qh = b[..., 2:6].contiguous().view(torch.int32).to(torch.int64)[..., 0]  # [G, row, block]: bit j of weight j
+    fifth = (qh[..., None] >> torch.arange(32)) & 1  # [G, row, block, column]
+    masks = (fifth.permute(0, 2, 3, 1) << torch.arange(16)).sum(-1)  # [G, block, column]: bit r of row r
+    masks = masks.to(torch.int16).view(torch.uint8).reshape(n // 16, -1, 64)
+    pairs = b[..., 6:].permute(0, 2, 3, 1).reshape(n // 16, -1, 256)  # [G, block, 16 pairs x 16 rows]
+    return torch.cat([scales, masks, pairs], -1).reshape(n // 16, -1).contiguous()
+
+
 def q5_0_as_q8_0(blocks: torch.Tensor) -> torch.Tensor:
     """Q5_0 blocks rewritten as Q8_0 blocks of the same weights: each 5-bit value minus 16 as a byte, the
-    same half-precision scale. 34 bytes for 32 weights instead of 22, but the kernel unpacks 5-bit values
-    at about half the rate it reads bytes, and a decode step on a CPU is bound by that work, not by the reads."""
+    same half-precision scale. 34 bytes for 32 weights instead of 22, for the matrices that keep their rows in
+    order (an output layer's screen reads Q8_0; a row-at-a-time kernel unpacks 5-bit values at about half the
+    rate it reads bytes). Matrices of rows a multiple of 16 read their own 22 bytes instead (``q5_0_rows16``)."""
     rows = blocks.shape[0]
     b = blocks.reshape(-1, 22)
     qh = b[:, 2:6].contiguous().view(torch.int32).to(torch.int64)  # 32 high bits, little-endian
@@ -241,6 +258,7 @@ def install(model, source: str | os.PathLike) -> BlockLayers | None:
         types = json.loads((fh.metadata() or {}).get("qtypes", "{}"))
         params = dict(model.named_parameters(remove_duplicate=False))
         by_ptr: dict[int, tuple[torch.Tensor, int]] = {}
+        raw5: dict[int, torch.Tensor] = {}  # a Q5_0 weight's own blocks
         for name, qtype in types.items():
             p = params.get(name)
             if p is None or p.dtype != torch.float32 or p.device.type != "cpu" or p.dim() != 2:
@@ -248,7 +266,8 @@ def install(model, source: str | os.PathLike) -> BlockLayers | None:
             blocks = fh.get_tensor(name).contiguous()
             if blocks.shape != (p.shape[0], kernel.row_bytes(qtype, p.shape[1])):
                 continue
-            if qtype == Q5_0:
+            if qtype == Q5_0:  # the output layer and matrices of rows not a multiple of 16 read these as Q8_0
+                raw5[p.data_ptr()] = blocks
                 blocks, qtype = q5_0_as_q8_0(blocks), Q8_0
             elif qtype == Q4_K:
                 blocks, qtype = q4_k_unpacked(blocks), Q4_K_X
@@ -270,7 +289,12 @@ def install(model, source: str | os.PathLike) -> BlockLayers | None:
         if head is not None and head.linear is module:
             head.blocks, head.block_state = found, state  # the output layer's own dispatcher reads them (models.head)
             continue
-        if found[1] == Q8_0 and found[0].shape[0] % 16 == 0:  # read 16 rows at a time (the output layer's rows stay in order)
+        # read 16 rows at a time (the output layer's rows stay in order): a Q5_0 weight as its own 22 bytes per 32
+        # weights, not the Q8_0 blocks its rows in order take
+        raw = raw5.get(module.weight.data_ptr())
+        if raw is not None and raw.shape[0] % 16 == 0:
+            found = (q5_0_rows16(raw), Q5_0_R16)
+        elif found[1] == Q8_0 and found[0].shape[0] % 16 == 0:
             found = (q8_0_rows16(found[0]), Q8_0_R16)
         _route(module, found[0], found[1], state)
     model._specdec_blocks = state

@@ -74,26 +74,31 @@ def test_a_positions_product_does_not_depend_on_the_forwards_width(qtype, isa):
             assert torch.equal(got[m : m + 8], kernel.qmatmul(x[m : m + 8].contiguous(), raw, t, 512))
 
 
-def test_q8_0_rows_interleaved_by_16_are_the_same_weights_and_float32_products_of_them(isa):
-    """``Q8_0_R16`` (models.blocks.q8_0_rows16, the layout a decode step's Q8_0 matrices take at load): the same
-    float32 weights bit for bit, products within float32 accumulation of the exact ones at every width, and each
-    chunk of 8 positions of a wide forward what that chunk alone gets."""
-    raw = torch.from_numpy(random_blocks("Q8_0", 48, 512, seed=5))
-    packed = blocks.q8_0_rows16(raw)
-    assert packed.shape == (3, 17 * 512) and packed.numel() == raw.numel()  # the same bytes, reordered
-    ref = kernel.qdequant(raw, kernel.BLOCKS["Q8_0"][0], 512)
-    assert torch.equal(kernel.qdequant(packed, blocks.Q8_0_R16, 512).view(torch.int32), ref.view(torch.int32))
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q5_0"])
+def test_rows_interleaved_by_16_are_the_same_weights_and_float32_products_of_them(qtype, isa):
+    """``Q8_0_R16`` and ``Q5_0_R16`` (models.blocks.q8_0_rows16, q5_0_rows16: the layouts a decode step's Q8_0 and
+    Q5_0 matrices take at load): the file's bytes reordered, the same float32 weights bit for bit, products within
+    float32 accumulation of the exact ones at every width, and each chunk of 8 positions of a wide forward what that
+    chunk alone gets."""
+    raw = torch.from_numpy(random_blocks(qtype, 48, 512, seed=5))
+    pack, t = {"Q8_0": (blocks.q8_0_rows16, blocks.Q8_0_R16), "Q5_0": (blocks.q5_0_rows16, blocks.Q5_0_R16)}[qtype]
+    packed = pack(raw)
+    assert packed.shape == (3, 16 * raw.shape[1]) and packed.numel() == raw.numel()  # as many bytes as the file's
+    if qtype == "Q8_0":  # the very bytes, reordered (Q5_0's fifth bits are regrouped a column at a time)
+        assert torch.equal(packed.flatten().sort().values, raw.flatten().sort().values)
+    ref = kernel.qdequant(raw, kernel.BLOCKS[qtype][0], 512)
+    assert torch.equal(kernel.qdequant(packed, t, 512).view(torch.int32), ref.view(torch.int32))
     g = torch.Generator().manual_seed(0)
     for rows in (1, 2, 3, 5, 8, 9, 17):
         x = torch.randn(rows, 512, generator=g)
-        got = kernel.qmatmul(x, packed, blocks.Q8_0_R16, 512)
+        got = kernel.qmatmul(x, packed, t, 512)
         want = (x.double() @ ref.double().T).float()
         bound = 512 * 2.0 ** -24 * (x.abs().double() @ ref.abs().double().T).float()
         assert got.shape == (rows, 48) and bool(((got - want).abs() <= bound + 1e-30).all())
         for m in range(0, rows, 8):
-            assert torch.equal(got[m : m + 8], kernel.qmatmul(x[m : m + 8].contiguous(), packed, blocks.Q8_0_R16, 512))
+            assert torch.equal(got[m : m + 8], kernel.qmatmul(x[m : m + 8].contiguous(), packed, t, 512))
     with pytest.raises(RuntimeError, match="file order"):  # an output layer's screen candidates read rows in order
-        kernel.qrows(x, packed, blocks.Q8_0_R16, 512, torch.tensor([0]), torch.tensor([0]))
+        kernel.qrows(x, packed, t, 512, torch.tensor([0]), torch.tensor([0]))
 
 
 @pytest.mark.parametrize("qtype, unpack", [("Q4_K", blocks.q4_k_unpacked), ("Q6_K", blocks.q6_k_unpacked)])
@@ -208,9 +213,9 @@ def test_a_quantised_gguf_target_keeps_its_blocks_and_routes_every_matrix(quanti
     state = model._specdec_blocks
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     assert state.layers == len(linears) == 2 * 7 + 1
-    # Q8_0 matrices (here rows a multiple of 16) are read 16 rows at a time
+    # Q8_0 and Q5_0 matrices (here rows a multiple of 16) are read 16 rows at a time, Q5_0 in its own 5-bit values
     routed = {getattr(m, "_specdec_blocks", (None, None))[1] for m in linears}
-    assert blocks.Q8_0_R16 in routed and blocks.Q8_0 not in routed
+    assert {blocks.Q8_0_R16, blocks.Q5_0_R16} <= routed and blocks.Q8_0 not in routed
     # a folder converted before blocks were kept gets them from the file it came from
     (folder / blocks.BLOCKS_FILE).unlink()
     info = json.loads((folder / "specdec_gguf.json").read_text())
