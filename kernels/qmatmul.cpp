@@ -14,7 +14,7 @@
 // On a CPU with AVX-512 (checked at run time: the build stays the portable AVX2 one) the float32 products and the
 // output layer's integer screen take 512-bit paths (rows_kernel512, screen_rows_vnni) of the same arithmetic.
 // Q8_0 and Q5_0 matrices of a decode step and the output layer's screen read their blocks 16 rows interleaved
-// (rows16_kernel*, rows16_q5_kernel*, screen16_vnni): one register holds a column of 16 rows, so a row's sum is one
+// (rows16_kernel*, screen16_vnni): one register holds a column of 16 rows, so a row's sum is one
 // lane and is never reduced.
 // Each row walk asks for the bytes PF_DIST ahead of the block it reads (software prefetch): the
 // hardware's own stream prefetcher alone left one thread waiting on memory most of the time, at a
@@ -37,7 +37,7 @@ namespace {
 // load (models.blocks) into groups of 32 weights whose scales are already float32, so that a group costs
 // no scalar decoding of packed 6-bit scales; each rebuilds the very same float32 weights in the same order.
 // Q8_0_R16: Q8_0 blocks of 16 rows interleaved (rows16_kernel), [N / 16, 17 K] bytes, the file's bytes reordered;
-// Q5_0_R16: Q5_0 blocks the same way (rows16_q5_kernel), [N / 16, 11 K] bytes
+// Q5_0_R16: Q5_0 blocks the same way, [N / 16, 11 K] bytes
 enum QType : int64_t { Q8_0 = 8, Q5_0 = 6, Q4_K = 12, Q6_K = 14, Q4_K_X = 1012, Q6_K_X = 1014, Q8_0_R16 = 1008, Q5_0_R16 = 1006 };
 
 inline float fp16(const uint8_t* p) {
@@ -288,39 +288,72 @@ void rows_kernel512(const uint8_t* wq, int64_t row_bytes, const float* x, int64_
   }
 }
 
-// Q8_0 blocks of 16 rows interleaved (models.blocks.q8_0_rows16, at load): per group of 16 rows and block of 32
-// columns, the rows' 16 half-precision scales (32 bytes), then column by column the 16 rows' signed bytes (32 x 16
-// bytes). A column's 16 weights are rebuilt in one register as the very float32 values group32 rebuilds (d * q), and
-// each position's multiply-add takes them with its activation broadcast, so a row's sum is one lane from its first
-// product to its last: a block's 16 scales take one conversion where rows_kernel512 rebuilds each row's (four
-// operations), and no row's register is reduced at the end. A chains of multiply-adds a position (accumulators(P),
-// the AVX2 kernel's: each chain must wait out FMA's latency between its products).
+// Matrices of 16 rows interleaved at load (models.blocks), for each group of 16 rows and block of 32 columns:
+// - Q8_0_R16 (544 bytes): the rows' 16 half-precision scales (32 bytes), then column by column the 16 rows' signed
+//   bytes (32 x 16 bytes);
+// - Q5_0_R16 (352 bytes, where Q8_0_R16 takes 544): the 16 scales; for each column c, its 16 rows' fifth bits as a
+//   16-bit mask (bit r: row r, 64 bytes); then for each column pair (c, c + 16) the 16 rows' bytes as the file holds
+//   them (column c in the low nibble, c + 16 in the high one, 256 bytes).
+// A column's 16 weights are rebuilt in one register as the very float32 values group32 rebuilds: d * q, or for Q5_0
+// d * nibble - 16 d (one rounding of a representable value: none) plus 16 d in the lanes whose fifth bit is set, two
+// more operations a column for a third fewer bytes. Each position's multiply-add takes them with its activation
+// broadcast, so a row's sum is one lane from its first product to its last: a block's 16 scales take one conversion
+// where rows_kernel512 rebuilds each row's (four operations), and no row's register is reduced at the end. A chains
+// of multiply-adds a position (accumulators(P), the AVX2 kernel's: each chain must wait out FMA's latency between
+// its products).
+template <int64_t T>
+constexpr int r16_block_bytes() { return T == Q8_0_R16 ? 544 : 352; }
+
 // the interleaved layouts ask for every line of a block 4 KiB ahead, into L2 (T1): a row-at-a-time walk's 2 KiB into
 // L1 left a column of 16 rows waiting on memory more often (scratch timings of 2048 x 640 matrices out of cache:
 // 0.62 ms against 0.73 at one position, the best of 1, 2, 4 and 8 KiB and of the two hints)
 #ifndef R16_PF_DIST
 #define R16_PF_DIST 4096
 #endif
-template <int P, int A = accumulators(P)>
+template <int64_t T, int P, int A = accumulators(P)>
 __attribute__((target("avx512f")))
 void rows16_kernel512(const uint8_t* u, const float* x, int64_t K, float* y, int64_t N, int64_t g0, int64_t g1) {
+  constexpr int bb = r16_block_bytes<T>();
   const int64_t nb = K / 32;
+  const __m128i low4 = _mm_set1_epi8(0x0F);
   for (int64_t g = g0; g < g1; ++g) {
-    const uint8_t* wg = u + g * 17 * K;
+    const uint8_t* wg = u + g * nb * bb;
     __m512 acc[P][A];
     for (int p = 0; p < P; ++p)
       for (int a = 0; a < A; ++a) acc[p][a] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* blk = wg + b * 544;
-      for (int l = 0; l < 9; ++l) _mm_prefetch(reinterpret_cast<const char*>(blk + R16_PF_DIST + 64 * l), _MM_HINT_T1);
+      const uint8_t* blk = wg + b * bb;
+      for (int l = 0; 64 * l < bb; ++l) _mm_prefetch(reinterpret_cast<const char*>(blk + R16_PF_DIST + 64 * l), _MM_HINT_T1);
       const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
       const float* xb = x + 32 * b;
-      for (int c0 = 0; c0 < 32; c0 += 4) {  // four columns (a cache line of weights) a step, unrolled: acc stays in registers
+      if constexpr (T == Q8_0_R16) {
+        for (int c0 = 0; c0 < 32; c0 += 4) {  // four columns (a cache line of weights) a step, unrolled: acc stays in registers
 #pragma GCC unroll 4
-        for (int c = c0; c < c0 + 4; ++c) {
-          const __m512 w = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 32 + 16 * c)))));
+          for (int c = c0; c < c0 + 4; ++c) {
+            const __m512 w = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 32 + 16 * c)))));
 #pragma GCC unroll 8
-          for (int p = 0; p < P; ++p) acc[p][c % A] = _mm512_fmadd_ps(w, _mm512_set1_ps(xb[p * K + c]), acc[p][c % A]);
+            for (int p = 0; p < P; ++p) acc[p][c % A] = _mm512_fmadd_ps(w, _mm512_set1_ps(xb[p * K + c]), acc[p][c % A]);
+          }
+        }
+      } else {
+        const __m512 d16 = _mm512_mul_ps(d, _mm512_set1_ps(16.f));
+        uint16_t fifth[32];
+        std::memcpy(fifth, blk + 32, 64);
+#pragma GCC unroll 2
+        for (int c0 = 0; c0 < 16; c0 += 2) {
+#pragma GCC unroll 2
+          for (int c = c0; c < c0 + 2; ++c) {
+            const __m128i pair = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 96 + 16 * c));
+            const __m128i nib[2] = {_mm_and_si128(pair, low4), _mm_and_si128(_mm_srli_epi16(pair, 4), low4)};
+#pragma GCC unroll 2
+            for (int h = 0; h < 2; ++h) {
+              const int col = c + 16 * h;
+              __m512 w = _mm512_fmsub_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(nib[h])), d16);
+              w = _mm512_mask_add_ps(w, _cvtu32_mask16(fifth[col]), w, d16);
+#pragma GCC unroll 8
+              for (int p = 0; p < P; ++p) acc[p][col % A] = _mm512_fmadd_ps(w, _mm512_set1_ps(xb[p * K + col]), acc[p][col % A]);
+            }
+          }
         }
       }
     }
@@ -334,118 +367,47 @@ void rows16_kernel512(const uint8_t* u, const float* x, int64_t K, float* y, int
 
 // the same with AVX2: the group's rows 0..7, then 8..15, one 256-bit lane a row (the second pass finds the group's
 // bytes in cache); the same products in the same order a lane as rows16_kernel512's
-template <int P, int A = accumulators(P)>
+template <int64_t T, int P, int A = accumulators(P)>
 void rows16_kernel(const uint8_t* u, const float* x, int64_t K, float* y, int64_t N, int64_t g0, int64_t g1) {
-  const int64_t nb = K / 32;
-  for (int64_t g = g0; g < g1; ++g) {
-    const uint8_t* wg = u + g * 17 * K;
-    for (int half = 0; half < 2; ++half) {
-      __m256 acc[P][A];
-      for (int p = 0; p < P; ++p)
-        for (int a = 0; a < A; ++a) acc[p][a] = _mm256_setzero_ps();
-      for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* blk = wg + b * 544;
-        if (half == 0)
-          for (int l = 0; l < 9; ++l) _mm_prefetch(reinterpret_cast<const char*>(blk + R16_PF_DIST + 64 * l), _MM_HINT_T1);
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 * half)));
-        const float* xb = x + 32 * b;
-        for (int c0 = 0; c0 < 32; c0 += 4) {
-#pragma GCC unroll 4
-          for (int c = c0; c < c0 + 4; ++c) {
-            const __m256 w = _mm256_mul_ps(d, cvt8_epi8(reinterpret_cast<const int8_t*>(blk + 32 + 16 * c + 8 * half)));
-#pragma GCC unroll 8
-            for (int p = 0; p < P; ++p) acc[p][c % A] = _mm256_fmadd_ps(w, _mm256_set1_ps(xb[p * K + c]), acc[p][c % A]);
-          }
-        }
-      }
-      for (int p = 0; p < P; ++p) {
-        __m256 s = acc[p][0];
-        for (int a = 1; a < A; ++a) s = _mm256_add_ps(s, acc[p][a]);
-        _mm256_storeu_ps(y + p * N + 16 * g + 8 * half, s);
-      }
-    }
-  }
-}
-
-// Q5_0 blocks of 16 rows interleaved (models.blocks.q5_0_rows16, at load), 352 bytes per 16 rows and block of 32
-// columns where Q8_0_R16 takes 544: the 16 rows' half-precision scales (32 bytes); for each column c, its 16 rows'
-// fifth bits as a 16-bit mask (bit r: row r, 64 bytes); then for each column pair (c, c + 16) the 16 rows' bytes as
-// the file holds them (column c in the low nibble, c + 16 in the high one, 256 bytes). A column's weights d (q - 16)
-// are rebuilt exactly as d * nibble - 16 d (one rounding of a representable value: none) plus 16 d in the lanes
-// whose fifth bit is set: two more operations a column than Q8_0_R16, for a third fewer bytes.
-template <int P, int A = accumulators(P)>
-__attribute__((target("avx512f,avx512bw")))
-void rows16_q5_kernel512(const uint8_t* u, const float* x, int64_t K, float* y, int64_t N, int64_t g0, int64_t g1) {
-  const int64_t nb = K / 32;
-  const __m128i low4 = _mm_set1_epi8(0x0F);
-  for (int64_t g = g0; g < g1; ++g) {
-    const uint8_t* wg = u + g * 11 * K;
-    __m512 acc[P][A];
-    for (int p = 0; p < P; ++p)
-      for (int a = 0; a < A; ++a) acc[p][a] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* blk = wg + b * 352;
-      for (int l = 0; l < 6; ++l) _mm_prefetch(reinterpret_cast<const char*>(blk + R16_PF_DIST + 64 * l), _MM_HINT_T1);
-      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
-      const __m512 d16 = _mm512_mul_ps(d, _mm512_set1_ps(16.f));
-      uint16_t fifth[32];
-      std::memcpy(fifth, blk + 32, 64);
-      const float* xb = x + 32 * b;
-#pragma GCC unroll 2
-      for (int c0 = 0; c0 < 16; c0 += 2) {
-#pragma GCC unroll 2
-        for (int c = c0; c < c0 + 2; ++c) {
-          const __m128i pair = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 96 + 16 * c));
-          const __m128i nib[2] = {_mm_and_si128(pair, low4), _mm_and_si128(_mm_srli_epi16(pair, 4), low4)};
-#pragma GCC unroll 2
-          for (int h = 0; h < 2; ++h) {
-            const int col = c + 16 * h;
-            __m512 w = _mm512_fmsub_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(nib[h])), d16);
-            w = _mm512_mask_add_ps(w, _cvtu32_mask16(fifth[col]), w, d16);
-#pragma GCC unroll 8
-            for (int p = 0; p < P; ++p) acc[p][col % A] = _mm512_fmadd_ps(w, _mm512_set1_ps(xb[p * K + col]), acc[p][col % A]);
-          }
-        }
-      }
-    }
-    for (int p = 0; p < P; ++p) {
-      __m512 s = acc[p][0];
-      for (int a = 1; a < A; ++a) s = _mm512_add_ps(s, acc[p][a]);
-      _mm512_storeu_ps(y + p * N + 16 * g, s);
-    }
-  }
-}
-
-// the same with AVX2: rows 0..7, then 8..15, in the same order a lane as rows16_q5_kernel512
-template <int P, int A = accumulators(P)>
-void rows16_q5_kernel(const uint8_t* u, const float* x, int64_t K, float* y, int64_t N, int64_t g0, int64_t g1) {
+  constexpr int bb = r16_block_bytes<T>();
   const int64_t nb = K / 32;
   const __m128i low4 = _mm_set1_epi8(0x0F);
   const __m256i bits = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
   for (int64_t g = g0; g < g1; ++g) {
-    const uint8_t* wg = u + g * 11 * K;
+    const uint8_t* wg = u + g * nb * bb;
     for (int half = 0; half < 2; ++half) {
       __m256 acc[P][A];
       for (int p = 0; p < P; ++p)
         for (int a = 0; a < A; ++a) acc[p][a] = _mm256_setzero_ps();
       for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* blk = wg + b * 352;
+        const uint8_t* blk = wg + b * bb;
         if (half == 0)
-          for (int l = 0; l < 6; ++l) _mm_prefetch(reinterpret_cast<const char*>(blk + R16_PF_DIST + 64 * l), _MM_HINT_T1);
+          for (int l = 0; 64 * l < bb; ++l) _mm_prefetch(reinterpret_cast<const char*>(blk + R16_PF_DIST + 64 * l), _MM_HINT_T1);
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 * half)));
-        const __m256 d16 = _mm256_mul_ps(d, _mm256_set1_ps(16.f));
-        uint16_t fifth[32];
-        std::memcpy(fifth, blk + 32, 64);
         const float* xb = x + 32 * b;
-        for (int c = 0; c < 16; ++c) {
-          const __m128i pair = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 96 + 16 * c + 8 * half));
-          const __m128i nib[2] = {_mm_and_si128(pair, low4), _mm_and_si128(_mm_srli_epi16(pair, 4), low4)};
-          for (int h = 0; h < 2; ++h) {
-            const int col = c + 16 * h;
-            __m256 w = _mm256_fmsub_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(nib[h])), d16);
-            const __m256i set = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(fifth[col] >> (8 * half)), bits), bits);
-            w = _mm256_add_ps(w, _mm256_and_ps(_mm256_castsi256_ps(set), d16));
-            for (int p = 0; p < P; ++p) acc[p][col % A] = _mm256_fmadd_ps(w, _mm256_set1_ps(xb[p * K + col]), acc[p][col % A]);
+        if constexpr (T == Q8_0_R16) {
+          for (int c0 = 0; c0 < 32; c0 += 4) {
+#pragma GCC unroll 4
+            for (int c = c0; c < c0 + 4; ++c) {
+              const __m256 w = _mm256_mul_ps(d, cvt8_epi8(reinterpret_cast<const int8_t*>(blk + 32 + 16 * c + 8 * half)));
+#pragma GCC unroll 8
+              for (int p = 0; p < P; ++p) acc[p][c % A] = _mm256_fmadd_ps(w, _mm256_set1_ps(xb[p * K + c]), acc[p][c % A]);
+            }
+          }
+        } else {
+          const __m256 d16 = _mm256_mul_ps(d, _mm256_set1_ps(16.f));
+          uint16_t fifth[32];
+          std::memcpy(fifth, blk + 32, 64);
+          for (int c = 0; c < 16; ++c) {
+            const __m128i pair = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 96 + 16 * c + 8 * half));
+            const __m128i nib[2] = {_mm_and_si128(pair, low4), _mm_and_si128(_mm_srli_epi16(pair, 4), low4)};
+            for (int h = 0; h < 2; ++h) {
+              const int col = c + 16 * h;
+              __m256 w = _mm256_fmsub_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(nib[h])), d16);
+              const __m256i set = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(fifth[col] >> (8 * half)), bits), bits);
+              w = _mm256_add_ps(w, _mm256_and_ps(_mm256_castsi256_ps(set), d16));
+              for (int p = 0; p < P; ++p) acc[p][col % A] = _mm256_fmadd_ps(w, _mm256_set1_ps(xb[p * K + col]), acc[p][col % A]);
+            }
           }
         }
       }
@@ -540,13 +502,13 @@ at::Tensor qmatmul(const at::Tensor& x_in, const at::Tensor& blocks, int64_t qty
           constexpr int W = decltype(p)::value;
           if (qtype == Q5_0_R16) {
             if (wide)
-              rows16_q5_kernel512<W>(wq, xp + m * K, K, yp + m * N, N, g0, g1);
+              rows16_kernel512<Q5_0_R16, W>(wq, xp + m * K, K, yp + m * N, N, g0, g1);
             else
-              rows16_q5_kernel<W>(wq, xp + m * K, K, yp + m * N, N, g0, g1);
+              rows16_kernel<Q5_0_R16, W>(wq, xp + m * K, K, yp + m * N, N, g0, g1);
           } else if (wide) {
-            rows16_kernel512<W>(wq, xp + m * K, K, yp + m * N, N, g0, g1);
+            rows16_kernel512<Q8_0_R16, W>(wq, xp + m * K, K, yp + m * N, N, g0, g1);
           } else {
-            rows16_kernel<W>(wq, xp + m * K, K, yp + m * N, N, g0, g1);
+            rows16_kernel<Q8_0_R16, W>(wq, xp + m * K, K, yp + m * N, N, g0, g1);
           }
         });
       }
