@@ -260,7 +260,6 @@ def install(model, source: str | os.PathLike) -> BlockLayers | None:
         types = json.loads((fh.metadata() or {}).get("qtypes", "{}"))
         params = dict(model.named_parameters(remove_duplicate=False))
         by_ptr: dict[int, tuple[torch.Tensor, int]] = {}
-        raw5: dict[int, torch.Tensor] = {}  # a Q5_0 weight's own blocks
         for name, qtype in types.items():
             p = params.get(name)
             if p is None or p.dtype != torch.float32 or p.device.type != "cpu" or p.dim() != 2:
@@ -268,10 +267,7 @@ def install(model, source: str | os.PathLike) -> BlockLayers | None:
             blocks = fh.get_tensor(name).contiguous()
             if blocks.shape != (p.shape[0], kernel.row_bytes(qtype, p.shape[1])):
                 continue
-            if qtype == Q5_0:  # the output layer and matrices of rows not a multiple of 16 read these as Q8_0
-                raw5[p.data_ptr()] = blocks
-                blocks, qtype = q5_0_as_q8_0(blocks), Q8_0
-            elif qtype == Q4_K:
+            if qtype == Q4_K:  # Q5_0 stays as it is here: a matrix read 16 rows at a time keeps its 22 bytes (below)
                 blocks, qtype = q4_k_unpacked(blocks), Q4_K_X
             elif qtype == Q6_K:
                 blocks, qtype = q6_k_unpacked(blocks), Q6_K_X
@@ -280,24 +276,30 @@ def install(model, source: str | os.PathLike) -> BlockLayers | None:
         return None
     state = BlockLayers()
     head = getattr(model, "_specdec_head", None)
+    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     for module in model.modules():
         if not isinstance(module, torch.nn.Linear) or type(module).forward is not torch.nn.Linear.forward:
             continue
-        found = by_ptr.get(module.weight.data_ptr())
-        if found is None:
+        raw = by_ptr.get(module.weight.data_ptr())
+        if raw is None:
             continue
-        state.add(found[0], module.weight)
-        module._specdec_rows = (found, state)  # for a drafter that reads some of its rows (models.heads._TargetHead)
-        if head is not None and head.linear is module:
+
+        def in_order(raw=raw):  # the rows in file order: a Q5_0 weight widened to Q8_0 blocks
+            return (q5_0_as_q8_0(raw[0]), Q8_0) if raw[1] == Q5_0 else raw
+
+        is_head = head is not None and head.linear is module
+        # Q8_0 and Q5_0 matrices are read 16 rows at a time (a Q5_0 one in its own 22 bytes per 32 weights), but
+        # the output layer's rows stay in order for its screen and candidates (models.head)
+        interleaved = not is_head and raw[1] in (Q8_0, Q5_0) and raw[0].shape[0] % 16 == 0
+        found = ((q5_0_rows16(raw[0]), Q5_0_R16) if raw[1] == Q5_0 else (q8_0_rows16(raw[0]), Q8_0_R16)) if interleaved \
+            else in_order()
+        state.add(found[0], module.weight)  # the bytes a forward reads
+        if not interleaved or module is output:
+            # for a drafter that reads some of its rows (models.heads._TargetHead): the output layer's, in order
+            module._specdec_rows = (in_order() if interleaved else found, state)
+        if is_head:
             head.blocks, head.block_state = found, state  # the output layer's own dispatcher reads them (models.head)
             continue
-        # read 16 rows at a time (the output layer's rows stay in order): a Q5_0 weight as its own 22 bytes per 32
-        # weights, not the Q8_0 blocks its rows in order take
-        raw = raw5.get(module.weight.data_ptr())
-        if raw is not None and raw.shape[0] % 16 == 0:
-            found = (q5_0_rows16(raw), Q5_0_R16)
-        elif found[1] == Q8_0 and found[0].shape[0] % 16 == 0:
-            found = (q8_0_rows16(found[0]), Q8_0_R16)
         _route(module, found[0], found[1], state)
     model._specdec_blocks = state
     return state
