@@ -966,6 +966,7 @@ at::Tensor qrows(const at::Tensor& x_in, const at::Tensor& blocks, int64_t qtype
 at::Tensor specdec_qmatmul(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, int64_t K) {
   return qmatmul(x, blocks, qtype, K);
 }
+bool specdec_use512() { return use512(); }
 
 TORCH_LIBRARY(specdec_q, m) {
   m.def("qmatmul(Tensor x, Tensor blocks, int qtype, int K) -> Tensor", qmatmul);

@@ -24,6 +24,7 @@ BLOCKS = {"Q8_0": (8, 32, 34), "Q5_0": (6, 32, 22), "Q4_K": (12, 256, 144), "Q6_
 UNPACKED = {"Q4_K_X": (1012, 32, 24), "Q6_K_X": (1014, 32, 40), "Q8_0_R16": (1008, 32, 34), "Q5_0_R16": (1006, 32, 22)}
 QTYPES = {v[0]: k for k, v in {**BLOCKS, **UNPACKED}.items()}
 SOURCES = (Path(__file__).with_name("qmatmul.cpp"), Path(__file__).with_name("step.cpp"))  # step.cpp: a decode step's layers in one call
+HEADERS = (Path(__file__).with_name("small_attention.h"),)  # included by step.cpp (once per instruction set)
 
 
 def row_bytes(qtype: int, k: int) -> int:
@@ -64,7 +65,7 @@ def _load(build_root: Path) -> None:
     # OpenMP: at::parallel_for's threads are torch's own (libgomp.so.1, already loaded by torch)
     # no contraction of a * b + c into one rounding: the step's fused loops must round as ATen's separate operations do
     cflags, ldflags = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"], ["-fopenmp"]
-    code = b"".join(source.read_bytes() for source in SOURCES)
+    code = b"".join(source.read_bytes() for source in (*SOURCES, *HEADERS))
     digest = hashlib.sha256(code + torch.__version__.encode() + str(cflags).encode()).hexdigest()[:12]
     build = build_root / f"qmatmul-{digest}"
     build.mkdir(parents=True, exist_ok=True)

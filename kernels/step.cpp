@@ -16,6 +16,7 @@
 #include <vector>
 
 at::Tensor specdec_qmatmul(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, int64_t K);
+bool specdec_use512();  // qmatmul.cpp: AVX-512 here, and not switched off (set_isa)
 
 namespace {
 
@@ -157,36 +158,95 @@ at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
   return (x * cos) + (turned * sin);
 }
 
-// e^x for x <= 0 (a score minus its row's maximum), eight at a time: Cephes' expf (range reduction by ln 2 in two
-// parts, a degree-6 polynomial, then 2^n), within 2 ulp; below -87 (masked slots among them) exactly 0
-inline __m256 exp_nonpositive(__m256 x) {
-  const __m256 tiny = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ);
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
-  y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_andnot_ps(tiny, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
-}
+// e^x for x <= 0 (a score minus its row's maximum), a register at a time: Cephes' expf (range reduction by ln 2 in
+// two parts, a degree-6 polynomial, then 2^n), within 2 ulp; below -87 (masked slots among them) exactly 0.
+namespace avx2 {
+struct Vec {
+  using V = __m256;
+  static constexpr int64_t W = 8;
+  static V zero() { return _mm256_setzero_ps(); }
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  static V set1(float x) { return _mm256_set1_ps(x); }
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
+  static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  }
+  static V exp_nonpositive(__m256 x) {
+    const __m256 tiny = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ);
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(tiny, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
+  }
+};
+#include "small_attention.h"
+}  // namespace avx2
 
-inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+// The same attention on AVX-512's 16 lanes: half the multiply-adds and loads of the 8-lane build, and the
+// registers for 8 query rows' accumulators. Its floats differ from the 8-lane build's (a dot product's partial sums
+// fall in other lanes), so a CPU takes one build for every width (attend).
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512dq")
+namespace avx512 {
+struct Vec {
+  using V = __m512;
+  static constexpr int64_t W = 16;
+  static V zero() { return _mm512_setzero_ps(); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static V set1(float x) { return _mm512_set1_ps(x); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
+  static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static float hsum(V v) {  // the halves added, then the 8-lane build's own sum
+    return avx2::Vec::hsum(_mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1)));
+  }
+  static V exp_nonpositive(V x) {  // the 8-lane build's steps, on 16 lanes
+    const __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const V n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    V r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    V y = _mm512_set1_ps(1.9875691500e-4f);
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+    y = _mm512_add_ps(_mm512_fmadd_ps(y, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_maskz_mul_ps(static_cast<__mmask16>(~tiny), y, _mm512_castsi512_ps(e));
+  }
+};
+#include "small_attention.h"
+}  // namespace avx512
+#pragma GCC pop_options
 
-// query rows (heads of a group x positions) a key/value head's attention takes here; from about 32 rows SDPA's
-// matrix products reuse each key better than these register blocks do
-constexpr int64_t SMALL_ROWS = 16;
+// which build of the step's attention this CPU runs (models.blocks' own switch: 0 the fastest here, 1 AVX2)
+bool attention512(int64_t d) { return specdec_use512() && d % 16 == 0; }
+
+// query rows (heads of a group x positions) a key/value head's attention takes here, beyond which SDPA's matrix
+// products reuse each key better than these register blocks do: 16 with 8-lane registers; 64 with 16-lane ones,
+// which at 32 rows (a Gemma 3 270M verification of 8 positions, 264 keys out of cache) took 101 us a call against
+// SDPA's 107, and unlike SDPA's give each position the floats it gets alone
+int64_t small_rows(int64_t d) { return attention512(d) ? 64 : 16; }
 
 // Attention of a few positions over a cache, for a step: softmax(q k^T * scaling + mask) v computed directly.
 // ATen's SDPA on a CPU splits the work into blocks sized for long queries: for the 4 query rows of one Gemma 3
@@ -205,7 +265,7 @@ bool small_attention_ok(const at::Tensor& q, const at::Tensor& k, const at::Tens
   if (at::GradMode::is_enabled() || !dense_f32(q) || !dense_f32(k) || !dense_f32(v)) return false;
   const int64_t b = q.size(0), heads = q.size(1), t = q.size(2), d = q.size(3), kv_heads = k.size(1), s = k.size(2);
   if (d % 8 != 0 || k.size(3) != d || v.size(3) != d || k.size(0) != b || v.size(0) != b || v.size(1) != kv_heads ||
-      v.size(2) != s || heads != kv_heads * groups || groups * t > SMALL_ROWS || s == 0)
+      v.size(2) != s || heads != kv_heads * groups || groups * t > small_rows(d) || s == 0)
     return false;
   if (!mask.has_value()) return t == 1;  // several positions without a mask: SDPA's causal flag, left to SDPA
   const at::Tensor& m = *mask;
@@ -213,193 +273,18 @@ bool small_attention_ok(const at::Tensor& q, const at::Tensor& k, const at::Tens
          (m.size(0) == b || m.size(0) == 1) && (m.size(1) == heads || m.size(1) == 1) && m.size(2) == t && m.size(3) == s;
 }
 
-constexpr int64_t PREFETCH = 8;  // key and value rows requested this many rows ahead of their use
-// keys a task reads: fixed, so a row's floats depend on neither the thread count nor the width; 64 rather than 128
-// splits a few hundred keys evenly enough over two threads (260 keys: 192 and 68 rather than 256 and 4)
-constexpr int64_t KEY_CHUNK = 64;
-
-// out [B, T, heads, D] (the layout attend returns), from q [B, heads, T, D], k and v [B, kv heads, S, D]. Tasks
-// are (a key/value head's block of R query rows: 4, or 8 for 5 to 16) x (a chunk of KEY_CHUNK keys), so even one
-// position's 4 rows spread over the threads; each task keeps its chunk's maximum, sum of exponentials and
-// unnormalised output, and the chunks are merged in key order, as split-key (flash-decoding) attention does.
-template <int64_t R>
-at::Tensor small_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& mask,
-                           int64_t groups, double scaling) {
-  const int64_t b = q.size(0), heads = q.size(1), t = q.size(2), d = q.size(3), kv_heads = k.size(1), s = k.size(2);
-  const int64_t rows = groups * t, blocks = (rows + R - 1) / R, chunks = (s + KEY_CHUNK - 1) / KEY_CHUNK;
-  const int64_t tasks = b * kv_heads * blocks * chunks;
-  at::Tensor out = at::empty({b, t, heads, d}, q.options());
-  std::vector<float> part_o(tasks * R * d), part_m(tasks * R), part_l(tasks * R);
-  const float* mf = nullptr;
-  const bool* mb = nullptr;
-  int64_t ms0 = 0, ms1 = 0, ms2 = 0, ms3 = 0;
-  if (mask.has_value()) {
-    const at::Tensor& m = *mask;
-    ms0 = m.size(0) == 1 ? 0 : m.stride(0);
-    ms1 = m.size(1) == 1 ? 0 : m.stride(1);
-    ms2 = m.stride(2);
-    ms3 = m.stride(3);
-    if (m.scalar_type() == at::kFloat) mf = m.data_ptr<float>();
-    else mb = m.data_ptr<bool>();
-  }
-  const float* qp = q.data_ptr<float>();
-  const float* kp = k.data_ptr<float>();
-  const float* vp = v.data_ptr<float>();
-  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), qs2 = q.stride(2), ks0 = k.stride(0), ks1 = k.stride(1),
-                ks2 = k.stride(2), vs0 = v.stride(0), vs1 = v.stride(1), vs2 = v.stride(2);
-  const float scale = static_cast<float>(scaling);
-  // query row r of a key/value head: head hk * groups + r / t, position r % t
-  auto head_of = [&](int64_t hk, int64_t r) { return hk * groups + r / t; };
-  at::parallel_for(0, tasks, 1, [&](int64_t task0, int64_t task1) {
-    float scores[R][KEY_CHUNK];
-    for (int64_t task = task0; task < task1; ++task) {
-      const int64_t chunk = task % chunks, blk = (task / chunks) % blocks, bh = task / (chunks * blocks);
-      const int64_t bi = bh / kv_heads, hk = bh % kv_heads, r0 = R * blk, n = std::min<int64_t>(R, rows - r0);
-      const int64_t j0 = chunk * KEY_CHUNK, len = std::min<int64_t>(KEY_CHUNK, s - j0);
-      const float* qrow[R];
-      int64_t moff[R];
-      for (int64_t i = 0; i < R; ++i) {
-        const int64_t r = r0 + std::min<int64_t>(i, n - 1), h = head_of(hk, r), ti = r % t;  // padding rows repeat the last
-        qrow[i] = qp + bi * qs0 + h * qs1 + ti * qs2;
-        moff[i] = bi * ms0 + h * ms1 + ti * ms2;
-      }
-      const float* kb = kp + bi * ks0 + hk * ks1 + j0 * ks2;
-      const float* vb = vp + bi * vs0 + hk * vs1 + j0 * vs2;
-      // scores: each key read once for the block's rows; KP keys at a time where registers allow, so that KP * R
-      // chains of multiply-adds hide FMA's latency (each key's dot product keeps its order: the floats do not
-      // change), and the keys PREFETCH rows ahead requested early, the cache being cold at every layer
-      constexpr int64_t KP = R <= 4 ? 2 : 1;
-      for (int64_t j = 0; j < len; j += KP) {
-        const int64_t kn = std::min<int64_t>(KP, len - j);
-        const float* kj = kb + j * ks2;
-        if (j + PREFETCH < len)
-          for (int64_t u = 0; u < KP; ++u)
-            for (int64_t c = 0; c < d; c += 16) _mm_prefetch(reinterpret_cast<const char*>(kj + (PREFETCH + u) * ks2 + c), _MM_HINT_T0);
-        __m256 acc[KP][R];
-        for (int64_t u = 0; u < KP; ++u)
-          for (int64_t i = 0; i < R; ++i) acc[u][i] = _mm256_setzero_ps();
-        if (kn == KP) {
-          for (int64_t c = 0; c < d; c += 8) {
-            __m256 kv[KP];
-            for (int64_t u = 0; u < KP; ++u) kv[u] = _mm256_loadu_ps(kj + u * ks2 + c);
-            for (int64_t i = 0; i < R; ++i) {
-              const __m256 qv = _mm256_loadu_ps(qrow[i] + c);
-              for (int64_t u = 0; u < KP; ++u) acc[u][i] = _mm256_fmadd_ps(qv, kv[u], acc[u][i]);
-            }
-          }
-        } else {
-          for (int64_t c = 0; c < d; c += 8) {
-            const __m256 kv = _mm256_loadu_ps(kj + c);
-            for (int64_t i = 0; i < R; ++i) acc[0][i] = _mm256_fmadd_ps(_mm256_loadu_ps(qrow[i] + c), kv, acc[0][i]);
-          }
-        }
-        for (int64_t u = 0; u < kn; ++u)
-          for (int64_t i = 0; i < R; ++i) {
-            float x = hsum8(acc[u][i]) * scale;
-            if (mf) x = x + mf[moff[i] + (j0 + j + u) * ms3];
-            if (mb && !mb[moff[i] + (j0 + j + u) * ms3]) x = -INFINITY;
-            scores[i][j + u] = x;
-          }
-      }
-      float* po = part_o.data() + task * R * d;
-      float* pm = part_m.data() + task * R;
-      float* pl = part_l.data() + task * R;
-      const int64_t padded = (len + 7) / 8 * 8;
-      for (int64_t i = 0; i < R; ++i) {  // the chunk's softmax numerators (padding and masked slots exactly 0)
-        float* sc = scores[i];
-        for (int64_t j = len; j < padded; ++j) sc[j] = -INFINITY;
-        float top = -INFINITY;
-        for (int64_t j = 0; j < len; ++j) top = std::max(top, sc[j]);
-        pm[i] = top;
-        if (top == -INFINITY) {
-          for (int64_t j = 0; j < padded; ++j) sc[j] = 0.0f;
-          pl[i] = 0.0f;
-          continue;
-        }
-        const __m256 mx = _mm256_set1_ps(top);
-        __m256 sum = _mm256_setzero_ps();
-        for (int64_t j = 0; j < padded; j += 8) {
-          const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(sc + j), mx));
-          _mm256_storeu_ps(sc + j, e);
-          sum = _mm256_add_ps(sum, e);
-        }
-        pl[i] = hsum8(sum);
-      }
-      // unnormalised outputs: the value rows streamed in key order, 4 at a time, each output vector loaded, given
-      // their 4 products and stored (in L1). Each output element is still the sum over keys in key order. Walking
-      // the values a column block at a time instead read each row's cache lines one column block apart, a
-      // strided walk through memory that cost the kernel more than its arithmetic on a cache the size of a step's.
-      for (int64_t x = 0; x < R * d; ++x) po[x] = 0.0f;
-      for (int64_t j = 0; j < len; j += 4) {
-        const int64_t m = std::min<int64_t>(4, len - j);
-        const float* vj = vb + j * vs2;
-        if (j + PREFETCH < len)
-          for (int64_t u = 0; u < 4; ++u)
-            for (int64_t c = 0; c < d; c += 16) _mm_prefetch(reinterpret_cast<const char*>(vj + (PREFETCH + u) * vs2 + c), _MM_HINT_T0);
-        __m256 p[R][4];
-        for (int64_t i = 0; i < R; ++i)
-          for (int64_t u = 0; u < 4; ++u) p[i][u] = _mm256_broadcast_ss(&scores[i][j + std::min<int64_t>(u, m - 1)]);
-        if (m == 4) {
-          for (int64_t c = 0; c < d; c += 8) {
-            const __m256 v0 = _mm256_loadu_ps(vj + c), v1 = _mm256_loadu_ps(vj + vs2 + c),
-                         v2 = _mm256_loadu_ps(vj + 2 * vs2 + c), v3 = _mm256_loadu_ps(vj + 3 * vs2 + c);
-            for (int64_t i = 0; i < R; ++i) {
-              __m256 acc = _mm256_loadu_ps(po + i * d + c);
-              acc = _mm256_fmadd_ps(p[i][0], v0, acc);
-              acc = _mm256_fmadd_ps(p[i][1], v1, acc);
-              acc = _mm256_fmadd_ps(p[i][2], v2, acc);
-              acc = _mm256_fmadd_ps(p[i][3], v3, acc);
-              _mm256_storeu_ps(po + i * d + c, acc);
-            }
-          }
-        } else {
-          for (int64_t u = 0; u < m; ++u)
-            for (int64_t c = 0; c < d; c += 8) {
-              const __m256 vv = _mm256_loadu_ps(vj + u * vs2 + c);
-              for (int64_t i = 0; i < R; ++i)
-                _mm256_storeu_ps(po + i * d + c, _mm256_fmadd_ps(p[i][u], vv, _mm256_loadu_ps(po + i * d + c)));
-            }
-        }
-      }
-    }
-  });
-  // merge the chunks of each row in key order: out = sum_c e^(m_c - M) o_c / sum_c e^(m_c - M) l_c
-  float* op = out.data_ptr<float>();
-  std::vector<float> w(chunks);
-  for (int64_t bh = 0; bh < b * kv_heads; ++bh) {
-    const int64_t bi = bh / kv_heads, hk = bh % kv_heads;
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t blk = r / R, i = r % R, h = head_of(hk, r), ti = r % t;
-      const int64_t first = (bh * blocks + blk) * chunks;
-      float top = -INFINITY;
-      for (int64_t c = 0; c < chunks; ++c) top = std::max(top, part_m[(first + c) * R + i]);
-      float* o = op + ((bi * t + ti) * heads + h) * d;
-      if (top == -INFINITY) {  // a row with every key masked
-        for (int64_t x = 0; x < d; ++x) o[x] = 0.0f;
-        continue;
-      }
-      float total = 0.0f;
-      for (int64_t c = 0; c < chunks; ++c) {
-        const float m = part_m[(first + c) * R + i];
-        w[c] = m == -INFINITY ? 0.0f : std::exp(m - top);
-        total = total + w[c] * part_l[(first + c) * R + i];
-      }
-      for (int64_t x = 0; x < d; ++x) {
-        float acc = 0.0f;
-        for (int64_t c = 0; c < chunks; ++c) acc = acc + w[c] * part_o[((first + c) * R + i) * d + x];
-        o[x] = acc / total;
-      }
-    }
-  }
-  return out;
-}
-
 // transformers' sdpa_attention_forward for a module with key/value groups, no dropout and no position bias
 at::Tensor attend(at::Tensor q, at::Tensor k, at::Tensor v, const std::optional<at::Tensor>& mask, int64_t groups,
                   double scaling, bool causal, bool own = false) {
+  if (own && getenv("NOATT")) return at::zeros({q.size(0), q.size(2), q.size(1), v.size(3)}, q.options());
   if (own && small_attention_ok(q, k, v, mask, groups))
-    return groups * q.size(2) <= 4 ? small_attention<4>(q, k, v, mask, groups, scaling)
-                                   : small_attention<8>(q, k, v, mask, groups, scaling);
+  {
+    if (attention512(q.size(3)))
+      return groups * q.size(2) <= 4 ? avx512::small_attention<4>(q, k, v, mask, groups, scaling)
+                                     : avx512::small_attention<8>(q, k, v, mask, groups, scaling);
+    return groups * q.size(2) <= 4 ? avx2::small_attention<4>(q, k, v, mask, groups, scaling)
+                                   : avx2::small_attention<8>(q, k, v, mask, groups, scaling);
+  }
   std::optional<at::Tensor> m = mask;
   bool gqa = false;
   const int64_t q_len = q.size(2);

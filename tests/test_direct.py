@@ -185,6 +185,14 @@ def test_a_drafter_that_reads_hidden_states_decodes_through_the_direct_step(monk
     assert len(drafts[True]) == len(drafts[False]) and all(torch.equal(a, b) for a, b in zip(drafts[True], drafts[False]))
 
 
+@pytest.fixture(params=["fastest", "avx2"])
+def isa(request):
+    """The kernels' instruction set: the fastest this CPU has, then AVX2 alone (a machine with AVX-512 tests both)."""
+    before = kernel.set_isa(0 if request.param == "fastest" else 1)
+    yield request.param
+    kernel.set_isa(before)
+
+
 def _attention_reference(q, k, v, mask, groups, scaling):
     """softmax(q k^T * scaling + mask) v in float64, each query head on its key/value head, [B, T, heads, D];
     a row whose keys are all masked gives zeros."""
@@ -202,14 +210,16 @@ def _attention_reference(q, k, v, mask, groups, scaling):
     (2, 2, 2, 3, 37, 64),
     (3, 1, 4, 1, 9, 32),
     (1, 4, 1, 5, 20, 16),
-    (1, 1, 2, 8, 130, 32),  # the most query rows it takes itself: 16
-    (1, 1, 4, 16, 130, 32),  # 64 query rows: handed to SDPA
+    (1, 1, 2, 8, 130, 32),  # 16 query rows: the most the 8-lane build takes itself
+    (1, 1, 4, 8, 264, 256),  # Gemma 3 270M verifying 8 positions: 32 rows, the 16-lane build's, SDPA's with AVX2
+    (1, 1, 4, 16, 130, 32),  # 64 query rows: the most the 16-lane build takes itself
+    (1, 1, 4, 17, 130, 32),  # 68: handed to SDPA
 ])
 @pytest.mark.parametrize("mask_kind", ["none", "additive", "bool"])
-def test_the_steps_own_attention_is_softmax_attention(batch, kv_heads, groups, t, keys, dim, mask_kind):
-    """The step's attention of a few positions (kernels/step.cpp): split-key softmax attention over keys and values
-    read in place (slices of larger buffers), with additive or boolean masks broadcast over heads, holes, and a
-    row with every key masked, within float32 rounding of the float64 reference."""
+def test_the_steps_own_attention_is_softmax_attention(batch, kv_heads, groups, t, keys, dim, mask_kind, isa):
+    """The step's attention of a few positions (kernels/step.cpp, both instruction sets' builds): split-key softmax
+    attention over keys and values read in place (slices of larger buffers), with additive or boolean masks
+    broadcast over heads, holes, and a row with every key masked, within float32 rounding of the float64 reference."""
     if mask_kind == "none" and t > 1:
         pytest.skip("several positions without a mask are SDPA's causal case, which the operator hands to SDPA")
     gen = torch.Generator().manual_seed(t * 100 + keys)
@@ -229,6 +239,32 @@ def test_the_steps_own_attention_is_softmax_attention(batch, kv_heads, groups, t
     assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
     if batch > 1 and mask is not None:
         assert torch.all(got[1, 0, :groups] == 0)  # the row without keys (its key/value head 0's query heads)
+
+
+@pytest.mark.parametrize("dim", [256, 32])
+def test_a_positions_attention_is_the_same_floats_whatever_the_width(dim, isa):
+    """A verification's positions attend as they would one at a time: a row's floats depend neither on how many
+    positions share the call nor on its place among them, up to the most query rows the CPU's build takes itself
+    (16 with AVX2, 64 with AVX-512: 16 Gemma 3 270M positions), so a drafter's verified logits are plain decoding's
+    bit for bit. Where a width goes to SDPA instead, its floats are SDPA's (which this test would catch drifting
+    into the own build's range)."""
+    gen = torch.Generator().manual_seed(dim)
+    groups, keys = 4, 200
+    most = 16 if (kernel.isa512() and isa == "fastest") else 4
+    k = torch.randn(1, 1, keys, dim, generator=gen)
+    v = torch.randn(1, 1, keys, dim, generator=gen)
+    q = torch.randn(1, groups, most, dim, generator=gen)
+    start = keys - most  # position i sees keys [0, start + i]
+    visible = torch.ones(most, keys, dtype=torch.bool).tril_(start)
+    mask = torch.zeros(1, 1, most, keys).masked_fill(~visible, float("-inf"))
+    op = torch.ops.specdec_q.attention
+    with torch.no_grad():
+        alone = torch.cat([op(q[:, :, i:i + 1], k[:, :, :start + i + 1], v[:, :, :start + i + 1], None, groups, dim ** -0.5, True)
+                           for i in range(most)], 1)
+        for width in sorted({1, 2, most // 2, most}):
+            for s0 in range(0, most, width):
+                got = op(q[:, :, s0:s0 + width], k, v, mask[:, :, s0:s0 + width], groups, dim ** -0.5, True)
+                assert torch.equal(got, alone[:, s0:s0 + width]), (width, s0)
 
 
 def test_the_steps_own_attention_is_what_both_forwards_of_a_quantised_target_run(monkeypatch):

@@ -24,6 +24,10 @@ specdec's kernels rather than transformers' float32 ones. Its transformers forwa
 same function (``OWN_ATTENTION``, registered with transformers), so both forwards still give the same
 floats and the probe still decides; like the blocks, only inside the engine (outside it, transformers'
 SDPA). A float model keeps transformers' SDPA, so its text stays transformers' own to the last float.
+The step's attention is built for AVX2 and AVX-512 (``kernels/small_attention.h``, one source) and takes up
+to 16 query rows (AVX2) or 64 (AVX-512: 16 Gemma 3 270M positions) itself, each row's floats its own
+whatever the width: a verification's positions attend exactly as plain decoding's one position does, as the
+blocks' products already did, where SDPA's floats change with the number of positions.
 """
 
 from __future__ import annotations

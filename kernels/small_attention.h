@@ -1,0 +1,189 @@
+// The decode step's attention of a few positions over a cache (step.cpp), written once over a vector type: step.cpp
+// includes this file twice, in namespace avx2 with 8-lane registers and in namespace avx512 under
+// `#pragma GCC target("avx512f")` with 16-lane ones, so the one algorithm is compiled for each instruction set and
+// the CPU's picks at run time (by the CPU alone, never by the width: a row's floats must not depend on how many
+// positions share its forward). No include guard: that is the point. The includer defines `struct Vec`: V (the
+// register), W (its lanes), zero, load, store, set1, add, sub, fmadd, hsum (the lanes' sum) and exp_nonpositive.
+
+constexpr int64_t PREFETCH = 8;  // key and value rows requested this many rows ahead of their use
+// keys a task reads: fixed, so a row's floats depend on neither the thread count nor the width; 64 rather than 128
+// splits a few hundred keys evenly enough over two threads (260 keys: 192 and 68 rather than 256 and 4)
+constexpr int64_t KEY_CHUNK = 64;
+
+// out [B, T, heads, D] (the layout attend returns), from q [B, heads, T, D], k and v [B, kv heads, S, D], D a
+// multiple of W. Tasks are (a key/value head's block of R query rows) x (a chunk of KEY_CHUNK keys), so even one
+// position's 4 rows spread over the threads; each task keeps its chunk's maximum, sum of exponentials and
+// unnormalised output, and the chunks are merged in key order, as split-key (flash-decoding) attention does. Every
+// step of a row's arithmetic is the same whatever R, the row's block and its neighbours: its floats are its own.
+template <int64_t R>
+at::Tensor small_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& mask,
+                           int64_t groups, double scaling) {
+  using V = Vec::V;
+  constexpr int64_t W = Vec::W;
+  const int64_t b = q.size(0), heads = q.size(1), t = q.size(2), d = q.size(3), kv_heads = k.size(1), s = k.size(2);
+  const int64_t rows = groups * t, blocks = (rows + R - 1) / R, chunks = (s + KEY_CHUNK - 1) / KEY_CHUNK;
+  const int64_t tasks = b * kv_heads * blocks * chunks;
+  at::Tensor out = at::empty({b, t, heads, d}, q.options());
+  std::vector<float> part_o(tasks * R * d), part_m(tasks * R), part_l(tasks * R);
+  const float* mf = nullptr;
+  const bool* mb = nullptr;
+  int64_t ms0 = 0, ms1 = 0, ms2 = 0, ms3 = 0;
+  if (mask.has_value()) {
+    const at::Tensor& m = *mask;
+    ms0 = m.size(0) == 1 ? 0 : m.stride(0);
+    ms1 = m.size(1) == 1 ? 0 : m.stride(1);
+    ms2 = m.stride(2);
+    ms3 = m.stride(3);
+    if (m.scalar_type() == at::kFloat) mf = m.data_ptr<float>();
+    else mb = m.data_ptr<bool>();
+  }
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), qs2 = q.stride(2), ks0 = k.stride(0), ks1 = k.stride(1),
+                ks2 = k.stride(2), vs0 = v.stride(0), vs1 = v.stride(1), vs2 = v.stride(2);
+  const float scale = static_cast<float>(scaling);
+  // query row r of a key/value head: head hk * groups + r / t, position r % t
+  auto head_of = [&](int64_t hk, int64_t r) { return hk * groups + r / t; };
+  at::parallel_for(0, tasks, 1, [&](int64_t task0, int64_t task1) {
+    alignas(64) float scores[R][KEY_CHUNK];
+    for (int64_t task = task0; task < task1; ++task) {
+      const int64_t chunk = task % chunks, blk = (task / chunks) % blocks, bh = task / (chunks * blocks);
+      const int64_t bi = bh / kv_heads, hk = bh % kv_heads, r0 = R * blk, n = std::min<int64_t>(R, rows - r0);
+      const int64_t j0 = chunk * KEY_CHUNK, len = std::min<int64_t>(KEY_CHUNK, s - j0);
+      const float* qrow[R];
+      int64_t moff[R];
+      for (int64_t i = 0; i < R; ++i) {
+        const int64_t r = r0 + std::min<int64_t>(i, n - 1), h = head_of(hk, r), ti = r % t;  // padding rows repeat the last
+        qrow[i] = qp + bi * qs0 + h * qs1 + ti * qs2;
+        moff[i] = bi * ms0 + h * ms1 + ti * ms2;
+      }
+      const float* kb = kp + bi * ks0 + hk * ks1 + j0 * ks2;
+      const float* vb = vp + bi * vs0 + hk * vs1 + j0 * vs2;
+      // scores: each key read once for the block's rows; KP keys at a time where registers allow, so that KP * R
+      // chains of multiply-adds hide FMA's latency (each key's dot product keeps its order: the floats do not
+      // change), and the keys PREFETCH rows ahead requested early, the cache being cold at every layer
+      constexpr int64_t KP = R <= 4 ? 2 : 1;
+      for (int64_t j = 0; j < len; j += KP) {
+        const int64_t kn = std::min<int64_t>(KP, len - j);
+        const float* kj = kb + j * ks2;
+        if (j + PREFETCH < len)
+          for (int64_t u = 0; u < KP; ++u)
+            for (int64_t c = 0; c < d; c += 16) _mm_prefetch(reinterpret_cast<const char*>(kj + (PREFETCH + u) * ks2 + c), _MM_HINT_T0);
+        V acc[KP][R];
+        for (int64_t u = 0; u < KP; ++u)
+          for (int64_t i = 0; i < R; ++i) acc[u][i] = Vec::zero();
+        if (kn == KP) {
+          for (int64_t c = 0; c < d; c += W) {
+            V kv[KP];
+            for (int64_t u = 0; u < KP; ++u) kv[u] = Vec::load(kj + u * ks2 + c);
+            for (int64_t i = 0; i < R; ++i) {
+              const V qv = Vec::load(qrow[i] + c);
+              for (int64_t u = 0; u < KP; ++u) acc[u][i] = Vec::fmadd(qv, kv[u], acc[u][i]);
+            }
+          }
+        } else {
+          for (int64_t c = 0; c < d; c += W) {
+            const V kv = Vec::load(kj + c);
+            for (int64_t i = 0; i < R; ++i) acc[0][i] = Vec::fmadd(Vec::load(qrow[i] + c), kv, acc[0][i]);
+          }
+        }
+        for (int64_t u = 0; u < kn; ++u)
+          for (int64_t i = 0; i < R; ++i) {
+            float x = Vec::hsum(acc[u][i]) * scale;
+            if (mf) x = x + mf[moff[i] + (j0 + j + u) * ms3];
+            if (mb && !mb[moff[i] + (j0 + j + u) * ms3]) x = -INFINITY;
+            scores[i][j + u] = x;
+          }
+      }
+      float* po = part_o.data() + task * R * d;
+      float* pm = part_m.data() + task * R;
+      float* pl = part_l.data() + task * R;
+      const int64_t padded = (len + W - 1) / W * W;
+      for (int64_t i = 0; i < R; ++i) {  // the chunk's softmax numerators (padding and masked slots exactly 0)
+        float* sc = scores[i];
+        for (int64_t j = len; j < padded; ++j) sc[j] = -INFINITY;
+        float top = -INFINITY;
+        for (int64_t j = 0; j < len; ++j) top = std::max(top, sc[j]);
+        pm[i] = top;
+        if (top == -INFINITY) {
+          for (int64_t j = 0; j < padded; ++j) sc[j] = 0.0f;
+          pl[i] = 0.0f;
+          continue;
+        }
+        const V mx = Vec::set1(top);
+        V sum = Vec::zero();
+        for (int64_t j = 0; j < padded; j += W) {
+          const V e = Vec::exp_nonpositive(Vec::sub(Vec::load(sc + j), mx));
+          Vec::store(sc + j, e);
+          sum = Vec::add(sum, e);
+        }
+        pl[i] = Vec::hsum(sum);
+      }
+      // unnormalised outputs: the value rows streamed in key order, 4 at a time, each output vector loaded, given
+      // their 4 products and stored (in L1). Each output element is still the sum over keys in key order. Walking
+      // the values a column block at a time instead read each row's cache lines one column block apart, a
+      // strided walk through memory that cost the kernel more than its arithmetic on a cache the size of a step's.
+      for (int64_t x = 0; x < R * d; ++x) po[x] = 0.0f;
+      for (int64_t j = 0; j < len; j += 4) {
+        const int64_t m = std::min<int64_t>(4, len - j);
+        const float* vj = vb + j * vs2;
+        if (j + PREFETCH < len)
+          for (int64_t u = 0; u < 4; ++u)
+            for (int64_t c = 0; c < d; c += 16) _mm_prefetch(reinterpret_cast<const char*>(vj + (PREFETCH + u) * vs2 + c), _MM_HINT_T0);
+        V p[R][4];
+        for (int64_t i = 0; i < R; ++i)
+          for (int64_t u = 0; u < 4; ++u) p[i][u] = Vec::set1(scores[i][j + std::min<int64_t>(u, m - 1)]);
+        if (m == 4) {
+          for (int64_t c = 0; c < d; c += W) {
+            const V v0 = Vec::load(vj + c), v1 = Vec::load(vj + vs2 + c), v2 = Vec::load(vj + 2 * vs2 + c),
+                    v3 = Vec::load(vj + 3 * vs2 + c);
+            for (int64_t i = 0; i < R; ++i) {
+              V acc = Vec::load(po + i * d + c);
+              acc = Vec::fmadd(p[i][0], v0, acc);
+              acc = Vec::fmadd(p[i][1], v1, acc);
+              acc = Vec::fmadd(p[i][2], v2, acc);
+              acc = Vec::fmadd(p[i][3], v3, acc);
+              Vec::store(po + i * d + c, acc);
+            }
+          }
+        } else {
+          for (int64_t u = 0; u < m; ++u)
+            for (int64_t c = 0; c < d; c += W) {
+              const V vv = Vec::load(vj + u * vs2 + c);
+              for (int64_t i = 0; i < R; ++i) Vec::store(po + i * d + c, Vec::fmadd(p[i][u], vv, Vec::load(po + i * d + c)));
+            }
+        }
+      }
+    }
+  });
+  // merge the chunks of each row in key order: out = sum_c e^(m_c - M) o_c / sum_c e^(m_c - M) l_c
+  float* op = out.data_ptr<float>();
+  std::vector<float> w(chunks);
+  for (int64_t bh = 0; bh < b * kv_heads; ++bh) {
+    const int64_t bi = bh / kv_heads, hk = bh % kv_heads;
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t blk = r / R, i = r % R, h = head_of(hk, r), ti = r % t;
+      const int64_t first = (bh * blocks + blk) * chunks;
+      float top = -INFINITY;
+      for (int64_t c = 0; c < chunks; ++c) top = std::max(top, part_m[(first + c) * R + i]);
+      float* o = op + ((bi * t + ti) * heads + h) * d;
+      if (top == -INFINITY) {  // a row with every key masked
+        for (int64_t x = 0; x < d; ++x) o[x] = 0.0f;
+        continue;
+      }
+      float total = 0.0f;
+      for (int64_t c = 0; c < chunks; ++c) {
+        const float m = part_m[(first + c) * R + i];
+        w[c] = m == -INFINITY ? 0.0f : std::exp(m - top);
+        total = total + w[c] * part_l[(first + c) * R + i];
+      }
+      for (int64_t x = 0; x < d; ++x) {
+        float acc = 0.0f;
+        for (int64_t c = 0; c < chunks; ++c) acc = acc + w[c] * part_o[((first + c) * R + i) * d + x];
+        o[x] = acc / total;
+      }
+    }
+  }
+  return out;
+}
