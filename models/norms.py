@@ -41,16 +41,16 @@ def _eligible(module) -> bool:
 
 def _route(module) -> bool:
     original = module.forward
-    state = {"version": None, "scale": None}
+    state = {"version": None, "scale": None}  # the weight (its identity and version) 1 + w was computed from
     eps = torch.tensor(module.eps, dtype=torch.float32)
     count = torch.tensor(float(module.weight.shape[0]), dtype=torch.float32)
 
     def scale() -> torch.Tensor:
         weight = module.weight
-        if state["version"] != weight._version or state["scale"] is None:
+        if state["version"] != (id(weight), weight._version) or state["scale"] is None:
             with torch.no_grad():
                 state["scale"] = 1.0 + weight.float()  # as transformers computes it, once per weight
-            state["version"] = weight._version
+            state["version"] = (id(weight), weight._version)
         return state["scale"]
 
     def fast(x: torch.Tensor) -> torch.Tensor:

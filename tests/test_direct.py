@@ -145,6 +145,49 @@ def test_a_hook_on_a_layer_sends_the_forward_to_transformers(calls):
     assert calls and step is direct.direct_step(model, cache_mod.SlotBuffers)
 
 
+def _step_logits(model, step, ids):
+    """The step's logits of the last 3 of ``ids`` after transformers' prefill of the rest, over the engine's buffers."""
+    cache = cache_mod.SlotBuffers(model.config.num_hidden_layers, 16, torch.device("cpu"), zeroed=False)
+    n = ids.shape[1] - 3
+    with torch.no_grad():
+        cache.at(0, False)
+        model(input_ids=ids[:, :n], position_ids=torch.arange(n)[None], past_key_values=cache, use_cache=True)
+        cache.at(n, False)
+        return step(ids[:, n:], None, torch.arange(n, n + 3)[None], cache).logits
+
+
+def _write_norm(model):
+    with torch.no_grad():
+        model.model.layers[0].input_layernorm.weight.mul_(1.5)
+
+
+def _replace_norm(model):
+    """A new parameter in a norm's place, its version number the old one's (as a state dict assigned may give)."""
+    norm = model.model.layers[1].post_feedforward_layernorm
+    old, new = norm.weight, torch.nn.Parameter(norm.weight.detach() * 0.5)
+    with torch.no_grad():
+        while new._version < old._version:
+            new.mul_(1.0)
+    norm.weight = new
+
+
+@pytest.mark.parametrize("change", [_write_norm, _replace_norm])
+def test_a_norm_weight_written_or_replaced_after_the_step_was_built_is_the_one_it_reads(change):
+    """The step keeps the norms' slots between forwards, and the routed norms their 1 + w: a weight written in place,
+    or a new parameter put in its place, must reach the next forward, as it does in a model given that weight
+    before its first forward."""
+    ids = torch.tensor([PROMPTS[0][:9]])
+    used = _gemma(seed=7)
+    step = direct.direct_step(used, cache_mod.SlotBuffers)
+    before = _step_logits(used, step, ids)
+    change(used)
+    fresh = _gemma(seed=7)
+    change(fresh)
+    want = _step_logits(fresh, direct.direct_step(fresh, cache_mod.SlotBuffers), ids)
+    assert not torch.equal(before, want)
+    assert torch.equal(_step_logits(used, step, ids), want)
+
+
 @pytest.mark.parametrize("quantised", [False, True])
 @pytest.mark.parametrize("bsz", [1, 3])
 def test_a_drafter_that_reads_hidden_states_decodes_through_the_direct_step(monkeypatch, calls, quantised, bsz):
