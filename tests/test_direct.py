@@ -145,6 +145,38 @@ def test_a_hook_on_a_layer_sends_the_forward_to_transformers(calls):
     assert calls and step is direct.direct_step(model, cache_mod.SlotBuffers)
 
 
+@pytest.mark.parametrize("name", ["gemma3", "llama"])
+def test_the_rotary_tables_are_the_modules_own_rows(name):
+    """The step reads cos and sin from a table of the rotary module's output (grown when a position passes it):
+    at any positions, the module's own floats."""
+    model = _gemma(seed=8) if name == "gemma3" else build(name).float()
+    step = direct.direct_step(model, cache_mod.SlotBuffers)
+    x = torch.zeros(1, 1, model.config.hidden_size)
+    with torch.no_grad():
+        for positions in (torch.arange(8)[None], torch.tensor([[5000, 17, 4999]]), torch.tensor([[3]]),
+                          torch.tensor([[direct.ROPE_TABLE_MAX + 5]])):  # past the longest table: the module's call
+            got, want = step._rope(x, positions), step._rotary(x, positions)
+            assert all(torch.equal(g, w) for pair, ref in zip(got, want) for g, w in zip(pair, ref))
+    assert 5000 < step._rope_table[0] <= direct.ROPE_TABLE_MAX
+
+
+def test_a_rotary_module_whose_rows_depend_on_each_other_is_called_every_forward(monkeypatch):
+    """Where a position's cos and sin would change with the positions computed beside it, the table's rows are not
+    the module's calls: the step finds so and calls the module each forward."""
+    model = build("llama").float()
+    step = direct.direct_step(model, cache_mod.SlotBuffers)
+    rotary = model.model.rotary_emb
+    real = type(rotary).forward
+    monkeypatch.setattr(type(rotary), "forward", lambda self, x, p: tuple(t + p.float().mean() for t in real(self, x, p)))
+    step._rope_table = None  # the probe that built the step has built a table of the real module
+    x = torch.zeros(1, 1, model.config.hidden_size)
+    positions = torch.arange(4, 7)[None]
+    with torch.no_grad():
+        got, want = step._rope(x, positions), step._rotary(x, positions)
+    assert step._rope_table is False
+    assert all(torch.equal(g, w) for pair, ref in zip(got, want) for g, w in zip(pair, ref))
+
+
 def _step_logits(model, step, ids):
     """The step's logits of the last 3 of ``ids`` after transformers' prefill of the rest, over the engine's buffers."""
     cache = cache_mod.SlotBuffers(model.config.num_hidden_layers, 16, torch.device("cpu"), zeroed=False)
