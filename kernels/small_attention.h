@@ -45,10 +45,27 @@ at::Tensor small_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   const float scale = static_cast<float>(scaling);
   // query row r of a key/value head: head hk * groups + r / t, position r % t
   auto head_of = [&](int64_t hk, int64_t r) { return hk * groups + r / t; };
-  at::parallel_for(0, tasks, 1, [&](int64_t task0, int64_t task1) {
+  // Each thread takes a run of (key/value head, chunk) units holding about its share of the keys, and every row
+  // block of each: its keys and values come from memory once, the other blocks reading them from cache. The runs
+  // follow the keys, not the unit count (260 keys: chunks 0-1 and 2-4, where an even split of the 5 chunks gave
+  // 3 and 2; of 20 (block, chunk) tasks at 8 positions, 10 and 10 left one thread 2.5 chunks' keys). The results
+  // go where (block, chunk) puts them: the merge and the floats do not depend on the split.
+  const int64_t units = b * kv_heads * chunks, keys = b * kv_heads * s;
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), units));
+  std::vector<int64_t> start(units + 1, 0), first_unit(parts + 1, units);  // start[u]: keys before unit u
+  for (int64_t u = 0; u < units; ++u) start[u + 1] = start[u] + std::min<int64_t>(KEY_CHUNK, s - (u % chunks) * KEY_CHUNK);
+  first_unit[0] = 0;
+  for (int64_t part = 1; part < parts; ++part) {  // the unit boundary nearest the part's share of the keys
+    const int64_t share = part * keys / parts;
+    int64_t u = first_unit[part - 1];
+    while (u < units && std::llabs(start[u + 1] - share) <= std::llabs(start[u] - share)) ++u;
+    first_unit[part] = u;
+  }
+  at::parallel_for(0, parts, 1, [&](int64_t part0, int64_t part1) {
     alignas(64) float scores[R][KEY_CHUNK];
-    for (int64_t task = task0; task < task1; ++task) {
-      const int64_t chunk = task % chunks, blk = (task / chunks) % blocks, bh = task / (chunks * blocks);
+    for (int64_t task = first_unit[part0] * blocks; task < first_unit[part1] * blocks; ++task) {
+      const int64_t blk = task % blocks, chunk = (task / blocks) % chunks, bh = task / (chunks * blocks);
+      const int64_t slot = (bh * blocks + blk) * chunks + chunk;
       const int64_t bi = bh / kv_heads, hk = bh % kv_heads, r0 = R * blk, n = std::min<int64_t>(R, rows - r0);
       const int64_t j0 = chunk * KEY_CHUNK, len = std::min<int64_t>(KEY_CHUNK, s - j0);
       const float* qrow[R];
@@ -96,9 +113,9 @@ at::Tensor small_attention(const at::Tensor& q, const at::Tensor& k, const at::T
             scores[i][j + u] = x;
           }
       }
-      float* po = part_o.data() + task * R * d;
-      float* pm = part_m.data() + task * R;
-      float* pl = part_l.data() + task * R;
+      float* po = part_o.data() + slot * R * d;
+      float* pm = part_m.data() + slot * R;
+      float* pl = part_l.data() + slot * R;
       const int64_t padded = (len + W - 1) / W * W;
       for (int64_t i = 0; i < R; ++i) {  // the chunk's softmax numerators (padding and masked slots exactly 0)
         float* sc = scores[i];

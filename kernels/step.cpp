@@ -12,6 +12,7 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <optional>
 #include <vector>
 
