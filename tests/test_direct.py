@@ -320,7 +320,7 @@ def test_the_steps_own_attention_is_softmax_attention(batch, kv_heads, groups, t
 def test_a_positions_attention_is_the_same_floats_whatever_the_width(dim, isa):
     """A verification's positions attend as they would one at a time: a row's floats depend neither on how many
     positions share the call nor on its place among them, up to the most query rows the CPU's build takes itself
-    (16 with AVX2, 64 with AVX-512: 16 Gemma 3 270M positions), so a drafter's verified logits are plain decoding's
+    (16 with AVX2, 64 with AVX-512: 16 Gemma 3 270M positions), so a verification attends as plain decoding does,
     bit for bit. Where a width goes to SDPA instead, its floats are SDPA's (which this test would catch drifting
     into the own build's range)."""
     gen = torch.Generator().manual_seed(dim)

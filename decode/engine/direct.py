@@ -27,8 +27,10 @@ floats and the probe still decides; like the blocks, only inside the engine (out
 SDPA). A float model keeps transformers' SDPA, so its text stays transformers' own to the last float.
 The step's attention is built for AVX2 and AVX-512 (``kernels/small_attention.h``, one source) and takes up
 to 16 query rows (AVX2) or 64 (AVX-512: 16 Gemma 3 270M positions) itself, each row's floats its own
-whatever the width: a verification's positions attend exactly as plain decoding's one position does, as the
-blocks' products already did, where SDPA's floats change with the number of positions.
+whatever the width: a verification's positions attend with the floats plain decoding's one position gets,
+where SDPA's change with the number of positions. (The blocks' products are not so: their accumulator
+count follows the width, so a wide forward's logits may still differ from one position's in the last bits,
+as two summation orders do.)
 """
 
 from __future__ import annotations
