@@ -203,7 +203,7 @@ struct Vec {
 // registers for 8 query rows' accumulators. Its floats differ from the 8-lane build's (a dot product's partial sums
 // fall in other lanes), so a CPU takes one build for every width (attend).
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512dq")
+#pragma GCC target("avx512f")
 namespace avx512 {
 struct Vec {
   using V = __m512;
@@ -216,7 +216,8 @@ struct Vec {
   static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
   static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
   static float hsum(V v) {  // the halves added, then the 8-lane build's own sum
-    return avx2::Vec::hsum(_mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1)));
+    const __m256 high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));  // AVX-512F alone
+    return avx2::Vec::hsum(_mm256_add_ps(_mm512_castps512_ps256(v), high));
   }
   static V exp_nonpositive(V x) {  // the 8-lane build's steps, on 16 lanes
     const __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
