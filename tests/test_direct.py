@@ -188,6 +188,31 @@ def _step_logits(model, step, ids):
         return step(ids[:, n:], None, torch.arange(n, n + 3)[None], cache).logits
 
 
+@pytest.mark.parametrize("cached", [6, 7, 9])
+def test_one_position_under_the_own_attention_takes_no_mask_while_it_sees_every_key(cached, monkeypatch):
+    """A one-position step of a target on quantised blocks, given no mask, attends without one while its keys lie
+    within the sliding window (8 here), and builds transformers' masks past it: its logits are transformers'
+    forward's either way."""
+    model = _gemma(seed=9, quantised=True)
+    step = direct.direct_step(model, cache_mod.SlotBuffers)
+    assert step is not None and model.config._attn_implementation == direct.OWN_ATTENTION
+    built = []
+    real = step._masks
+    monkeypatch.setattr(step, "_masks", lambda *a: built.append(r := real(*a)) or r)
+    ids = torch.tensor([[t for p in PROMPTS for t in p][:cached + 1]])
+    caches = [cache_mod.SlotBuffers(model.config.num_hidden_layers, 16, torch.device("cpu"), zeroed=False) for _ in range(2)]
+    with torch.no_grad():
+        for c in caches:
+            c.at(0, False)
+            model(input_ids=ids[:, :cached], position_ids=torch.arange(cached)[None], past_key_values=c, use_cache=True)
+            c.at(cached, False)
+        pos = torch.tensor([[cached]])
+        want = model(input_ids=ids[:, cached:], position_ids=pos, past_key_values=caches[0], use_cache=True).logits
+        got = step(ids[:, cached:], None, pos, caches[1]).logits
+    assert torch.equal(got, want)
+    assert all(m is None for m in built[0]) == (cached + 1 <= 8)
+
+
 def _write_norm(model):
     with torch.no_grad():
         model.model.layers[0].input_layernorm.weight.mul_(1.5)

@@ -316,13 +316,26 @@ class DirectStep:
     def _read(table, positions) -> list:
         return [(cos[positions], sin[positions]) for cos, sin in table[2]]
 
-    def _masks(self, mask, x, positions, cache) -> list:
+    def _sees_all(self, cache) -> bool:
+        """The next position's keys (the cache's slots and its own) all lie within the sliding window, if any."""
+        window = arch.sliding_window(self.base.config) if arch.SLIDING in self.types else None
+        layer = cache.layers[0]
+        return window is None or layer.end + 1 - layer.offset <= window
+
+    def _masks(self, mask, x, positions, cache, own: bool = False) -> list:
         """Each layer type's mask as transformers' forward hands it to its layers: the one given (per type, or one
-        for all), or, where none is given, each type's own causal mask built by transformers' functions."""
+        for all), or, where none is given, each type's own causal mask built by transformers' functions; none at
+        all for one position under the step's own attention (``own``)."""
         if isinstance(mask, dict):
             return [mask[t] for t in self.types]
         if mask is not None:
             return [mask for _ in self.types]
+        if own and x.shape[1] == 1 and self._sees_all(cache):
+            # The engine passes no mask only for rows without holes (KVState's causal path), so one position within
+            # any sliding window sees every key: the step's own attention computes that without a mask, to the
+            # floats it gives under transformers' mask of all visible keys (a zero added to each score), which
+            # transformers' mask functions took a fifth of a millisecond a forward to build or decline
+            return [None for _ in self.types]
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
         kwargs = {"config": self.base.config, "inputs_embeds": x, "attention_mask": None, "past_key_values": cache,
@@ -339,7 +352,8 @@ class DirectStep:
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
         x = self.base.embed_tokens(input_ids)
-        masks = self._masks(mask, x, positions, cache)
+        own = self.model.config._attn_implementation == OWN_ATTENTION and self.blocks is not None and self.blocks.active
+        masks = self._masks(mask, x, positions, cache, own)
         tables = self._rope(x, positions)
         rope = [table for pair in tables for table in pair]
         layers = cache.layers
@@ -356,7 +370,6 @@ class DirectStep:
         states[0] = x
         a = 0
         per_linear, per_norm = len(LINEARS), len(self.family.norms)  # the per-layer lists' entries a layer
-        own = self.model.config._attn_implementation == OWN_ATTENTION and self.blocks is not None and self.blocks.active
         for b in cuts:
             lin, nrm = slice(per_linear * a, per_linear * b), slice(per_norm * a, per_norm * b)
             x = _layers(x, linears[lin], self.biases[lin], qtypes[lin], widths[lin], norms[3 * nrm.start: 3 * nrm.stop],
