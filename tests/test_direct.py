@@ -188,7 +188,7 @@ def _step_logits(model, step, ids):
         return step(ids[:, n:], None, torch.arange(n, n + 3)[None], cache).logits
 
 
-@pytest.mark.parametrize("cached", [6, 7, 9])
+@pytest.mark.parametrize("cached", [6, 7, 8, 9])
 def test_one_position_under_the_own_attention_takes_no_mask_while_it_sees_every_key(cached, monkeypatch):
     """A one-position step of a target on quantised blocks, given no mask, attends without one while its keys lie
     within the sliding window (8 here), and builds transformers' masks past it: its logits are transformers'
