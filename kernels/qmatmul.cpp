@@ -214,7 +214,10 @@ void rows_kernel(const uint8_t* wq, int64_t row_bytes, const float* x, int64_t K
 // (group32x2: the very same float32 weights as group32's), so a position's 32 products take two 512-bit
 // multiply-adds instead of four 256-bit ones, and a group is rebuilt in fewer operations. Only the accumulation
 // order differs from the AVX2 path (16 lanes, A512 accumulators); qrows follows the path qmatmul takes.
-constexpr int accumulators512(int P) { return P <= 4 ? 2 : 1; }
+// Two accumulators a position at every width (32 registers hold 8 positions' 16): a position's floats are then the
+// same whether it is multiplied alone or among up to 48 (the AVX2 kernels, 16 registers, trade that for 4 chains at
+// one position and 1 at eight), so a verification's products are plain decoding's bit for bit.
+constexpr int accumulators512(int) { return 2; }
 
 __attribute__((target("avx512f"))) inline __m512 join(__m256 lo, __m256 hi) {
   return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)), _mm256_castps_pd(hi), 1));
@@ -299,8 +302,8 @@ void rows_kernel512(const uint8_t* wq, int64_t row_bytes, const float* x, int64_
 // more operations a column for a third fewer bytes. Each position's multiply-add takes them with its activation
 // broadcast, so a row's sum is one lane from its first product to its last: a block's 16 scales take one conversion
 // where rows_kernel512 rebuilds each row's (four operations), and no row's register is reduced at the end. A chains
-// of multiply-adds a position (accumulators(P), the AVX2 kernel's: each chain must wait out FMA's latency between
-// its products).
+// of multiply-adds a position (accumulators512(P) with AVX-512, accumulators(P) with AVX2: each chain must wait out
+// FMA's latency between its products).
 template <int64_t T>
 constexpr int r16_block_bytes() { return T == Q8_0_R16 ? 544 : 352; }
 
@@ -310,7 +313,7 @@ constexpr int r16_block_bytes() { return T == Q8_0_R16 ? 544 : 352; }
 #ifndef R16_PF_DIST
 #define R16_PF_DIST 4096
 #endif
-template <int64_t T, int P, int A = accumulators(P)>
+template <int64_t T, int P, int A = accumulators512(P)>
 __attribute__((target("avx512f")))
 void rows16_kernel512(const uint8_t* u, const float* x, int64_t K, float* y, int64_t N, int64_t g0, int64_t g1) {
   constexpr int bb = r16_block_bytes<T>();
@@ -458,10 +461,7 @@ void dispatch_p(int P, const uint8_t* wq, int64_t row_bytes, const float* x, int
 // one row times one position, with the accumulators qmatmul gives a position in a group of P
 template <int64_t T>
 void one_row(int P, const uint8_t* row, int64_t row_bytes, const float* x, int64_t K, float* y) {
-  if (use512()) {
-    if (accumulators512(P) == 2) return rows_kernel512<T, 1, 2>(row, row_bytes, x, K, y, 1, 0, 1);
-    return rows_kernel512<T, 1, 1>(row, row_bytes, x, K, y, 1, 0, 1);
-  }
+  if (use512()) return rows_kernel512<T, 1, accumulators512(1)>(row, row_bytes, x, K, y, 1, 0, 1);  // any P's
   switch (accumulators(P)) {
     case 4: return rows_kernel<T, 1, 4>(row, row_bytes, x, K, y, 1, 0, 1);
     case 2: return rows_kernel<T, 1, 2>(row, row_bytes, x, K, y, 1, 0, 1);

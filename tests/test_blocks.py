@@ -63,15 +63,24 @@ def test_the_kernels_products_are_float32_matmuls_of_those_weights(qtype, isa):
 @pytest.mark.parametrize("qtype", TYPES)
 def test_a_positions_product_does_not_depend_on_the_forwards_width(qtype, isa):
     """Bit for bit: each chunk of 8 positions of a wide forward (a verify forward of a tree) gets what a
-    forward of that chunk alone gets, so a position's logits do not depend on how many rode with it."""
+    forward of that chunk alone gets, and with AVX-512 (two accumulators a position at every width) what each
+    position gets alone, so a position's logits do not depend on how many rode with it."""
     raw = torch.from_numpy(random_blocks(qtype, 33, 512, seed=7))
     g = torch.Generator().manual_seed(1)
     t = kernel.BLOCKS[qtype][0]
-    for rows in (9, 13, 16, 21):
+    for rows in (3, 9, 13, 16, 21):
         x = torch.randn(rows, 512, generator=g)
         got = kernel.qmatmul(x, raw, t, 512)
         for m in range(0, rows, 8):
             assert torch.equal(got[m : m + 8], kernel.qmatmul(x[m : m + 8].contiguous(), raw, t, 512))
+        _alone_if_avx512(got, x, lambda one: kernel.qmatmul(one, raw, t, 512))
+
+
+def _alone_if_avx512(got, x, product):
+    """With AVX-512 each position's row of ``got`` is its product alone, bit for bit."""
+    if kernel.isa512():
+        for i in range(x.shape[0]):
+            assert torch.equal(got[i : i + 1], product(x[i : i + 1].contiguous())), i
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q5_0"])
@@ -97,6 +106,7 @@ def test_rows_interleaved_by_16_are_the_same_weights_and_float32_products_of_the
         assert got.shape == (rows, 48) and bool(((got - want).abs() <= bound + 1e-30).all())
         for m in range(0, rows, 8):
             assert torch.equal(got[m : m + 8], kernel.qmatmul(x[m : m + 8].contiguous(), packed, t, 512))
+        _alone_if_avx512(got, x, lambda one: kernel.qmatmul(one, packed, t, 512))
     with pytest.raises(RuntimeError, match="file order"):  # an output layer's screen candidates read rows in order
         kernel.qrows(x, packed, t, 512, torch.tensor([0]), torch.tensor([0]))
 
@@ -113,7 +123,9 @@ def test_unpacked_k_quants_are_the_same_weights_and_the_same_products(qtype, unp
     g = torch.Generator().manual_seed(2)
     for rows in (1, 2, 3, 4, 5, 8, 11):
         x = torch.randn(rows, 768, generator=g)
-        assert torch.equal(kernel.qmatmul(x, un, tx, 768).view(torch.int32), kernel.qmatmul(x, raw, t, 768).view(torch.int32))
+        got = kernel.qmatmul(x, un, tx, 768)
+        assert torch.equal(got.view(torch.int32), kernel.qmatmul(x, raw, t, 768).view(torch.int32))
+        _alone_if_avx512(got, x, lambda one: kernel.qmatmul(one, un, tx, 768))
 
 
 def test_blocks_are_found_by_content_not_by_name(tmp_path):

@@ -213,6 +213,29 @@ def test_one_position_under_the_own_attention_takes_no_mask_while_it_sees_every_
     assert all(m is None for m in built[0]) == (cached + 1 <= 8)
 
 
+def test_with_avx512_a_positions_hidden_states_do_not_depend_on_the_forwards_width():
+    """With AVX-512, a target on quantised blocks computes each position of a forward of up to 16 (a verification)
+    with the floats it gets alone (plain decoding's step): the blocks' products keep two accumulators a position at
+    every width, the step's attention takes the rows itself, the norms and the rest work row by row. Bit for bit,
+    every layer's output, past the sliding window (8) too."""
+    if not kernel.isa512():
+        pytest.skip("the AVX2 kernels' accumulators follow the width")
+    model = _gemma(seed=10, quantised=True)
+    step = direct.direct_step(model, cache_mod.SlotBuffers)
+    ids = torch.tensor([[t for p in PROMPTS for t in p][:13]])
+    caches = [cache_mod.SlotBuffers(model.config.num_hidden_layers, 16, torch.device("cpu"), zeroed=False) for _ in range(2)]
+    with torch.no_grad():
+        for c in caches:
+            c.at(0, False)
+            model(input_ids=ids[:, :5], position_ids=torch.arange(5)[None], past_key_values=c, use_cache=True)
+            c.at(5, False)
+        wide = step(ids[:, 5:], None, torch.arange(5, 13)[None], caches[0], True).hidden_states
+        for i in range(5, 13):
+            caches[1].at(i, False)
+            alone = step(ids[:, i:i + 1], None, torch.tensor([[i]]), caches[1], True).hidden_states
+            assert all(torch.equal(w[:, i - 5:i - 4], a) for w, a in zip(wide, alone)), i
+
+
 def _write_norm(model):
     with torch.no_grad():
         model.model.layers[0].input_layernorm.weight.mul_(1.5)

@@ -28,9 +28,10 @@ SDPA). A float model keeps transformers' SDPA, so its text stays transformers' o
 The step's attention is built for AVX2 and AVX-512 (``kernels/small_attention.h``, one source) and takes up
 to 16 query rows (AVX2) or 64 (AVX-512: 16 Gemma 3 270M positions) itself, each row's floats its own
 whatever the width: a verification's positions attend with the floats plain decoding's one position gets,
-where SDPA's change with the number of positions. (The blocks' products are not so: their accumulator
-count follows the width, so a wide forward's logits may still differ from one position's in the last bits,
-as two summation orders do.)
+where SDPA's change with the number of positions. With AVX-512 the blocks' products are so too (two
+accumulators a position at every width), so on such a CPU a GGUF target's verification of up to 16
+positions computes each with plain decoding's floats, bit for bit (tested layer by layer); the AVX2
+kernels' accumulator count follows the width, so there the last bits may differ, as two summation orders do.
 """
 
 from __future__ import annotations
