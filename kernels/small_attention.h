@@ -3,7 +3,27 @@
 // `#pragma GCC target("avx512f")` with 16-lane ones, so the one algorithm is compiled for each instruction set and
 // the CPU's picks at run time (by the CPU alone, never by the width: a row's floats must not depend on how many
 // positions share its forward). No include guard: that is the point. The includer defines `struct Vec`: V (the
-// register), W (its lanes), zero, load, store, set1, add, sub, fmadd, hsum (the lanes' sum) and exp_nonpositive.
+// register), Mask (a comparison's result), W (its lanes), zero, load, store, set1, add, sub, mul, max, fmadd, fnmadd,
+// round (to nearest), pow2 (2^n of an integral n), less, zero_where (zero the lanes a mask holds) and hsum (the lanes'
+// sum).
+
+// e^x for x <= 0 (a score minus its row's maximum), a register at a time: Cephes' expf (range reduction by ln 2 in
+// two parts, a degree-6 polynomial, then 2^n), within 2 ulp; below -87 (masked slots among them) exactly 0
+inline Vec::V exp_nonpositive(Vec::V x) {
+  const Vec::Mask tiny = Vec::less(x, Vec::set1(-87.0f));
+  x = Vec::max(x, Vec::set1(-87.0f));
+  const Vec::V n = Vec::round(Vec::mul(x, Vec::set1(1.44269504088896341f)));
+  Vec::V r = Vec::fnmadd(n, Vec::set1(0.693359375f), x);
+  r = Vec::fnmadd(n, Vec::set1(-2.12194440e-4f), r);
+  Vec::V y = Vec::set1(1.9875691500e-4f);
+  y = Vec::fmadd(y, r, Vec::set1(1.3981999507e-3f));
+  y = Vec::fmadd(y, r, Vec::set1(8.3334519073e-3f));
+  y = Vec::fmadd(y, r, Vec::set1(4.1665795894e-2f));
+  y = Vec::fmadd(y, r, Vec::set1(1.6666665459e-1f));
+  y = Vec::fmadd(y, r, Vec::set1(5.0000001201e-1f));
+  y = Vec::add(Vec::fmadd(y, Vec::mul(r, r), r), Vec::set1(1.0f));
+  return Vec::zero_where(tiny, Vec::mul(y, Vec::pow2(n)));
+}
 
 constexpr int64_t PREFETCH = 8;  // key and value rows requested this many rows ahead of their use
 // keys a task reads: fixed, so a row's floats depend on neither the thread count nor the width; 64 rather than 128
@@ -131,7 +151,7 @@ at::Tensor small_attention(const at::Tensor& q, const at::Tensor& k, const at::T
         const V mx = Vec::set1(top);
         V sum = Vec::zero();
         for (int64_t j = 0; j < padded; j += W) {
-          const V e = Vec::exp_nonpositive(Vec::sub(Vec::load(sc + j), mx));
+          const V e = exp_nonpositive(Vec::sub(Vec::load(sc + j), mx));
           Vec::store(sc + j, e);
           sum = Vec::add(sum, e);
         }
