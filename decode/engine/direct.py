@@ -217,6 +217,7 @@ class DirectStep:
         self.blocks = getattr(model, "_specdec_blocks", None)
         # Gemma 3's rotary tables differ by layer type; the others' serve every layer
         self.rope_by_type = "layer_type" in inspect.signature(self.base.rotary_emb.forward).parameters
+        self.window = arch.sliding_window(self.base.config) if arch.SLIDING in self.types else None  # sliding layers'
         self._rope_table = None  # (positions, dtype, per type (cos, sin)); False: the module's own calls (_rope)
         # the modules whose calls the step skips: a hook registered on one later (a riding drafter's) sends the
         # forward back to transformers
@@ -319,9 +320,8 @@ class DirectStep:
 
     def _sees_all(self, cache) -> bool:
         """The next position's keys (the cache's slots and its own) all lie within the sliding window, if any."""
-        window = arch.sliding_window(self.base.config) if arch.SLIDING in self.types else None
         layer = cache.layers[0]
-        return window is None or layer.end + 1 - layer.offset <= window
+        return self.window is None or layer.end + 1 - layer.offset <= self.window
 
     def _masks(self, mask, x, positions, cache, own: bool = False) -> list:
         """Each layer type's mask as transformers' forward hands it to its layers: the one given (per type, or one
