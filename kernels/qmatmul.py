@@ -133,6 +133,17 @@ def qquant(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return torch.ops.specdec_q.qquant(h)
 
 
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(-1)``, the same indices (the first of equal maxima; a row's first NaN where it has one), in one
+    vector pass spread over the threads (``argmax_rows``) for a float32 CPU tensor whose operator is loaded (a
+    GGUF target's); torch's own otherwise. A greedy verification of 8 positions of Gemma 3's 262k vocabulary
+    spends 1.6 ms in torch's argmax on 2 cores."""
+    if _loaded and x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() >= 1 and x.is_contiguous() \
+            and 0 < x.shape[-1] < 2 ** 31 and x.numel() >= 4096:
+        return torch.ops.specdec_q.argmax_rows(x.view(-1, x.shape[-1])).view(x.shape[:-1])
+    return x.argmax(-1)
+
+
 def qcandidates(z: torch.Tensor, margin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(positions, tokens) of the entries of ``z`` [M, N] at least their row's maximum minus ``margin`` [M]."""
     return torch.ops.specdec_q.qcandidates(z, margin)

@@ -388,6 +388,31 @@ def test_a_drafters_layers_on_q8_0_blocks_draft_through_the_kernel_and_the_outpu
     assert [r.token_ids for r in out] == [r.token_ids for r in SpecEngine(target, ByteTokenizer(), None).generate(reqs)]
 
 
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 100, 16384, 16385, 40000, 262144])
+def test_the_kernels_argmax_is_torchs_argmax_index_for_index(n):
+    """The verification's argmax (``kernel.argmax``, one vector pass over runs of columns) returns torch's
+    indices: the first of equal maxima (within a lane, across lanes and across runs), a row's first NaN where
+    it has one, rows of -inf alone; a comparison that kept the last of equal maxima fails the ties rows."""
+    g = torch.Generator().manual_seed(n)
+    z = torch.randn(12, n, generator=g)
+    z[1] = 0.5  # all equal: index 0
+    z[2] = float("-inf")
+    if n > 1:
+        z[3, n // 3] = z[3, n - 1] = 9.0  # the same maximum twice, possibly in other runs and lanes
+        z[4, n // 2] = float("nan")
+        z[4, n - 1] = float("nan")
+        z[5, : n // 2] = -0.0  # -0.0 and 0.0 are equal maxima
+        z[5, n // 2 :] = 0.0
+        z[6, n - 1] = float("inf")
+        z[7, ::2] = 3.0  # every other column tied
+    z[8, 0] = float("nan")
+    z[9] = torch.randint(-2, 3, (n,), generator=g).float()  # many ties in many lanes
+    got = torch.ops.specdec_q.argmax_rows(z)
+    assert got.dtype == torch.long and torch.equal(got, z.argmax(-1))
+    assert torch.equal(kernel.argmax(z.view(3, 4, n)), z.view(3, 4, n).argmax(-1))  # the operator from 4096 values
+    assert torch.equal(kernel.argmax(z[:1]), z[:1].argmax(-1))
+
+
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K_X", "Q6_K_X"])
 def test_a_few_rows_recomputed_are_the_kernels_own_values_bit_for_bit(qtype, isa):
     """``qrows`` (a screen's candidates) runs the very kernel instance ``qmatmul`` runs for each position, so

@@ -28,6 +28,7 @@ import torch
 
 from specdec.decode.engine.types import Scheme
 from specdec.kernels import backend as pick_backend
+from specdec.kernels.qmatmul import argmax
 from specdec.kernels.verify import verify_chain_triton
 
 
@@ -147,7 +148,7 @@ def verify_chain_core(
     bsz, k = tokens.shape
     in_draft = None if lengths is None else torch.arange(k, device=tokens.device)[None] < lengths[:, None]
     if sampling.greedy:
-        best = logits.argmax(-1)
+        best = argmax(logits)
         match = tokens == best[:, :k]
         if in_draft is not None:
             match &= in_draft
@@ -209,7 +210,7 @@ def verify_chain(
         # nothing drafted (plain decoding's round): the root's argmax, as the reference takes it, in one launch
         # rather than the kernels' or the reference's dozen (on a GPU each is host time in every step)
         return Verdict(accepted=torch.zeros(bsz, dtype=torch.long, device=logits.device),
-                       path=torch.zeros(bsz, 0, dtype=torch.long, device=logits.device), next_token=logits[:, 0].argmax(-1))
+                       path=torch.zeros(bsz, 0, dtype=torch.long, device=logits.device), next_token=argmax(logits[:, 0]))
     u_accept = u_sample = None
     if not sampling.greedy:
         u = torch.rand(bsz, k + 1, generator=generator, device=logits.device)
@@ -249,7 +250,7 @@ def verify_tree(
 
     greedy = sampling.greedy
     probs = None if greedy else logits_to_probs(logits, sampling)
-    best = logits.argmax(-1) if greedy else None
+    best = argmax(logits) if greedy else None
     cur = torch.zeros(bsz, dtype=torch.long, device=dev)  # current slot (0 = root)
     alive = torch.ones(bsz, dtype=torch.bool, device=dev)
     path = torch.full((bsz, max_depth), -1, dtype=torch.long, device=dev)
@@ -441,7 +442,7 @@ def _verify_tree_greedy(logits, tokens, parents, ancestors, depth, max_depth) ->
     """A node is accepted iff it and all its ancestors carry the target's argmax at their parent;
     the deepest accepted node (the earliest among equals) ends the path."""
     bsz, n = tokens.shape
-    best = logits.argmax(-1)  # [B, N+1]
+    best = argmax(logits)  # [B, N+1]
     correct = (tokens == best.gather(1, (parents + 1).clamp(min=0))) & (parents >= -1)
     anc = ancestors[:, 1:, 1:].expand(bsz, n, n)  # node -> its ancestors (and itself), root dropped
     ok = ~(anc & ~correct[:, None, :]).any(-1)
