@@ -15,8 +15,10 @@ def time_forward(model, prefix: list[int], t: int, repeats: int, batch_size: int
     """Median seconds of one forward of ``t`` tokens per row, ``batch_size`` rows each after a cache
     holding ``prefix``, run as the engine runs it (``KVState``: compiled steps with ``compile`` and the
     engine's resolved ``kernels``, a draft's lean forward with ``lean``), after three warm-up forwards. The forward is not committed,
-    so every repeat writes the same slots."""
+    so every repeat writes the same slots. With ``greedy`` True the time includes what a greedy verification reads
+    of the logits, each position's argmax, as the engine takes it (``decode.engine.verify``)."""
     from specdec.decode.engine.cache import KVState
+    from specdec.decode.engine.verify import argmax
 
     device = next(model.parameters()).device
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)  # time the kernels, not their launch
@@ -35,7 +37,9 @@ def time_forward(model, prefix: list[int], t: int, repeats: int, batch_size: int
         for i in range(3 + repeats):
             sync()
             t0 = time.perf_counter()
-            state.forward(step)
+            out = state.forward(step)
+            if greedy:
+                argmax(out.logits)
             sync()
             if i >= 3:
                 times.append(time.perf_counter() - t0)
