@@ -13,7 +13,7 @@
 // (up to 8 positions at a time), so a forward of 4 or 8 positions costs little more than one.
 // On a CPU with AVX-512 (checked at run time: the build stays the portable AVX2 one) the float32 products and the
 // output layer's integer screen take 512-bit paths (rows_kernel512, screen_rows_vnni) of the same arithmetic.
-// Q8_0 and Q5_0 matrices of a decode step and the output layer's screen read their blocks 16 rows interleaved
+// A decode step's matrices and the output layer's screen read their blocks 16 rows interleaved
 // (rows16_kernel*, screen16_vnni): one register holds a column of 16 rows, so a row's sum is one
 // lane and is never reduced.
 // Each row walk asks for the bytes PF_DIST ahead of the block it reads (software prefetch): the
@@ -37,8 +37,16 @@ namespace {
 // load (models.blocks) into groups of 32 weights whose scales are already float32, so that a group costs
 // no scalar decoding of packed 6-bit scales; each rebuilds the very same float32 weights in the same order.
 // Q8_0_R16: Q8_0 blocks of 16 rows interleaved (rows16_kernel), [N / 16, 17 K] bytes, the file's bytes reordered;
-// Q5_0_R16: Q5_0 blocks the same way, [N / 16, 11 K] bytes
-enum QType : int64_t { Q8_0 = 8, Q5_0 = 6, Q4_K = 12, Q6_K = 14, Q4_K_X = 1012, Q6_K_X = 1014, Q8_0_R16 = 1008, Q5_0_R16 = 1006 };
+// Q5_0_R16: Q5_0 blocks the same way, [N / 16, 11 K] bytes; Q4_K_R16 and Q6_K_R16: the groups of Q4_K_X and Q6_K_X the
+// same way, [N / 16, 12 K] and [N / 16, 20 K]
+enum QType : int64_t { Q8_0 = 8, Q5_0 = 6, Q4_K = 12, Q6_K = 14, Q4_K_X = 1012, Q6_K_X = 1014, Q8_0_R16 = 1008, Q5_0_R16 = 1006,
+                       Q4_K_R16 = 1112, Q6_K_R16 = 1114 };
+
+// bytes a block of 32 columns takes for 16 rows of an interleaved layout (0: not one)
+constexpr int r16_bytes(int64_t t) {
+  return t == Q8_0_R16 ? 544 : t == Q5_0_R16 ? 352 : t == Q4_K_R16 ? 384 : t == Q6_K_R16 ? 640 : 0;
+}
+constexpr bool is_r16(int64_t t) { return r16_bytes(t) != 0; }
 
 inline float fp16(const uint8_t* p) {
   uint16_t h;
@@ -304,8 +312,15 @@ void rows_kernel512(const uint8_t* wq, int64_t row_bytes, const float* x, int64_
 // where rows_kernel512 rebuilds each row's (four operations), and no row's register is reduced at the end. A chains
 // of multiply-adds a position (accumulators512(P) with AVX-512, accumulators(P) with AVX2: each chain must wait out
 // FMA's latency between its products).
+// - Q4_K_R16 (384 bytes): the rows' 16 float32 scales d * scale, their 16 d * min, then for each column pair (c, c + 16)
+//   the 16 rows' bytes (c in the low nibble, c + 16 in the high one); a column's weights d * q - m in one fmsub, as
+//   group32x2 rebuilds Q4_K_X's;
+// - Q6_K_R16 (640 bytes): the 16 rows' scales of columns 0..15, of 16..31 (float32), then column by column the 16 rows'
+//   signed bytes; a column's weights d * q, as Q6_K_X's.
+// The K-quants in file order took a row at a time the whole of each position's activations through L1 (8 positions of
+// a 2048-column matrix: 64 KiB a row), which held 8 positions of Gemma 3's down projections at 3x one position's time.
 template <int64_t T>
-constexpr int r16_block_bytes() { return T == Q8_0_R16 ? 544 : 352; }
+constexpr int r16_block_bytes() { return r16_bytes(T); }
 
 // the interleaved layouts ask for every line of a block 4 KiB ahead, into L2 (T1): a row-at-a-time walk's 2 KiB into
 // L1 left a column of 16 rows waiting on memory more often (scratch timings of 2048 x 640 matrices out of cache:
@@ -327,8 +342,39 @@ void rows16_kernel512(const uint8_t* u, const float* x, int64_t K, float* y, int
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* blk = wg + b * bb;
       for (int l = 0; 64 * l < bb; ++l) _mm_prefetch(reinterpret_cast<const char*>(blk + R16_PF_DIST + 64 * l), _MM_HINT_T1);
-      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
       const float* xb = x + 32 * b;
+      if constexpr (T == Q4_K_R16) {
+        const __m512 ds = _mm512_loadu_ps(reinterpret_cast<const float*>(blk)), dm = _mm512_loadu_ps(reinterpret_cast<const float*>(blk + 64));
+#pragma GCC unroll 2
+        for (int c0 = 0; c0 < 16; c0 += 2) {
+#pragma GCC unroll 2
+          for (int c = c0; c < c0 + 2; ++c) {
+            const __m128i pair = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 128 + 16 * c));
+            const __m128i nib[2] = {_mm_and_si128(pair, low4), _mm_and_si128(_mm_srli_epi16(pair, 4), low4)};
+#pragma GCC unroll 2
+            for (int h = 0; h < 2; ++h) {
+              const int col = c + 16 * h;
+              const __m512 w = _mm512_fmsub_ps(ds, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(nib[h])), dm);
+#pragma GCC unroll 8
+              for (int p = 0; p < P; ++p) acc[p][col % A] = _mm512_fmadd_ps(w, _mm512_set1_ps(xb[p * K + col]), acc[p][col % A]);
+            }
+          }
+        }
+        continue;
+      }
+      if constexpr (T == Q6_K_R16) {
+        const __m512 dh[2] = {_mm512_loadu_ps(reinterpret_cast<const float*>(blk)), _mm512_loadu_ps(reinterpret_cast<const float*>(blk + 64))};
+        for (int c0 = 0; c0 < 32; c0 += 4) {
+#pragma GCC unroll 4
+          for (int c = c0; c < c0 + 4; ++c) {
+            const __m512 w = _mm512_mul_ps(dh[c / 16], _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 128 + 16 * c)))));
+#pragma GCC unroll 8
+            for (int p = 0; p < P; ++p) acc[p][c % A] = _mm512_fmadd_ps(w, _mm512_set1_ps(xb[p * K + c]), acc[p][c % A]);
+          }
+        }
+        continue;
+      }
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
       if constexpr (T == Q8_0_R16) {
         for (int c0 = 0; c0 < 32; c0 += 4) {  // four columns (a cache line of weights) a step, unrolled: acc stays in registers
 #pragma GCC unroll 4
@@ -386,8 +432,35 @@ void rows16_kernel(const uint8_t* u, const float* x, int64_t K, float* y, int64_
         const uint8_t* blk = wg + b * bb;
         if (half == 0)
           for (int l = 0; 64 * l < bb; ++l) _mm_prefetch(reinterpret_cast<const char*>(blk + R16_PF_DIST + 64 * l), _MM_HINT_T1);
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 * half)));
         const float* xb = x + 32 * b;
+        if constexpr (T == Q4_K_R16) {
+          const __m256 ds = _mm256_loadu_ps(reinterpret_cast<const float*>(blk + 32 * half));
+          const __m256 dm = _mm256_loadu_ps(reinterpret_cast<const float*>(blk + 64 + 32 * half));
+          for (int c = 0; c < 16; ++c) {
+            const __m128i pair = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 128 + 16 * c + 8 * half));
+            const __m128i nib[2] = {_mm_and_si128(pair, low4), _mm_and_si128(_mm_srli_epi16(pair, 4), low4)};
+            for (int h = 0; h < 2; ++h) {
+              const int col = c + 16 * h;
+              const __m256 w = _mm256_fmsub_ps(ds, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(nib[h])), dm);
+              for (int p = 0; p < P; ++p) acc[p][col % A] = _mm256_fmadd_ps(w, _mm256_set1_ps(xb[p * K + col]), acc[p][col % A]);
+            }
+          }
+          continue;
+        }
+        if constexpr (T == Q6_K_R16) {
+          const __m256 dh[2] = {_mm256_loadu_ps(reinterpret_cast<const float*>(blk + 32 * half)),
+                                _mm256_loadu_ps(reinterpret_cast<const float*>(blk + 64 + 32 * half))};
+          for (int c0 = 0; c0 < 32; c0 += 4) {
+#pragma GCC unroll 4
+            for (int c = c0; c < c0 + 4; ++c) {
+              const __m256 w = _mm256_mul_ps(dh[c / 16], cvt8_epi8(reinterpret_cast<const int8_t*>(blk + 128 + 16 * c + 8 * half)));
+#pragma GCC unroll 8
+              for (int p = 0; p < P; ++p) acc[p][c % A] = _mm256_fmadd_ps(w, _mm256_set1_ps(xb[p * K + c]), acc[p][c % A]);
+            }
+          }
+          continue;
+        }
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 * half)));
         if constexpr (T == Q8_0_R16) {
           for (int c0 = 0; c0 < 32; c0 += 4) {
 #pragma GCC unroll 4
@@ -472,9 +545,10 @@ void one_row(int P, const uint8_t* row, int64_t row_bytes, const float* x, int64
 void check(const at::Tensor& blocks, int64_t qtype, int64_t K) {
   TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous(),
               "qmatmul: blocks must be a contiguous uint8 [N, row_bytes] CPU tensor");
-  if (qtype == Q8_0_R16 || qtype == Q5_0_R16) {
-    TORCH_CHECK(K % 32 == 0 && blocks.size(1) == (qtype == Q8_0_R16 ? 17 : 11) * K,
-                "qmatmul: rows interleaved by 16 are [N / 16, 17 K] (Q8_0) or [N / 16, 11 K] (Q5_0) bytes");
+  if (is_r16(qtype)) {
+    TORCH_CHECK(K % 32 == 0 && blocks.size(1) == r16_bytes(qtype) / 32 * K,
+                "qmatmul: rows interleaved by 16 are [N / 16, 17 K] (Q8_0), [N / 16, 11 K] (Q5_0), [N / 16, 12 K] (Q4_K) or "
+                "[N / 16, 20 K] (Q6_K) bytes");
     return;
   }
   TORCH_CHECK(block_bytes(qtype) > 0, "qmatmul: unsupported block type ", qtype);
@@ -487,7 +561,7 @@ at::Tensor qmatmul(const at::Tensor& x_in, const at::Tensor& blocks, int64_t qty
   check(blocks, qtype, K);
   TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.dim() == 2 && x_in.size(1) == K, "qmatmul: x must be float32 [M, K]");
   const at::Tensor x = x_in.contiguous();
-  const bool r16 = qtype == Q8_0_R16 || qtype == Q5_0_R16;
+  const bool r16 = is_r16(qtype);
   const int64_t M = x.size(0), N = r16 ? 16 * blocks.size(0) : blocks.size(0), row_bytes = blocks.size(1);
   at::Tensor y = at::empty({M, N}, x.options());
   const uint8_t* wq = blocks.data_ptr<uint8_t>();
@@ -500,15 +574,13 @@ at::Tensor qmatmul(const at::Tensor& x_in, const at::Tensor& blocks, int64_t qty
         const int P = int(std::min<int64_t>(8, M - m));
         with_width(P, [&](auto p) {
           constexpr int W = decltype(p)::value;
-          if (qtype == Q5_0_R16) {
-            if (wide)
-              rows16_kernel512<Q5_0_R16, W>(wq, xp + m * K, K, yp + m * N, N, g0, g1);
-            else
-              rows16_kernel<Q5_0_R16, W>(wq, xp + m * K, K, yp + m * N, N, g0, g1);
-          } else if (wide) {
-            rows16_kernel512<Q8_0_R16, W>(wq, xp + m * K, K, yp + m * N, N, g0, g1);
-          } else {
-            rows16_kernel<Q8_0_R16, W>(wq, xp + m * K, K, yp + m * N, N, g0, g1);
+          const float* xm = xp + m * K;
+          float* ym = yp + m * N;
+          switch (qtype) {
+            case Q5_0_R16: return wide ? rows16_kernel512<Q5_0_R16, W>(wq, xm, K, ym, N, g0, g1) : rows16_kernel<Q5_0_R16, W>(wq, xm, K, ym, N, g0, g1);
+            case Q4_K_R16: return wide ? rows16_kernel512<Q4_K_R16, W>(wq, xm, K, ym, N, g0, g1) : rows16_kernel<Q4_K_R16, W>(wq, xm, K, ym, N, g0, g1);
+            case Q6_K_R16: return wide ? rows16_kernel512<Q6_K_R16, W>(wq, xm, K, ym, N, g0, g1) : rows16_kernel<Q6_K_R16, W>(wq, xm, K, ym, N, g0, g1);
+            default: return wide ? rows16_kernel512<Q8_0_R16, W>(wq, xm, K, ym, N, g0, g1) : rows16_kernel<Q8_0_R16, W>(wq, xm, K, ym, N, g0, g1);
           }
         });
       }
@@ -548,6 +620,28 @@ at::Tensor qdequant(const at::Tensor& blocks, int64_t qtype, int64_t K) {
         for (int r = 0; r < 16; ++r)
           for (int c = 0; c < 32; ++c)
             out[(16 * g + r) * K + 32 * b + c] = fp16(blk + 2 * r) * float(int8_t(blk[32 + 16 * c + r]));
+      }
+    return w;
+  }
+  if (qtype == Q4_K_R16 || qtype == Q6_K_R16) {  // Q4_K: d * q - m in one rounding (fmsub's); Q6_K: d * q
+    const int64_t G = blocks.size(0), bb = r16_bytes(qtype);
+    at::Tensor w = at::empty({16 * G, K}, at::TensorOptions().dtype(at::kFloat));
+    const uint8_t* u = blocks.data_ptr<uint8_t>();
+    float* out = w.data_ptr<float>();
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t b = 0; b < K / 32; ++b) {
+        const uint8_t* blk = u + (g * (K / 32) + b) * bb;
+        float f[32];
+        std::memcpy(f, blk, 128);
+        for (int r = 0; r < 16; ++r)
+          for (int c = 0; c < 32; ++c) {
+            float v;
+            if (qtype == Q4_K_R16)
+              v = std::fma(f[r], float((blk[128 + 16 * (c % 16) + r] >> (4 * (c / 16))) & 0x0F), -f[16 + r]);
+            else
+              v = f[16 * (c / 16) + r] * float(int8_t(blk[128 + 16 * c + r]));
+            out[(16 * g + r) * K + 32 * b + c] = v;
+          }
       }
     return w;
   }
@@ -991,7 +1085,7 @@ at::Tensor argmax_rows(const at::Tensor& z_in) {
 at::Tensor qrows(const at::Tensor& x_in, const at::Tensor& blocks, int64_t qtype, int64_t K, const at::Tensor& rows_in,
                  const at::Tensor& pos_in) {
   check(blocks, qtype, K);
-  TORCH_CHECK(qtype != Q8_0_R16 && qtype != Q5_0_R16, "qrows: reads rows of a matrix in file order (an output layer's), not interleaved ones");
+  TORCH_CHECK(!is_r16(qtype), "qrows: reads rows of a matrix in file order (an output layer's), not interleaved ones");
   TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.dim() == 2 && x_in.size(1) == K, "qrows: x must be float32 [M, K]");
   TORCH_CHECK(rows_in.scalar_type() == at::kLong && pos_in.scalar_type() == at::kLong && rows_in.dim() == 1 &&
               pos_in.sizes() == rows_in.sizes(), "qrows: rows and pos must be int64 [C]");

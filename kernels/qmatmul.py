@@ -19,9 +19,11 @@ import torch
 # ggml's type ids of the block formats the kernel reads, and (weights, bytes) per block
 BLOCKS = {"Q8_0": (8, 32, 34), "Q5_0": (6, 32, 22), "Q4_K": (12, 256, 144), "Q6_K": (14, 256, 210)}
 # specdec's own layouts of the K-quant blocks, unpacked at load (models.blocks): groups of 32 weights with float32 scales
-# and Q8_0 and Q5_0 blocks of 16 rows interleaved (``Q8_0_R16``: [N / 16, 17 K] bytes, ``Q5_0_R16``: [N / 16, 11 K],
-# as many bytes as the file's blocks)
-UNPACKED = {"Q4_K_X": (1012, 32, 24), "Q6_K_X": (1014, 32, 40), "Q8_0_R16": (1008, 32, 34), "Q5_0_R16": (1006, 32, 22)}
+# and Q8_0, Q5_0 blocks and those groups of 16 rows interleaved (``Q8_0_R16``: [N / 16, 17 K] bytes, ``Q5_0_R16``:
+# [N / 16, 11 K], ``Q4_K_R16``: [N / 16, 12 K], ``Q6_K_R16``: [N / 16, 20 K], as many bytes as the uninterleaved ones)
+UNPACKED = {"Q4_K_X": (1012, 32, 24), "Q6_K_X": (1014, 32, 40), "Q8_0_R16": (1008, 32, 34), "Q5_0_R16": (1006, 32, 22),
+            "Q4_K_R16": (1112, 32, 24), "Q6_K_R16": (1114, 32, 40)}
+ROWS16 = {UNPACKED[t][0] for t in ("Q8_0_R16", "Q5_0_R16", "Q4_K_R16", "Q6_K_R16")}  # layouts of 16 rows interleaved
 QTYPES = {v[0]: k for k, v in {**BLOCKS, **UNPACKED}.items()}
 SOURCES = (Path(__file__).with_name("qmatmul.cpp"), Path(__file__).with_name("step.cpp"))  # step.cpp: a decode step's layers in one call
 HEADERS = (Path(__file__).with_name("small_attention.h"),)  # included by step.cpp (once per instruction set)

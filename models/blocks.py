@@ -113,6 +113,7 @@ def write(gguf_path: Path, folder: Path, weights: dict[str, torch.Tensor]) -> in
 Q5_0, Q8_0, Q4_K, Q6_K = (kernel.BLOCKS[t][0] for t in ("Q5_0", "Q8_0", "Q4_K", "Q6_K"))
 Q4_K_X, Q6_K_X = kernel.UNPACKED["Q4_K_X"][0], kernel.UNPACKED["Q6_K_X"][0]
 Q8_0_R16, Q5_0_R16 = kernel.UNPACKED["Q8_0_R16"][0], kernel.UNPACKED["Q5_0_R16"][0]
+Q4_K_R16, Q6_K_R16 = kernel.UNPACKED["Q4_K_R16"][0], kernel.UNPACKED["Q6_K_R16"][0]
 FILE_TYPES = {v[0] for v in kernel.BLOCKS.values()}  # the ggml types a file's tensors may have (the others are specdec's own)
 
 
@@ -192,6 +193,30 @@ def q5_0_rows16(blocks: torch.Tensor) -> torch.Tensor:
     masks = masks.to(torch.int16).view(torch.uint8).reshape(n // 16, -1, 64)
     pairs = b[..., 6:].permute(0, 2, 3, 1).reshape(n // 16, -1, 256)  # [G, block, 16 pairs x 16 rows]
     return torch.cat([scales, masks, pairs], -1).reshape(n // 16, -1).contiguous()
+
+
+def k_quant_rows16(groups: torch.Tensor, qtype: int) -> torch.Tensor:
+    """Q4_K_X or Q6_K_X groups [N, row bytes] (N a multiple of 16) with 16 rows interleaved, as the kernel's
+    ``Q4_K_R16`` and ``Q6_K_R16`` read them: per 16 rows and group of 32 columns, the rows' first float scales, their
+    second ones (Q4_K: d * scale, then d * min; Q6_K: the two halves' d * scale), then the 16 rows' bytes column by
+    column (Q4_K: each column pair's byte of nibbles). The same bytes in another order."""
+    n = groups.shape[0]
+    width = 24 if qtype == Q4_K_X else 40
+    b = groups.reshape(n // 16, 16, -1, width)  # [G, row, group, bytes]
+    first = b[..., 0:4].permute(0, 2, 1, 3).reshape(n // 16, -1, 64)  # [G, group, 16 rows x 4 bytes]
+    second = b[..., 4:8].permute(0, 2, 1, 3).reshape(n // 16, -1, 64)
+    cols = b[..., 8:].permute(0, 2, 3, 1).reshape(n // 16, -1, 16 * (width - 8))  # [G, group, column x 16 rows]
+    return torch.cat([first, second, cols], -1).reshape(n // 16, -1).contiguous()
+
+
+def rows16(blocks: torch.Tensor, qtype: int) -> tuple[torch.Tensor, int]:
+    """A matrix's blocks (a file's Q8_0 or Q5_0, or the K-quants' unpacked groups) interleaved 16 rows at a time, and
+    the kernel's type of that layout."""
+    if qtype == Q5_0:
+        return q5_0_rows16(blocks), Q5_0_R16
+    if qtype == Q8_0:
+        return q8_0_rows16(blocks), Q8_0_R16
+    return k_quant_rows16(blocks, qtype), Q4_K_R16 if qtype == Q4_K_X else Q6_K_R16
 
 
 def q5_0_as_q8_0(blocks: torch.Tensor) -> torch.Tensor:
@@ -288,11 +313,10 @@ def install(model, source: str | os.PathLike) -> BlockLayers | None:
             return (q5_0_as_q8_0(raw[0]), Q8_0) if raw[1] == Q5_0 else raw
 
         is_head = head is not None and head.linear is module
-        # Q8_0 and Q5_0 matrices are read 16 rows at a time (a Q5_0 one in its own 22 bytes per 32 weights), but
-        # the output layer's rows stay in order for its screen and candidates (models.head)
-        interleaved = not is_head and raw[1] in (Q8_0, Q5_0) and raw[0].shape[0] % 16 == 0
-        found = ((q5_0_rows16(raw[0]), Q5_0_R16) if raw[1] == Q5_0 else (q8_0_rows16(raw[0]), Q8_0_R16)) if interleaved \
-            else in_order()
+        # every matrix is read 16 rows at a time (a Q5_0 one in its own 22 bytes per 32 weights), but the output
+        # layer's rows stay in order for its screen and candidates (models.head)
+        interleaved = not is_head and raw[0].shape[0] % 16 == 0
+        found = rows16(*raw) if interleaved else in_order()
         state.add(found[0], module.weight)  # the bytes a forward reads
         if not interleaved or module is output:
             # for a drafter that reads some of its rows (models.heads._TargetHead): the output layer's, in order

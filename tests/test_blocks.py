@@ -83,19 +83,22 @@ def _alone_if_avx512(got, x, product):
             assert torch.equal(got[i : i + 1], product(x[i : i + 1].contiguous())), i
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q5_0"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q5_0", "Q4_K", "Q6_K"])
 def test_rows_interleaved_by_16_are_the_same_weights_and_float32_products_of_them(qtype, isa):
-    """``Q8_0_R16`` and ``Q5_0_R16`` (models.blocks.q8_0_rows16, q5_0_rows16: the layouts a decode step's Q8_0 and
-    Q5_0 matrices take at load): the file's bytes reordered, the same float32 weights bit for bit, products within
-    float32 accumulation of the exact ones at every width, and each chunk of 8 positions of a wide forward what that
-    chunk alone gets."""
+    """``Q8_0_R16``, ``Q5_0_R16``, ``Q4_K_R16`` and ``Q6_K_R16`` (models.blocks.rows16: the layouts a decode step's
+    matrices take at load; the K-quants from their unpacked groups): the bytes reordered, the same float32 weights bit
+    for bit, products within float32 accumulation of the exact ones at every width, and each chunk of 8 positions of a
+    wide forward what that chunk alone gets."""
     raw = torch.from_numpy(random_blocks(qtype, 48, 512, seed=5))
-    pack, t = {"Q8_0": (blocks.q8_0_rows16, blocks.Q8_0_R16), "Q5_0": (blocks.q5_0_rows16, blocks.Q5_0_R16)}[qtype]
-    packed = pack(raw)
-    assert packed.shape == (3, 16 * raw.shape[1]) and packed.numel() == raw.numel()  # as many bytes as the file's
-    if qtype == "Q8_0":  # the very bytes, reordered (Q5_0's fifth bits are regrouped a column at a time)
+    t_raw = kernel.BLOCKS[qtype][0]
+    if qtype in ("Q4_K", "Q6_K"):
+        raw, t_raw = (blocks.q4_k_unpacked(raw), blocks.Q4_K_X) if qtype == "Q4_K" else (blocks.q6_k_unpacked(raw), blocks.Q6_K_X)
+    packed, t = blocks.rows16(raw, t_raw)
+    assert t == kernel.UNPACKED[f"{qtype}_R16"][0] and t in kernel.ROWS16
+    assert packed.shape == (3, 16 * raw.shape[1]) and packed.numel() == raw.numel()  # as many bytes as the rows'
+    if qtype != "Q5_0":  # the very bytes, reordered (Q5_0's fifth bits are regrouped a column at a time)
         assert torch.equal(packed.flatten().sort().values, raw.flatten().sort().values)
-    ref = kernel.qdequant(raw, kernel.BLOCKS[qtype][0], 512)
+    ref = kernel.qdequant(raw, t_raw, 512)
     assert torch.equal(kernel.qdequant(packed, t, 512).view(torch.int32), ref.view(torch.int32))
     g = torch.Generator().manual_seed(0)
     for rows in (1, 2, 3, 5, 8, 9, 17):
@@ -225,9 +228,11 @@ def test_a_quantised_gguf_target_keeps_its_blocks_and_routes_every_matrix(quanti
     state = model._specdec_blocks
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     assert state.layers == len(linears) == 2 * 7 + 1
-    # Q8_0 and Q5_0 matrices (here rows a multiple of 16) are read 16 rows at a time, Q5_0 in its own 5-bit values
-    routed = {getattr(m, "_specdec_blocks", (None, None))[1] for m in linears}
-    assert {blocks.Q8_0_R16, blocks.Q5_0_R16} <= routed and blocks.Q8_0 not in routed
+    # every matrix (here rows a multiple of 16) is read 16 rows at a time, Q5_0 in its own 5-bit values, the K-quants
+    # in their unpacked groups
+    body = [m for m in linears if m is not model.get_output_embeddings()]
+    routed = {getattr(m, "_specdec_blocks", (None, None))[1] for m in body}
+    assert routed == {blocks.Q8_0_R16, blocks.Q5_0_R16, blocks.Q4_K_R16, blocks.Q6_K_R16}, routed
     # a folder converted before blocks were kept gets them from the file it came from
     (folder / blocks.BLOCKS_FILE).unlink()
     info = json.loads((folder / "specdec_gguf.json").read_text())
