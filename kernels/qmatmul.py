@@ -109,9 +109,15 @@ def qpack16(blocks: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def set_isa(isa: int) -> int:
-    """Every kernel's instruction set from now on: 0 the fastest this CPU has (AVX-512 products, the AVX-512
-    VNNI screen), 1 AVX2 alone; the previous setting. Tests hold the paths against each other."""
+    """Every kernel's instruction set from now on: 0 the fastest this CPU has (AVX-512 products, the screen with AMX
+    tiles or AVX-512 VNNI), 1 AVX2 alone, 2 AVX-512 without AMX; the previous setting. Tests hold the paths against
+    each other."""
     return int(torch.ops.specdec_q.set_isa(isa))
+
+
+def has_amx() -> bool:
+    """This CPU has AMX's int8 tiles and the process may use them: the screen's fastest path (``qscreen16``)."""
+    return bool(torch.ops.specdec_q.has_amx())
 
 
 def isa512() -> bool:

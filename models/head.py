@@ -38,7 +38,9 @@ it is the unchanged ``nn.Linear``.
   what takes three with AVX2, and the blocks are read interleaved 16 rows at a time (``qpack16``, the
   same bytes in another order, once at first use), so that each row's sum stays in one lane of a
   register: the layer's 8 positions then cost 1.3x one (8.7 ms against 6.8 on a 2-core Xeon, where
-  the blocks in file order took 12.0 ms).
+  the blocks in file order took 12.0 ms). Where the CPU has AMX tiles (and Linux grants them), the integer
+  sums of 2 or more positions come from tile products instead: the same integers, so the same screen bit
+  for bit, 8 positions in 6.9 ms against VNNI's 8.2.
 """
 
 from __future__ import annotations

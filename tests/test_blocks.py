@@ -532,6 +532,42 @@ def test_the_screens_avx512_vnni_path_is_the_avx2_screen_up_to_float_rounding(po
         kernel.qscreen_isa(xq[:, :608].contiguous(), xs, torch.from_numpy(random_blocks("Q8_0", 8, 608, seed=1)), 608, 2)
 
 
+@pytest.mark.skipif(not blocks.kernel_ready() or not kernel.has_amx(), reason="the screen's AMX path needs a CPU with AMX tiles")
+@pytest.mark.parametrize("positions", [1, 2, 7, 8, 11, 16])
+def test_the_screens_amx_path_is_the_vnni_screen_bit_for_bit(positions):
+    """With AMX the interleaved screen (qscreen16) takes each block's integer sums of 2 or more positions from tile
+    products (one position stays on VNNI); they are the VNNI path's integers and the floats after them the same
+    operations, so every value is the same bits, at every width, for groups of rows taken three, two and one at a time
+    and with the last group padded; an AMX path that dropped the -128 correction (the weights' unsigned offset) fails."""
+    k, rows = 640, 3000
+    b = torch.from_numpy(random_blocks("Q8_0", rows, k, seed=7, scale=0.5))
+    packed = kernel.qpack16(b, k)
+    g = torch.Generator().manual_seed(8)
+    xq = torch.randint(-127, 128, (positions, k), generator=g, dtype=torch.int8)
+    xq[:, :5] = 127
+    xq[:, 5:9] = -127
+    xs = torch.rand(positions, generator=g) + 0.1
+    before = kernel.set_isa(2)
+    try:
+        vnni = kernel.qscreen16(xq, xs, packed, k)
+    finally:
+        kernel.set_isa(before)
+    kernel.set_isa(0)
+    try:
+        amx = kernel.qscreen16(xq, xs, packed, k)
+    finally:
+        kernel.set_isa(before)
+    assert amx.shape == (positions, 3008) and torch.equal(amx.view(torch.int32), vnni.view(torch.int32))
+    # against the exact screen in float64: within the head's bound
+    d = torch.from_numpy(np.ascontiguousarray(b.numpy().reshape(rows, k // 32, 34)[:, :, 0:2]).view(np.float16)
+                         .reshape(rows, k // 32).astype(np.float64))
+    q = torch.from_numpy(np.ascontiguousarray(b.numpy().reshape(rows, k // 32, 34)[:, :, 2:]).view(np.int8).astype(np.int64))
+    ints = torch.einsum("rbi,pbi->prb", q, xq.long().reshape(positions, k // 32, 32))
+    exact = xs.double()[:, None] * (ints.double() * d[None]).sum(-1)
+    bound = head._gamma(k // 32 + 4) * xs.double()[:, None] * (ints.double().abs() * d.abs()[None]).sum(-1) + 1e-30
+    assert ((amx[:, :rows].double() - exact).abs() <= bound).all()
+
+
 def test_hidden_states_the_integer_screen_resolves_badly_get_every_logit_exactly(monkeypatch):
     """One huge activation sets the 8-bit scale, so the screen's bound keeps most of the vocabulary: the forward
     computes every logit with the exact kernel instead of recomputing thousands of rows one by one; the argmax is
