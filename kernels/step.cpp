@@ -264,7 +264,6 @@ bool small_attention_ok(const at::Tensor& q, const at::Tensor& k, const at::Tens
 // transformers' sdpa_attention_forward for a module with key/value groups, no dropout and no position bias
 at::Tensor attend(at::Tensor q, at::Tensor k, at::Tensor v, const std::optional<at::Tensor>& mask, int64_t groups,
                   double scaling, bool causal, bool own = false) {
-  if (own && getenv("NOATT")) return at::zeros({q.size(0), q.size(2), q.size(1), v.size(3)}, q.options());
   if (own && small_attention_ok(q, k, v, mask, groups))
   {
     if (attention512(q.size(3)))
