@@ -61,18 +61,33 @@ def _try_load(build_root: Path) -> bool:
     return True
 
 
+# OpenMP: at::parallel_for's threads are torch's own (libgomp.so.1, already loaded by torch)
+# no contraction of a * b + c into one rounding: the step's fused loops must round as ATen's separate operations do
+CFLAGS, LDFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"], ["-fopenmp"]
+
+
+def build_folder(build_root: Path) -> Path:
+    """Where the operator of these sources, this torch and these flags is built."""
+    code = b"".join(source.read_bytes() for source in (*SOURCES, *HEADERS))
+    return build_root / f"qmatmul-{hashlib.sha256(code + torch.__version__.encode() + str(CFLAGS).encode()).hexdigest()[:12]}"
+
+
 def _load(build_root: Path) -> None:
+    import fcntl
+
     from torch.utils import cpp_extension
 
-    # OpenMP: at::parallel_for's threads are torch's own (libgomp.so.1, already loaded by torch)
-    # no contraction of a * b + c into one rounding: the step's fused loops must round as ATen's separate operations do
-    cflags, ldflags = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"], ["-fopenmp"]
-    code = b"".join(source.read_bytes() for source in (*SOURCES, *HEADERS))
-    digest = hashlib.sha256(code + torch.__version__.encode() + str(cflags).encode()).hexdigest()[:12]
-    build = build_root / f"qmatmul-{digest}"
+    build = build_folder(build_root)
+    digest = build.name.split("-", 1)[1]
     build.mkdir(parents=True, exist_ok=True)
-    cpp_extension.load(name=f"specdec_qmatmul_{digest}", sources=[str(s) for s in SOURCES], build_directory=str(build),
-                       extra_cflags=cflags, extra_ldflags=ldflags, is_python_module=False, verbose=False)
+    # torch marks a build in progress with a file named "lock" and waits, without end, for it to go; a process killed
+    # while building leaves it behind. Builders here take an flock first, which the kernel releases when its holder
+    # dies, so a "lock" file found while holding it is such a leftover, and is removed
+    with open(build / "specdec.flock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        (build / "lock").unlink(missing_ok=True)
+        cpp_extension.load(name=f"specdec_qmatmul_{digest}", sources=[str(s) for s in SOURCES], build_directory=str(build),
+                           extra_cflags=CFLAGS, extra_ldflags=LDFLAGS, is_python_module=False, verbose=False)
 
 
 def qmatmul(x: torch.Tensor, blocks: torch.Tensor, qtype: int, k: int) -> torch.Tensor:

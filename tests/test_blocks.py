@@ -393,6 +393,23 @@ def test_a_drafters_layers_on_q8_0_blocks_draft_through_the_kernel_and_the_outpu
     assert [r.token_ids for r in out] == [r.token_ids for r in SpecEngine(target, ByteTokenizer(), None).generate(reqs)]
 
 
+def test_a_build_marker_left_by_a_killed_build_does_not_hang_the_next_load():
+    """torch marks a build in progress with a file named "lock" in the build folder and waits for it to go, without
+    end; a process killed while building leaves it. The next process removes it under its own flock (which the
+    kernel releases when a builder dies) and loads the operator."""
+    import subprocess
+    import sys
+
+    from specdec.models.env import specdec_home
+
+    folder = kernel.build_folder(specdec_home() / "ext")
+    (folder / "lock").touch()
+    code = "from specdec.models import blocks; assert blocks.kernel_ready(); print('loaded')"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "loaded" in done.stdout, done.stderr[-2000:]
+    assert not (folder / "lock").exists()
+
+
 @pytest.mark.parametrize("n", [1, 7, 8, 9, 100, 16384, 16385, 40000, 262144])
 def test_the_kernels_argmax_is_torchs_argmax_index_for_index(n):
     """The verification's argmax (``kernel.argmax``, one vector pass over runs of columns) returns torch's
