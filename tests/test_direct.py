@@ -213,6 +213,39 @@ def test_one_position_under_the_own_attention_takes_no_mask_while_it_sees_every_
     assert all(m is None for m in built[0]) == (cached + 1 <= 8)
 
 
+@pytest.mark.parametrize("cached, t", [(2, 2), (4, 3), (5, 3), (6, 3), (7, 2)])
+def test_a_few_positions_under_the_own_attention_take_the_causal_mask_built_by_the_step(cached, t, monkeypatch):
+    """Several positions of a target on quantised blocks, given no mask: while their keys lie within the sliding
+    window (8 here) the step builds the causal mask itself, held equal to transformers' masks of both layer types
+    at its first such forward (which takes theirs); past the window it builds theirs. The logits are transformers'
+    forward's every time."""
+    model = _gemma(seed=9, quantised=True)
+    step = direct.direct_step(model, cache_mod.SlotBuffers)
+    assert step is not None and model.config._attn_implementation == direct.OWN_ATTENTION
+    built = []
+    real = step._masks
+    monkeypatch.setattr(step, "_masks", lambda *a: built.append(r := real(*a)) or r)
+    ids = torch.tensor([[x for p in PROMPTS for x in p][:cached + t]])
+    caches = [cache_mod.SlotBuffers(model.config.num_hidden_layers, 16, torch.device("cpu"), zeroed=False) for _ in range(3)]
+    with torch.no_grad():
+        for c in caches:
+            c.at(0, False)
+            model(input_ids=ids[:, :cached], position_ids=torch.arange(cached)[None], past_key_values=c, use_cache=True)
+            c.at(cached, False)
+        pos = torch.arange(cached, cached + t)[None]
+        want = model(input_ids=ids[:, cached:], position_ids=pos, past_key_values=caches[0], use_cache=True).logits
+        got = [step(ids[:, cached:], None, pos, c).logits for c in caches[1:]]
+    assert torch.equal(got[0], want) and torch.equal(got[1], want)
+    visible = torch.arange(cached + t)[None, :] <= pos[0, :, None]  # key slot j seen by the query at position p iff j <= p
+    if cached + t <= 8:
+        assert step._own_causal is True
+        assert all(torch.equal(m[0, 0], visible) for forward in built for m in forward)
+        assert built[1][0] is built[1][1]  # the second forward's, the step's own: one tensor for both layer types
+    else:
+        assert step._own_causal is None  # never compared: transformers' masks, the sliding layers' hiding the first key
+        assert not all(torch.equal(m[0, 0], visible) for m in built[1])
+
+
 def test_with_avx512_a_positions_hidden_states_do_not_depend_on_the_forwards_width():
     """With AVX-512, a target on quantised blocks computes each position of a forward of up to 16 (a verification)
     with the floats it gets alone (plain decoding's step): the blocks' products keep two accumulators a position at

@@ -219,6 +219,7 @@ class DirectStep:
         self.rope_by_type = "layer_type" in inspect.signature(self.base.rotary_emb.forward).parameters
         self.window = arch.sliding_window(self.base.config) if arch.SLIDING in self.types else None  # sliding layers'
         self._rope_table = None  # (positions, dtype, per type (cos, sin)); False: the module's own calls (_rope)
+        self._own_causal: bool | None = None  # _causal's masks held equal to transformers' (None: not compared yet)
         # the modules whose calls the step skips: a hook registered on one later (a riding drafter's) sends the
         # forward back to transformers
         self.skipped = [model, self.base, *(m for layer in self.base.layers for m in layer.modules())]
@@ -318,10 +319,17 @@ class DirectStep:
     def _read(table, positions) -> list:
         return [(cos[positions], sin[positions]) for cos, sin in table[2]]
 
-    def _sees_all(self, cache) -> bool:
-        """The next position's keys (the cache's slots and its own) all lie within the sliding window, if any."""
+    def _sees_all(self, cache, t: int = 1) -> bool:
+        """The next ``t`` positions' keys (the cache's slots and their own) all lie within the sliding window, if any."""
         layer = cache.layers[0]
-        return self.window is None or layer.end + 1 - layer.offset <= self.window
+        return self.window is None or layer.end + t - layer.offset <= self.window
+
+    @staticmethod
+    def _causal(positions, cache) -> torch.Tensor:
+        """The causal mask of a segment after slots without holes, where no sliding window hides a key: key slot j
+        visible to the query at position p iff j <= p, [B, 1, T, S] booleans."""
+        slots = torch.arange(cache.layers[0].end + positions.shape[1], device=positions.device)
+        return (slots[None, None, None, :] <= positions[:, None, :, None])
 
     def _masks(self, mask, x, positions, cache, own: bool = False) -> list:
         """Each layer type's mask as transformers' forward hands it to its layers: the one given (per type, or one
@@ -342,6 +350,17 @@ class DirectStep:
         kwargs = {"config": self.base.config, "inputs_embeds": x, "attention_mask": None, "past_key_values": cache,
                   "position_ids": positions}
         make = {arch.FULL: create_causal_mask, arch.SLIDING: create_sliding_window_causal_mask}
+        # A verification's few positions under the step's own attention, the cache from its first slot on and within
+        # any sliding window: every layer type's mask is the plain causal one, built here in a few microseconds where
+        # transformers' functions took 0.3-0.5 ms (4 and 8 Gemma 3 positions). Held equal to theirs at the first such
+        # forward, else theirs from then on
+        if own and self._own_causal is not False and cache.layers[0].offset == 0 and self._sees_all(cache, x.shape[1]):
+            causal = self._causal(positions, cache)
+            if self._own_causal is None:
+                theirs = [make[t](**kwargs) for t in self.types]
+                self._own_causal = all(m is not None and m.dtype == torch.bool and torch.equal(m, causal) for m in theirs)
+                return theirs
+            return [causal for _ in self.types]
         return [make[t](**kwargs) for t in self.types]
 
     def __call__(self, input_ids: torch.Tensor, mask, positions: torch.Tensor, cache, hidden: bool | tuple = False):
