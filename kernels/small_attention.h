@@ -3,9 +3,9 @@
 // `#pragma GCC target("avx512f")` with 16-lane ones, so the one algorithm is compiled for each instruction set and
 // the CPU's picks at run time (by the CPU alone, never by the width: a row's floats must not depend on how many
 // positions share its forward). No include guard: that is the point. The includer defines `struct Vec`: V (the
-// register), Mask (a comparison's result), W (its lanes), zero, load, store, set1, add, sub, mul, max, fmadd, fnmadd,
-// round (to nearest), pow2 (2^n of an integral n), less, zero_where (zero the lanes a mask holds) and hsum (the lanes'
-// sum).
+// register), Mask (a comparison's result), W (its lanes), zero, load, store, set1, add, sub, mul, div, max, fmadd,
+// fnmadd, round (to nearest), pow2 (2^n of an integral n), less, zero_where (zero the lanes a mask holds) and hsum (the
+// lanes' sum).
 
 // e^x for x <= 0 (a score minus its row's maximum), a register at a time: Cephes' expf (range reduction by ln 2 in
 // two parts, a degree-6 polynomial, then 2^n), within 2 ulp; below -87 (masked slots among them) exactly 0
@@ -44,7 +44,8 @@ at::Tensor small_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   const int64_t rows = groups * t, blocks = (rows + R - 1) / R, chunks = (s + KEY_CHUNK - 1) / KEY_CHUNK;
   const int64_t tasks = b * kv_heads * blocks * chunks;
   at::Tensor out = at::empty({b, t, heads, d}, q.options());
-  std::vector<float> part_o(tasks * R * d), part_m(tasks * R), part_l(tasks * R);
+  std::unique_ptr<float[]> part_o(new float[tasks * R * d]);  // every element written by its task: not zeroed first
+  std::vector<float> part_m(tasks * R), part_l(tasks * R);
   const float* mf = nullptr;
   const bool* mb = nullptr;
   int64_t ms0 = 0, ms1 = 0, ms2 = 0, ms3 = 0;
@@ -133,7 +134,7 @@ at::Tensor small_attention(const at::Tensor& q, const at::Tensor& k, const at::T
             scores[i][j + u] = x;
           }
       }
-      float* po = part_o.data() + slot * R * d;
+      float* po = part_o.get() + slot * R * d;
       float* pm = part_m.data() + slot * R;
       float* pl = part_l.data() + slot * R;
       const int64_t padded = (len + W - 1) / W * W;
@@ -157,41 +158,36 @@ at::Tensor small_attention(const at::Tensor& q, const at::Tensor& k, const at::T
         }
         pl[i] = Vec::hsum(sum);
       }
-      // unnormalised outputs: the value rows streamed in key order, 4 at a time, each output vector loaded, given
-      // their 4 products and stored (in L1). Each output element is still the sum over keys in key order. Walking
-      // the values a column block at a time instead read each row's cache lines one column block apart, a
-      // strided walk through memory that cost the kernel more than its arithmetic on a cache the size of a step's.
-      for (int64_t x = 0; x < R * d; ++x) po[x] = 0.0f;
-      for (int64_t j = 0; j < len; j += 4) {
-        const int64_t m = std::min<int64_t>(4, len - j);
-        const float* vj = vb + j * vs2;
-        if (j + PREFETCH < len)
-          for (int64_t u = 0; u < 4; ++u)
-            for (int64_t c = 0; c < d; c += 16) _mm_prefetch(reinterpret_cast<const char*>(vj + (PREFETCH + u) * vs2 + c), _MM_HINT_T0);
-        V p[R][4];
+      // unnormalised outputs: a block of columns at a time (4 or 2 registers a row with 16 lanes, 2 or 1 with 8), every
+      // key of the chunk in order into accumulators held in registers, each element's sum in key order. Loading and
+      // storing every row's outputs for each 4 keys (the previous walk) spent more on the stores than on the
+      // multiply-adds; the next block's lines of every key are requested while one block is summed
+      auto columns = [&](auto registers, int64_t c) {
+        constexpr int64_t NV = decltype(registers)::value;
+        V acc[R][NV];
         for (int64_t i = 0; i < R; ++i)
-          for (int64_t u = 0; u < 4; ++u) p[i][u] = Vec::set1(scores[i][j + std::min<int64_t>(u, m - 1)]);
-        if (m == 4) {
-          for (int64_t c = 0; c < d; c += W) {
-            const V v0 = Vec::load(vj + c), v1 = Vec::load(vj + vs2 + c), v2 = Vec::load(vj + 2 * vs2 + c),
-                    v3 = Vec::load(vj + 3 * vs2 + c);
-            for (int64_t i = 0; i < R; ++i) {
-              V acc = Vec::load(po + i * d + c);
-              acc = Vec::fmadd(p[i][0], v0, acc);
-              acc = Vec::fmadd(p[i][1], v1, acc);
-              acc = Vec::fmadd(p[i][2], v2, acc);
-              acc = Vec::fmadd(p[i][3], v3, acc);
-              Vec::store(po + i * d + c, acc);
-            }
+          for (int64_t u = 0; u < NV; ++u) acc[i][u] = Vec::zero();
+        if (c + NV * W < d)
+          for (int64_t j = 0; j < len; ++j)
+            for (int64_t u = 0; u < NV * W; u += 16) _mm_prefetch(reinterpret_cast<const char*>(vb + j * vs2 + c + NV * W + u), _MM_HINT_T0);
+        for (int64_t j = 0; j < len; ++j) {
+          const float* vj = vb + j * vs2 + c;
+          V vv[NV];
+          for (int64_t u = 0; u < NV; ++u) vv[u] = Vec::load(vj + u * W);
+          for (int64_t i = 0; i < R; ++i) {
+            const V pi = Vec::set1(scores[i][j]);
+            for (int64_t u = 0; u < NV; ++u) acc[i][u] = Vec::fmadd(pi, vv[u], acc[i][u]);
           }
-        } else {
-          for (int64_t u = 0; u < m; ++u)
-            for (int64_t c = 0; c < d; c += W) {
-              const V vv = Vec::load(vj + u * vs2 + c);
-              for (int64_t i = 0; i < R; ++i) Vec::store(po + i * d + c, Vec::fmadd(p[i][u], vv, Vec::load(po + i * d + c)));
-            }
         }
-      }
+        for (int64_t i = 0; i < R; ++i)
+          for (int64_t u = 0; u < NV; ++u) Vec::store(po + i * d + c + u * W, acc[i][u]);
+      };
+      constexpr int64_t CV = W == 16 ? (R <= 4 ? 4 : 2) : (R <= 4 ? 2 : 1);
+      for (int64_t j = 0; j < len; ++j)
+        for (int64_t u = 0; u < std::min<int64_t>(CV * W, d); u += 16) _mm_prefetch(reinterpret_cast<const char*>(vb + j * vs2 + u), _MM_HINT_T0);
+      int64_t c = 0;
+      for (; c + CV * W <= d; c += CV * W) columns(std::integral_constant<int64_t, CV>{}, c);
+      for (; c < d; c += W) columns(std::integral_constant<int64_t, 1>{}, c);
     }
   });
   // merge the chunks of each row in key order: out = sum_c e^(m_c - M) o_c / sum_c e^(m_c - M) l_c
@@ -215,10 +211,13 @@ at::Tensor small_attention(const at::Tensor& q, const at::Tensor& k, const at::T
         w[c] = m == -INFINITY ? 0.0f : std::exp(m - top);
         total = total + w[c] * part_l[(first + c) * R + i];
       }
-      for (int64_t x = 0; x < d; ++x) {
-        float acc = 0.0f;
-        for (int64_t c = 0; c < chunks; ++c) acc = acc + w[c] * part_o[((first + c) * R + i) * d + x];
-        o[x] = acc / total;
+      // a register of columns at a time, each element's products and sums in chunk order as one at a time (the merge
+      // of 32 rows of 256 columns one float at a time took a fifth of the kernel's time at 8 positions, on one thread)
+      const V div = Vec::set1(total);
+      for (int64_t x = 0; x < d; x += W) {
+        V acc = Vec::zero();
+        for (int64_t c = 0; c < chunks; ++c) acc = Vec::add(acc, Vec::mul(Vec::set1(w[c]), Vec::load(part_o.get() + ((first + c) * R + i) * d + x)));
+        Vec::store(o + x, Vec::div(acc, div));
       }
     }
   }
