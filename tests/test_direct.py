@@ -188,24 +188,32 @@ def _step_logits(model, step, ids):
         return step(ids[:, n:], None, torch.arange(n, n + 3)[None], cache).logits
 
 
-@pytest.mark.parametrize("cached", [6, 7, 8, 9])
-def test_one_position_under_the_own_attention_takes_no_mask_while_it_sees_every_key(cached, monkeypatch):
-    """A one-position step of a target on quantised blocks, given no mask, attends without one while its keys lie
-    within the sliding window (8 here), and builds transformers' masks past it: its logits are transformers'
-    forward's either way."""
+def _own_attention_setup(cached: int, t: int, n_caches: int, monkeypatch):
+    """A target on quantised blocks under the step's own attention, the masks its step builds (recorded per forward),
+    ``cached + t`` prompt tokens, and ``n_caches`` caches each holding transformers' prefill of the first ``cached``."""
     model = _gemma(seed=9, quantised=True)
     step = direct.direct_step(model, cache_mod.SlotBuffers)
     assert step is not None and model.config._attn_implementation == direct.OWN_ATTENTION
     built = []
     real = step._masks
     monkeypatch.setattr(step, "_masks", lambda *a: built.append(r := real(*a)) or r)
-    ids = torch.tensor([[t for p in PROMPTS for t in p][:cached + 1]])
-    caches = [cache_mod.SlotBuffers(model.config.num_hidden_layers, 16, torch.device("cpu"), zeroed=False) for _ in range(2)]
+    ids = torch.tensor([[x for p in PROMPTS for x in p][:cached + t]])
+    caches = [cache_mod.SlotBuffers(model.config.num_hidden_layers, 16, torch.device("cpu"), zeroed=False) for _ in range(n_caches)]
     with torch.no_grad():
         for c in caches:
             c.at(0, False)
             model(input_ids=ids[:, :cached], position_ids=torch.arange(cached)[None], past_key_values=c, use_cache=True)
             c.at(cached, False)
+    return model, step, built, ids, caches
+
+
+@pytest.mark.parametrize("cached", [6, 7, 8, 9])
+def test_one_position_under_the_own_attention_takes_no_mask_while_it_sees_every_key(cached, monkeypatch):
+    """A one-position step of a target on quantised blocks, given no mask, attends without one while its keys lie
+    within the sliding window (8 here), and builds transformers' masks past it: its logits are transformers'
+    forward's either way."""
+    model, step, built, ids, caches = _own_attention_setup(cached, 1, 2, monkeypatch)
+    with torch.no_grad():
         pos = torch.tensor([[cached]])
         want = model(input_ids=ids[:, cached:], position_ids=pos, past_key_values=caches[0], use_cache=True).logits
         got = step(ids[:, cached:], None, pos, caches[1]).logits
@@ -219,19 +227,8 @@ def test_a_few_positions_under_the_own_attention_take_the_causal_mask_built_by_t
     window (8 here) the step builds the causal mask itself, held equal to transformers' masks of both layer types
     at its first such forward (which takes theirs); past the window it builds theirs. The logits are transformers'
     forward's every time."""
-    model = _gemma(seed=9, quantised=True)
-    step = direct.direct_step(model, cache_mod.SlotBuffers)
-    assert step is not None and model.config._attn_implementation == direct.OWN_ATTENTION
-    built = []
-    real = step._masks
-    monkeypatch.setattr(step, "_masks", lambda *a: built.append(r := real(*a)) or r)
-    ids = torch.tensor([[x for p in PROMPTS for x in p][:cached + t]])
-    caches = [cache_mod.SlotBuffers(model.config.num_hidden_layers, 16, torch.device("cpu"), zeroed=False) for _ in range(3)]
+    model, step, built, ids, caches = _own_attention_setup(cached, t, 3, monkeypatch)
     with torch.no_grad():
-        for c in caches:
-            c.at(0, False)
-            model(input_ids=ids[:, :cached], position_ids=torch.arange(cached)[None], past_key_values=c, use_cache=True)
-            c.at(cached, False)
         pos = torch.arange(cached, cached + t)[None]
         want = model(input_ids=ids[:, cached:], position_ids=pos, past_key_values=caches[0], use_cache=True).logits
         got = [step(ids[:, cached:], None, pos, c).logits for c in caches[1:]]
